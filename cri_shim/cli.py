@@ -1,0 +1,87 @@
+"""The `cri-shim` command: serve, config, version, images import."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from cri_shim import __version__
+from cri_shim.config import Config, ConfigError, apply_overrides, config_to_toml, load_config
+
+
+def _load(args: argparse.Namespace) -> Config:
+    cfg = load_config(Path(args.config) if args.config else None)
+    return apply_overrides(
+        cfg,
+        listen=getattr(args, "listen", None),
+        root=getattr(args, "root", None),
+        run_root=getattr(args, "run_root", None),
+        log_level=getattr(args, "log_level", None),
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cri-shim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the CRI server in the foreground")
+    serve.add_argument("--config", help="TOML config file (default /etc/cri-shim/config.toml)")
+    serve.add_argument("--listen", help="unix:///path of the CRI socket")
+    serve.add_argument("--root", help="state root directory")
+    serve.add_argument("--run-root", dest="run_root", help="runtime state directory")
+    serve.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    config = sub.add_parser("config", help="print the effective configuration as TOML")
+    config.add_argument("--config")
+    config.add_argument("--listen")
+    config.add_argument("--root")
+    config.add_argument("--run-root", dest="run_root")
+    config.add_argument("--log-level", dest="log_level")
+    sub.add_parser("version", help="print the version")
+    images = sub.add_parser("images", help="manage local images")
+    images.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["images"]:
+        from cri_shim.images.importer import main_import
+
+        if argv[1:2] != ["import"]:
+            print("usage: cri-shim images import --config CONFIG PATH [--name REF]", file=sys.stderr)
+            return 2
+        return main_import(argv[2:])
+    args = _parser().parse_args(argv)
+    if args.command == "version":
+        print(f"cri-shim {__version__} (CRI v1)")
+        return 0
+    try:
+        cfg = _load(args)
+    except ConfigError as exc:
+        print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        sys.stdout.write(config_to_toml(cfg))
+        return 0
+    setup_logging(cfg.log_level)
+    from cri_shim.daemon import serve
+
+    try:
+        asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The daemon: builds the services, restores state, then serves gRPC on the unix socket.
+
+Order matters: the state is restored and reconciled with the host *before* the socket is
+bound, so that no request ever sees a half-restored view (a partial ListPodSandbox would
+make kubelet start pods again at attempt 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from cri_api.v1 import api_pb2, api_pb2_grpc
+
+from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.metrics import Metrics
+from cri_shim.network.cni import CniNetwork
+from cri_shim.network.netns import NamespacePinner
+from cri_shim.server.services import ImageService, RuntimeService
+from cri_shim.state.db import Database
+from cri_shim.state.journal import Journal
+from cri_shim.state.ledger import Ledger
+from cri_shim.lifecycle.sandboxes import SandboxService
+
+log = logging.getLogger("cri_shim.daemon")
+
+PR_SET_CHILD_SUBREAPER = 36
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class Services:
+    """Everything a request handler may use; built once, after restore."""
+
+    config: Config
+    db: Database
+    journal: Journal
+    ledger: Ledger
+    sandboxes: SandboxService
+    metrics: Metrics
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def creation_stats(self) -> dict[str, Any]:
+        return {"sandbox": self.sandboxes.coordinator.stats()}
+
+    def container_statuses_of(self, sandbox_id: str) -> list[api_pb2.ContainerStatus]:
+        return []
+
+
+def become_subreaper() -> None:
+    """Reap our own orphans at once; PID 1 on some nodes reaps only every few seconds."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno()))
+
+
+def notify_systemd(message: str) -> None:
+    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (Type=notify)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        sock.sendall(message.encode())
+
+
+def build_services(config: Config) -> Services:
+    for path in (config.root, config.run_root):
+        path.mkdir(parents=True, exist_ok=True)
+    db = Database(config.state_db)
+    journal = Journal(db)
+    ledger = Ledger(db)
+    pinner = NamespacePinner(config.run_root)
+    cni = CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR)
+    sandboxes = SandboxService(config, db, journal, ledger, pinner, cni)
+    return Services(
+        config=config, db=db, journal=journal, ledger=ledger, sandboxes=sandboxes,
+        metrics=Metrics(),
+    )
+
+
+async def restore(services: Services) -> None:
+    started = time.monotonic()
+    await services.sandboxes.restore()
+    queued = await services.journal.collect_garbage()
+    if queued:
+        log.warning("%d cleanup step(s) still queued for garbage collection", queued)
+    log.info("state restored in %.3fs: %d sandboxes", time.monotonic() - started,
+             len(services.sandboxes.list()))
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.runtime_service = RuntimeService()
+        self.image_service = ImageService()
+        self.services: Services | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        become_subreaper()
+        services = build_services(self.config)
+        await restore(services)
+        self.services = services
+        self.runtime_service.services = services
+        self.image_service.services = services
+        await self._bind()
+        log.info("serving CRI on %s", self.config.listen)
+        notify_systemd("READY=1\nSTATUS=serving")
+
+    async def _bind(self) -> None:
+        path = self.config.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A socket file left by a previous run would make bind fail.
+        if path.is_socket() or path.exists():
+            path.unlink()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        api_pb2_grpc.add_RuntimeServiceServicer_to_server(self.runtime_service, server)
+        api_pb2_grpc.add_ImageServiceServicer_to_server(self.image_service, server)
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        os.chmod(path, 0o660)
+        self._server = server
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait(self) -> None:
+        await self._stopping.wait()
+
+    async def stop(self) -> None:
+        notify_systemd("STOPPING=1")
+        if self._server is not None:
+            await self._server.stop(grace=5)
+        if self.services is not None:
+            await self.services.sandboxes.coordinator.aclose()
+            self.services.db.close()
+        log.info("stopped")
+
+
+async def serve(config: Config) -> None:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    await daemon.start()
+    try:
+        await daemon.wait()
+    finally:
+        await daemon.stop()
+

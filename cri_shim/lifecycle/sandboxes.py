@@ -1,0 +1,419 @@
+"""Pod sandboxes: their creation steps, teardown, restore and queries.
+
+There is no infra container. A sandbox is a directory (resolv.conf, hostname, hosts, a
+per-pod /dev/shm), pinned network/UTS/IPC namespaces, and a CNI attachment. Each step
+records its inverse in the undo journal before the next one starts, so that a failure, an
+expiry, a removal and a restart all undo the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from cri_api.v1 import api_pb2
+
+from cri_shim.config import Config
+from cri_shim.creation.coordinator import CreationCoordinator, Stage
+from cri_shim.creation.names import sandbox_name
+from cri_shim.errors import FailedPrecondition, InvalidArgument, NotFound
+from cri_shim import mounts
+from cri_shim.network.cni import CniNetwork, PodNetworkRequest
+from cri_shim.network.netns import NamespacePinner
+from cri_shim.state.db import Database
+from cri_shim.state.journal import Journal, UndoFailed
+from cri_shim.state.ledger import Ledger
+from cri_shim.state.records import SandboxRecord, host_network
+
+log = logging.getLogger("cri_shim.sandbox")
+
+STAGE_STORAGE = "sandbox storage"
+STAGE_NAMESPACES = "sandbox namespaces"
+STAGE_NETWORK = "sandbox network"
+STAGE_READY = "sandbox ready"
+
+# Steps that StopPodSandbox undoes; the directory and the rows stay until RemovePodSandbox.
+_STOP_ACTIONS = ("cni_del", "unpin", "unmount")
+
+SHM_SIZE = 64 * 1024 * 1024
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+class SandboxService:
+    """Owns every sandbox: rows, journal steps, coordinator hooks and queries."""
+
+    def __init__(
+        self,
+        config: Config,
+        db: Database,
+        journal: Journal,
+        ledger: Ledger,
+        pinner: NamespacePinner,
+        cni: CniNetwork,
+    ) -> None:
+        self._config = config
+        self._db = db
+        self._journal = journal
+        self._ledger = ledger
+        self._pinner = pinner
+        self._cni = cni
+        self._dir = config.root / "sandboxes"
+        self.coordinator = CreationCoordinator(
+            "sandbox",
+            self,
+            claim_grace=config.creation.claim_grace,
+            keep_on_timeout=config.creation.keep_on_timeout,
+            cleanup_timeout=config.creation.cleanup_timeout,
+        )
+        # Set by the container service so that stop/remove of a pod reaches its containers.
+        self.stop_containers: Callable[[str], Awaitable[None]] | None = None
+        self.remove_containers: Callable[[str], Awaitable[None]] | None = None
+        journal.register("cni_del", self._undo_cni)
+        journal.register("unpin", self._undo_unpin)
+        journal.register("unmount", self._undo_unmount)
+        journal.register("remove_dir", self._undo_remove_dir)
+
+    # ---- RunPodSandbox -------------------------------------------------------------
+
+    async def run(
+        self, config: api_pb2.PodSandboxConfig, runtime_handler: str, deadline: float | None
+    ) -> str:
+        meta = config.metadata
+        for field in ("name", "uid", "namespace"):
+            if not getattr(meta, field):
+                raise InvalidArgument(f"PodSandboxConfig.metadata.{field} must not be empty")
+        handler = runtime_handler or self._config.runtime.default_handler
+        if handler not in self._config.runtime.handlers:
+            known = ", ".join(sorted(self._config.runtime.handlers))
+            raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
+        name = sandbox_name(meta.name, meta.namespace, meta.uid, meta.attempt)
+
+        async def create(sandbox_id: str, stage: Stage) -> None:
+            await self._create(sandbox_id, name, config, handler, stage)
+
+        return await self.coordinator.create(name, deadline, create)
+
+    async def _create(
+        self,
+        sandbox_id: str,
+        name: str,
+        config: api_pb2.PodSandboxConfig,
+        handler: str,
+        stage: Stage,
+    ) -> None:
+        sandbox_dir = self._dir / sandbox_id
+        stage.set(STAGE_STORAGE)
+        # The row comes first: everything after it is a side effect that a crash may
+        # interrupt, and restore finds interrupted creations through this row.
+        with self._db.transaction() as conn:
+            conn.execute(
+                "INSERT INTO sandboxes (id, name, phase, stage, state, created_at, "
+                "runtime_handler, config, sandbox_dir) VALUES (?, ?, 'creating', ?, 'notready', "
+                "?, ?, ?, ?)",
+                (sandbox_id, name, STAGE_STORAGE, _now_ns(), handler,
+                 config.SerializeToString(), str(sandbox_dir)),
+            )
+        self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
+        sandbox_dir.mkdir(parents=True, exist_ok=True)
+        self._write_files(sandbox_dir, config)
+        if config.log_directory:
+            Path(config.log_directory).mkdir(parents=True, exist_ok=True)
+        shm = sandbox_dir / "shm"
+        shm.mkdir(exist_ok=True)
+        self._journal.record(sandbox_id, "unmount", path=str(shm))
+        mounts.mount_tmpfs(shm, size=SHM_SIZE, mode=0o1777)
+
+        stage.set(STAGE_NAMESPACES)
+        options = config.linux.security_context.namespace_options
+        hostnet = host_network(config)
+        pins = self._pinner
+        for kind, wanted in (("netns", not hostnet), ("utsns", not hostnet),
+                             ("ipcns", options.ipc != api_pb2.NODE)):
+            if wanted:
+                path = self._config.run_root / kind / sandbox_id
+                self._ledger.allocate("path", str(path), sandbox_id)
+                self._journal.record(sandbox_id, "unpin", path=str(path), owner=sandbox_id)
+        pinned = await pins.pin(
+            sandbox_id,
+            net=not hostnet,
+            uts=not hostnet,
+            ipc=options.ipc != api_pb2.NODE,
+            hostname=config.hostname or config.metadata.name,
+        )
+        self._db.execute(
+            "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ? WHERE id = ?",
+            (_str(pinned.net), _str(pinned.ipc), _str(pinned.uts), sandbox_id),
+        )
+
+        ips: list[str] = []
+        result: dict[str, Any] | None = None
+        if pinned.net is not None:
+            stage.set(STAGE_NETWORK)
+            request = self._network_request(sandbox_id, config, pinned.net)
+            # DEL is journaled before ADD: a plugin may allocate an address and then fail,
+            # and only a DEL gives that address back.
+            self._journal.record(sandbox_id, "cni_del", **_request_args(request))
+            cni_result = await self._cni.add(request, self._config.network.setup_timeout)
+            ips, result = cni_result.ips, cni_result.raw
+            for ip in ips:
+                self._ledger.allocate("ip", ip, sandbox_id)
+        self._db.execute(
+            "UPDATE sandboxes SET ips = ?, cni_result = ?, state = 'ready', stage = ? WHERE id = ?",
+            (json.dumps(ips), json.dumps(result) if result else None, STAGE_READY, sandbox_id),
+        )
+        stage.set(STAGE_READY)
+
+    def _network_request(
+        self, sandbox_id: str, config: api_pb2.PodSandboxConfig, netns: Path
+    ) -> PodNetworkRequest:
+        ports = [
+            {
+                "hostPort": pm.host_port,
+                "containerPort": pm.container_port,
+                "protocol": api_pb2.Protocol.Name(pm.protocol).lower(),
+                "hostIP": pm.host_ip,
+            }
+            for pm in config.port_mappings
+            if pm.host_port > 0
+        ]
+        return PodNetworkRequest(
+            pod_id=sandbox_id,
+            netns=netns,
+            name=config.metadata.name,
+            namespace=config.metadata.namespace,
+            uid=config.metadata.uid,
+            port_mappings=ports,
+        )
+
+    def _write_files(self, sandbox_dir: Path, config: api_pb2.PodSandboxConfig) -> None:
+        dns = config.dns_config
+        if dns.servers or dns.searches or dns.options:
+            lines = [f"nameserver {s}" for s in dns.servers]
+            if dns.searches:
+                lines.append("search " + " ".join(dns.searches))
+            if dns.options:
+                lines.append("options " + " ".join(dns.options))
+            resolv = "\n".join(lines) + "\n"
+        else:
+            # No DNS config from kubelet (crictl, host-network pods): the host's resolver.
+            try:
+                resolv = Path("/etc/resolv.conf").read_text()
+            except OSError:
+                resolv = ""
+        (sandbox_dir / "resolv.conf").write_text(resolv)
+        hostname = config.hostname or config.metadata.name
+        if host_network(config):
+            hostname = os.uname().nodename
+        (sandbox_dir / "hostname").write_text(hostname + "\n")
+        (sandbox_dir / "hosts").write_text(
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+            f"127.0.1.1\t{hostname}\n"
+        )
+
+    # ---- undo actions --------------------------------------------------------------
+
+    async def _undo_cni(self, args: dict[str, Any]) -> None:
+        request = PodNetworkRequest(
+            pod_id=args["pod_id"],
+            netns=Path(args["netns"]),
+            name=args["name"],
+            namespace=args["namespace"],
+            uid=args["uid"],
+            port_mappings=args["port_mappings"],
+        )
+        await self._cni.delete(request, self._config.network.teardown_timeout)
+        # Only now is the address free: the plugin has given it back.
+        self._ledger.release(args["pod_id"], "ip")
+
+    async def _undo_unpin(self, args: dict[str, Any]) -> None:
+        await self._pinner.unpin(Path(args["path"]))
+        self._db.execute(
+            "DELETE FROM allocations WHERE kind = 'path' AND value = ?", (args["path"],)
+        )
+
+    async def _undo_unmount(self, args: dict[str, Any]) -> None:
+        await asyncio.to_thread(mounts.unmount, Path(args["path"]))
+
+    async def _undo_remove_dir(self, args: dict[str, Any]) -> None:
+        path = Path(args["path"])
+        # A mount left inside would make rmtree delete a live filesystem's files.
+        await asyncio.to_thread(mounts.unmount_below, path)
+        await asyncio.to_thread(shutil.rmtree, path, True)
+
+    # ---- CreationHooks -------------------------------------------------------------
+
+    def reserve(self, name: str, object_id: str) -> None:
+        self._db.execute(
+            "INSERT INTO names (name, kind, object_id, reserved_at) VALUES (?, 'sandbox', ?, ?)",
+            (name, object_id, time.time()),
+        )
+
+    def stage_changed(self, object_id: str, stage: str) -> None:
+        self._db.execute("UPDATE sandboxes SET stage = ? WHERE id = ?", (stage, object_id))
+
+    def cached(self, object_id: str, expires_at: float) -> None:
+        self._db.execute(
+            "UPDATE sandboxes SET phase = 'cached', cached_until = ? WHERE id = ?",
+            (time.time() + max(0.0, expires_at - asyncio.get_running_loop().time()), object_id),
+        )
+
+    def publish(self, object_id: str) -> None:
+        self._db.execute(
+            "UPDATE sandboxes SET phase = 'visible', cached_until = NULL WHERE id = ?",
+            (object_id,),
+        )
+
+    async def cleanup(self, object_id: str) -> None:
+        try:
+            if self.remove_containers is not None:
+                await self.remove_containers(object_id)
+            await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
+        finally:
+            self._forget(object_id)
+
+    def released(self, name: str, object_id: str) -> None:
+        self._db.execute("DELETE FROM names WHERE name = ? AND object_id = ?", (name, object_id))
+
+    def _forget(self, sandbox_id: str) -> None:
+        with self._db.transaction() as conn:
+            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+            conn.execute("DELETE FROM allocations WHERE owner_id = ?", (sandbox_id,))
+
+    # ---- Stop / Remove -------------------------------------------------------------
+
+    async def stop(self, sandbox_ref: str) -> None:
+        sandbox = self.find(sandbox_ref)
+        if sandbox is None:
+            return  # kubelet retries stop for pods it forgot about; unknown is success
+        if self.stop_containers is not None:
+            await self.stop_containers(sandbox.id)
+        try:
+            await self._journal.undo(
+                sandbox.id, only=_STOP_ACTIONS, budget=self._config.network.teardown_timeout
+            )
+        except UndoFailed as exc:
+            # The steps are queued for garbage collection; the pod is stopped all the same.
+            log.error("sandbox %s (%s): stop left work for GC: %s", sandbox.id, sandbox.name, exc)
+        self._db.execute(
+            "UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox.id,)
+        )
+        log.info("sandbox %s (%s) stopped", sandbox.id, sandbox.name)
+
+    async def remove(self, sandbox_ref: str) -> None:
+        sandbox = self.find(sandbox_ref)
+        if sandbox is None:
+            return
+        if self.remove_containers is not None:
+            await self.remove_containers(sandbox.id)
+        try:
+            await self._journal.undo(sandbox.id, budget=self._config.creation.cleanup_timeout)
+        except UndoFailed as exc:
+            log.error("sandbox %s (%s): removal left work for GC: %s", sandbox.id, sandbox.name, exc)
+        with self._db.transaction() as conn:
+            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox.id,))
+            conn.execute("DELETE FROM names WHERE object_id = ?", (sandbox.id,))
+            conn.execute("DELETE FROM allocations WHERE owner_id = ?", (sandbox.id,))
+        self.coordinator.release(sandbox.name)
+        log.info("sandbox %s (%s) removed", sandbox.id, sandbox.name)
+
+    # ---- queries (visible sandboxes only) ------------------------------------------
+
+    def find(self, ref: str) -> SandboxRecord | None:
+        """A visible sandbox by full ID or unique ID prefix, as crictl users expect."""
+        if not ref:
+            raise InvalidArgument("pod sandbox ID must not be empty")
+        rows = self._db.query(
+            "SELECT * FROM sandboxes WHERE phase = 'visible' AND id LIKE ? ESCAPE '\\' LIMIT 2",
+            (_like_prefix(ref),),
+        )
+        if not rows:
+            return None
+        if len(rows) > 1:
+            exact = [r for r in rows if r["id"] == ref]
+            if not exact:
+                raise InvalidArgument(f"pod sandbox ID prefix {ref!r} is ambiguous")
+            rows = exact
+        return SandboxRecord.from_row(rows[0])
+
+    def get(self, ref: str) -> SandboxRecord:
+        sandbox = self.find(ref)
+        if sandbox is None:
+            raise NotFound(f"pod sandbox {ref!r} not found")
+        return sandbox
+
+    def get_ready(self, ref: str) -> SandboxRecord:
+        sandbox = self.get(ref)
+        if not sandbox.ready:
+            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+        return sandbox
+
+    def list(self) -> list[SandboxRecord]:
+        rows = self._db.query(
+            "SELECT * FROM sandboxes WHERE phase = 'visible' ORDER BY created_at"
+        )
+        return [SandboxRecord.from_row(r) for r in rows]
+
+    # ---- restore -------------------------------------------------------------------
+
+    async def restore(self) -> None:
+        """Before serving: roll back interrupted creations, re-register the rest."""
+        rows = self._db.query("SELECT id, name, phase FROM sandboxes")
+        for row in rows:
+            if row["phase"] == "creating":
+                log.warning("sandbox %s (%s): creation was interrupted; rolling it back",
+                            row["id"], row["name"])
+                try:
+                    await self._journal.undo(row["id"], budget=self._config.creation.cleanup_timeout)
+                except UndoFailed as exc:
+                    log.error("sandbox %s: rollback left work for GC: %s", row["id"], exc)
+                self._forget(row["id"])
+                self._db.execute("DELETE FROM names WHERE object_id = ?", (row["id"],))
+            elif row["phase"] == "cached":
+                self.coordinator.restore_cached(row["name"], row["id"])
+            else:
+                self.coordinator.restore_visible(row["name"], row["id"])
+        # A name reserved just before a crash, with no row yet: nothing was done for it.
+        self._db.execute(
+            "DELETE FROM names WHERE kind = 'sandbox' AND object_id NOT IN (SELECT id FROM sandboxes)"
+        )
+        # Journal rows of objects whose row is gone (crash between undo and forget).
+        for object_id in self._journal.objects():
+            if self._db.query_one("SELECT 1 FROM sandboxes WHERE id = ?", (object_id,)) is None and \
+                    self._db.query_one("SELECT 1 FROM containers WHERE id = ?", (object_id,)) is None:
+                try:
+                    await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
+                except UndoFailed as exc:
+                    log.error("orphan journal of %s left work for GC: %s", object_id, exc)
+
+    def network_status(self) -> tuple[bool, str, str]:
+        return self._cni.status()
+
+
+def _request_args(request: PodNetworkRequest) -> dict[str, Any]:
+    return {
+        "pod_id": request.pod_id,
+        "netns": str(request.netns),
+        "name": request.name,
+        "namespace": request.namespace,
+        "uid": request.uid,
+        "port_mappings": request.port_mappings,
+    }
+
+
+def _str(path: Path | None) -> str | None:
+    return str(path) if path is not None else None
+
+
+def _like_prefix(ref: str) -> str:
+    return ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+

@@ -1,0 +1,101 @@
+"""The gRPC edge's shared plumbing: readiness, deadlines and domain errors to status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from cri_shim import errors
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+log = logging.getLogger("cri_shim.server")
+
+# Answer a little before the client's own deadline so that our DEADLINE_EXCEEDED (with its
+# explanation) reaches it rather than its local timeout firing first.
+DEADLINE_MARGIN = 0.05
+
+_CODES: list[tuple[type[errors.CriError], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+    (errors.Internal, grpc.StatusCode.INTERNAL),
+]
+
+
+def status_code(error: errors.CriError) -> grpc.StatusCode:
+    for kind, code in _CODES:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The client's deadline on the event loop's clock, or None when it set none."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return asyncio.get_running_loop().time() + max(0.0, remaining - DEADLINE_MARGIN)
+
+
+Handler = Callable[["Services", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+H = TypeVar("H", bound=Handler)
+
+
+def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """Wrap a handler(services, request, context) as a servicer method."""
+    name = handler.__name__
+
+    @functools.wraps(handler)
+    async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        services: Services | None = self.services
+        if services is None:
+            # Restore has not finished: a partial view would make kubelet recreate pods.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await handler(services, request, context)
+        except errors.CriError as exc:
+            code = status_code(exc)
+            log.info("%s: %s: %s", name, code.name, exc)
+            await context.abort(code, str(exc))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed unexpectedly", name)
+            await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
+        finally:
+            if services is not None:
+                services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
+
+    method.__name__ = name
+    return method
+
+
+def unimplemented(name: str, issue: str) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented by cri-shim yet ({issue})"
+        )
+
+    method.__name__ = name
+    return method

@@ -1,0 +1,84 @@
+"""Version, Status and RuntimeConfig: what the runtime is and whether it is ready."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from cri_shim import __version__
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+log = logging.getLogger("cri_shim.server")
+
+RUNTIME_NAME = "cri-shim"
+KUBE_API_VERSION = "0.1.0"
+
+
+async def version(
+    services: Services, request: api_pb2.VersionRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.VersionResponse:
+    return api_pb2.VersionResponse(
+        version=KUBE_API_VERSION,
+        runtime_name=RUNTIME_NAME,
+        runtime_version=__version__,
+        runtime_api_version="v1",
+    )
+
+
+async def status(
+    services: Services, request: api_pb2.StatusRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.StatusResponse:
+    net_ready, net_reason, net_message = services.sandboxes.network_status()
+    conditions = [
+        api_pb2.RuntimeCondition(type="RuntimeReady", status=True),
+        api_pb2.RuntimeCondition(
+            type="NetworkReady", status=net_ready, reason=net_reason, message=net_message
+        ),
+    ]
+    response = api_pb2.StatusResponse(
+        status=api_pb2.RuntimeStatus(conditions=conditions),
+        runtime_handlers=[
+            api_pb2.RuntimeHandler(name=name, features=api_pb2.RuntimeHandlerFeatures())
+            for name in sorted(services.config.runtime.handlers)
+        ],
+    )
+    if request.verbose:
+        info = {
+            "config": {
+                "root": str(services.config.root),
+                "run_root": str(services.config.run_root),
+                "cgroup_manager": services.config.cgroup_manager,
+                "keep_on_timeout": services.config.creation.keep_on_timeout,
+            },
+            "creation": services.creation_stats(),
+        }
+        response.info["info"] = json.dumps(info, sort_keys=True)
+    return response
+
+
+async def runtime_config(
+    services: Services, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.RuntimeConfigResponse:
+    driver = (
+        api_pb2.SYSTEMD if services.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
+    )
+    return api_pb2.RuntimeConfigResponse(linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver))
+
+
+async def update_runtime_config(
+    services: Services,
+    request: api_pb2.UpdateRuntimeConfigRequest,
+    context: grpc.aio.ServicerContext,
+) -> api_pb2.UpdateRuntimeConfigResponse:
+    # kubelet sends the node's pod CIDR at start. Addressing belongs to the CNI
+    # configuration (as with CRI-O and containerd's default), so it is only recorded.
+    cidr = request.runtime_config.network_config.pod_cidr
+    if cidr:
+        log.info("kubelet reports pod CIDR %s (addressing stays with the CNI configuration)", cidr)
+    return api_pb2.UpdateRuntimeConfigResponse()

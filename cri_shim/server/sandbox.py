@@ -1,0 +1,112 @@
+"""RunPodSandbox, StopPodSandbox, RemovePodSandbox, PodSandboxStatus, ListPodSandbox."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from cri_shim.server.rpc import request_deadline
+from cri_shim.state.records import SandboxRecord
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+
+async def run_pod_sandbox(
+    services: Services, request: api_pb2.RunPodSandboxRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.RunPodSandboxResponse:
+    sandbox_id = await services.sandboxes.run(
+        request.config, request.runtime_handler, request_deadline(context)
+    )
+    return api_pb2.RunPodSandboxResponse(pod_sandbox_id=sandbox_id)
+
+
+async def stop_pod_sandbox(
+    services: Services, request: api_pb2.StopPodSandboxRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.StopPodSandboxResponse:
+    await services.sandboxes.stop(request.pod_sandbox_id)
+    return api_pb2.StopPodSandboxResponse()
+
+
+async def remove_pod_sandbox(
+    services: Services, request: api_pb2.RemovePodSandboxRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.RemovePodSandboxResponse:
+    await services.sandboxes.remove(request.pod_sandbox_id)
+    return api_pb2.RemovePodSandboxResponse()
+
+
+def _state(sandbox: SandboxRecord) -> int:
+    return api_pb2.SANDBOX_READY if sandbox.ready else api_pb2.SANDBOX_NOTREADY
+
+
+async def pod_sandbox_status(
+    services: Services, request: api_pb2.PodSandboxStatusRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.PodSandboxStatusResponse:
+    sandbox = services.sandboxes.get(request.pod_sandbox_id)
+    config = sandbox.config
+    network = api_pb2.PodSandboxNetworkStatus()
+    if sandbox.ips and sandbox.ready:
+        network.ip = sandbox.ips[0]
+        network.additional_ips.extend(api_pb2.PodIP(ip=ip) for ip in sandbox.ips[1:])
+    status = api_pb2.PodSandboxStatus(
+        id=sandbox.id,
+        metadata=config.metadata,
+        state=_state(sandbox),
+        created_at=sandbox.created_at,
+        network=network,
+        linux=api_pb2.LinuxPodSandboxStatus(
+            namespaces=api_pb2.Namespace(
+                options=config.linux.security_context.namespace_options
+            )
+        ),
+        labels=config.labels,
+        annotations=config.annotations,
+        runtime_handler=sandbox.runtime_handler,
+    )
+    response = api_pb2.PodSandboxStatusResponse(status=status)
+    if request.verbose:
+        info = {
+            "id": sandbox.id,
+            "name": sandbox.name,
+            "runtimeHandler": sandbox.runtime_handler,
+            "sandboxDir": str(sandbox.sandbox_dir),
+            "netns": str(sandbox.netns_path or ""),
+            "ipcns": str(sandbox.ipc_path or ""),
+            "utsns": str(sandbox.uts_path or ""),
+            "ips": sandbox.ips,
+            "cniResult": sandbox.cni_result,
+            "hostNetwork": sandbox.host_network,
+        }
+        response.info["info"] = json.dumps(info, sort_keys=True)
+    # Evented PLEG (kubelet) reads the pod's container statuses from this response.
+    response.containers_statuses.extend(services.container_statuses_of(sandbox.id))
+    return response
+
+
+async def list_pod_sandbox(
+    services: Services, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ListPodSandboxResponse:
+    f = request.filter
+    items = []
+    for sandbox in services.sandboxes.list():
+        if f.id and not sandbox.id.startswith(f.id):
+            continue
+        if f.HasField("state") and f.state.state != _state(sandbox):
+            continue
+        if any(sandbox.config.labels.get(k) != v for k, v in f.label_selector.items()):
+            continue
+        items.append(
+            api_pb2.PodSandbox(
+                id=sandbox.id,
+                metadata=sandbox.config.metadata,
+                state=_state(sandbox),
+                created_at=sandbox.created_at,
+                labels=sandbox.config.labels,
+                annotations=sandbox.config.annotations,
+                runtime_handler=sandbox.runtime_handler,
+            )
+        )
+    return api_pb2.ListPodSandboxResponse(items=items)

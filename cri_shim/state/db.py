@@ -1,0 +1,85 @@
+"""The state database: one SQLite file (WAL) under the state root, the single source of truth.
+
+Rows are written before the side effect they describe, so that a crash leaves a record of
+everything that may need undoing. The connection is used from the event loop thread; each
+statement is short, and WAL lets `cri-shim images import` write from another process.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from cri_shim.state.schema import MIGRATIONS
+
+
+class Database:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(
+            str(path), isolation_level=None, check_same_thread=False, timeout=30.0
+        )
+        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.execute("PRAGMA busy_timeout=30000")
+        self._migrate()
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        with self.transaction():
+            version = self.schema_version
+            if version > len(MIGRATIONS):
+                raise RuntimeError(
+                    f"state database {self.path} has schema version {version}, newer than this "
+                    f"cri-shim understands ({len(MIGRATIONS)}); upgrade cri-shim"
+                )
+            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                for statement in script.split(";"):
+                    if statement.strip():
+                        self._conn.execute(statement)
+                self._conn.execute(f"PRAGMA user_version = {number}")
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic step; nested calls join the outer transaction."""
+        with self._lock:
+            if self._conn.in_transaction:
+                yield self._conn
+                return
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> int:
+        with self._lock:
+            return self._conn.execute(sql, params).rowcount
+
+    def query(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    def query_one(
+        self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()
+    ) -> sqlite3.Row | None:
+        with self._lock:
+            row: sqlite3.Row | None = self._conn.execute(sql, params).fetchone()
+            return row
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

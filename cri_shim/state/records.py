@@ -1,0 +1,66 @@
+"""Domain records read from the state database: typed views of rows, nothing more."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from cri_api.v1 import api_pb2
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    name: str
+    phase: str
+    stage: str
+    state: str
+    created_at: int
+    runtime_handler: str
+    config: api_pb2.PodSandboxConfig
+    sandbox_dir: Path
+    netns_path: Path | None
+    ipc_path: Path | None
+    uts_path: Path | None
+    ips: list[str]
+    cni_result: dict[str, object] | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> SandboxRecord:
+        config = api_pb2.PodSandboxConfig()
+        config.ParseFromString(row["config"])
+        return cls(
+            id=row["id"],
+            name=row["name"],
+            phase=row["phase"],
+            stage=row["stage"],
+            state=row["state"],
+            created_at=int(row["created_at"]),
+            runtime_handler=row["runtime_handler"],
+            config=config,
+            sandbox_dir=Path(row["sandbox_dir"]),
+            netns_path=_path(row["netns_path"]),
+            ipc_path=_path(row["ipc_path"]),
+            uts_path=_path(row["uts_path"]),
+            ips=list(json.loads(row["ips"])),
+            cni_result=json.loads(row["cni_result"]) if row["cni_result"] else None,
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def host_network(self) -> bool:
+        return host_network(self.config)
+
+
+def host_network(config: api_pb2.PodSandboxConfig) -> bool:
+    options = config.linux.security_context.namespace_options
+    return bool(options.network == api_pb2.NODE)
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None

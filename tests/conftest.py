@@ -1,0 +1,77 @@
+"""Shared fixtures: a test network and the real daemon, both cleaned up whatever happens."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Daemon, TestNetwork, make_test_network
+
+_counter = itertools.count()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="needs root (namespaces, mounts, runc, CNI)")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short path: unix socket paths are limited to 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    yield path
+    _force_unmount_below(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def test_network(short_tmp: Path) -> Iterator[TestNetwork]:
+    network = make_test_network(short_tmp, next(_counter))
+    yield network
+    network.remove()
+
+
+@pytest.fixture
+def daemon(short_tmp: Path, test_network: TestNetwork) -> Iterator[Daemon]:
+    """A started daemon; tests may change `settings` and call restart()."""
+    d = Daemon(short_tmp, test_network)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def make_daemon(short_tmp: Path, test_network: TestNetwork) -> Iterator[type]:
+    """Build a daemon with settings before it starts: make_daemon(settings={...})."""
+    made: list[Daemon] = []
+
+    def factory(**kwargs: object) -> Daemon:
+        d = Daemon(short_tmp, test_network, **kwargs)  # type: ignore[arg-type]
+        made.append(d)
+        return d
+
+    yield factory  # type: ignore[misc]
+    for d in made:
+        d.stop()
+
+
+def _force_unmount_below(path: Path) -> None:
+    """Last resort after a failed test, so one failure does not poison the next tests."""
+    mounts = [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(str(path))
+    ]
+    for mount in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount], capture_output=True, check=False)

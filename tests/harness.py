@@ -1,0 +1,306 @@
+"""Test harness: the real daemon on a temporary socket and state root, and a test network.
+
+Integration and scenario tests start `cri-shim serve` as a subprocess (exactly what an
+operator runs), talk gRPC to it like kubelet does, and inspect the host afterwards for
+anything left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cri_api.v1 import api_pb2, api_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"
+
+
+@dataclass
+class TestNetwork:
+    """A CNI configuration on a bridge of the test's own, with host-local IPAM in tmp."""
+
+    config_dir: Path
+    bridge: str
+    subnet: str
+    ipam_dir: Path
+    control_dir: Path
+
+    @property
+    def delay_file(self) -> Path:
+        return self.control_dir / "delay"
+
+    @property
+    def fail_file(self) -> Path:
+        return self.control_dir / "fail"
+
+    @property
+    def count_file(self) -> Path:
+        return self.control_dir / "count"
+
+    def adds(self) -> int:
+        if not self.count_file.exists():
+            return 0
+        return sum(1 for line in self.count_file.read_text().splitlines() if line.startswith("ADD"))
+
+    def allocations(self) -> list[str]:
+        """IPs host-local still holds (its files named after addresses)."""
+        net_dir = self.ipam_dir / "crishim-test"
+        if not net_dir.exists():
+            return []
+        return sorted(p.name for p in net_dir.iterdir() if p.name[0].isdigit())
+
+    def veths(self) -> list[str]:
+        out = subprocess.run(
+            ["ip", "-o", "link", "show", "master", self.bridge],
+            capture_output=True, text=True, check=False,
+        ).stdout
+        return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line]
+
+    def remove(self) -> None:
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+
+
+def make_test_network(base: Path, index: int, *, slow: bool = True) -> TestNetwork:
+    config_dir = base / "net.d"
+    control = base / "cni-control"
+    ipam_dir = base / "ipam"
+    for d in (config_dir, control, ipam_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    bridge = f"crist{os.getpid() % 10000}{index}"[:15]
+    octet = 100 + (os.getpid() + index) % 100
+    subnet = f"10.{octet}.{index % 250}.0/24"
+    plugins: list[dict[str, Any]] = [
+        {
+            "type": "bridge",
+            "bridge": bridge,
+            "isGateway": True,
+            "ipMasq": False,
+            "hairpinMode": True,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{"subnet": subnet}]],
+                "dataDir": str(ipam_dir),
+            },
+        },
+        {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+    ]
+    if slow:
+        plugins.append(
+            {
+                "type": "slow-cni",
+                "delayFile": str(control / "delay"),
+                "failFile": str(control / "fail"),
+                "countFile": str(control / "count"),
+            }
+        )
+    conflist = {"cniVersion": "1.0.0", "name": "crishim-test", "plugins": plugins}
+    (config_dir / "10-test.conflist").write_text(json.dumps(conflist, indent=2))
+    return TestNetwork(config_dir, bridge, subnet, ipam_dir, control)
+
+
+@dataclass
+class Daemon:
+    """One `cri-shim serve` process with its own socket, roots and config."""
+
+    base: Path
+    network: TestNetwork | None
+    settings: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    _channel: grpc.Channel | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.base / "run" / "cri-shim.sock"
+
+    @property
+    def root(self) -> Path:
+        return self.base / "root"
+
+    @property
+    def run_root(self) -> Path:
+        return self.base / "run"
+
+    @property
+    def config_path(self) -> Path:
+        return self.base / "config.toml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / "daemon.log"
+
+    def write_config(self) -> None:
+        import tomli_w
+
+        data: dict[str, Any] = {
+            "listen": f"unix://{self.socket}",
+            "root": str(self.root),
+            "run_root": str(self.run_root),
+            "log_level": "debug",
+        }
+        if self.network is not None:
+            data["network"] = {
+                "config_dir": str(self.network.config_dir),
+                "bin_dirs": [str(FIXTURE_CNI_BIN), "/usr/lib/cni"],
+            }
+        for key, value in self.settings.items():
+            if isinstance(value, dict):
+                data.setdefault(key, {}).update(value)
+            else:
+                data[key] = value
+        self.config_path.write_text(tomli_w.dumps(data))
+
+    def start(self, wait: bool = True, timeout: float = 30.0) -> None:
+        self.write_config()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cri_shim.cli", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=log, env=env, cwd=REPO,
+        )
+        log.close()
+        if wait:
+            self.wait_serving(timeout)
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists():
+                try:
+                    self.runtime().Version(api_pb2.VersionRequest(), timeout=2)
+                    return
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon did not serve within {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except FileNotFoundError:
+            return ""
+
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(f"unix://{self.socket}")
+        return self._channel
+
+    def runtime(self) -> api_pb2_grpc.RuntimeServiceStub:
+        return api_pb2_grpc.RuntimeServiceStub(self.channel())
+
+    def images(self) -> api_pb2_grpc.ImageServiceStub:
+        return api_pb2_grpc.ImageServiceStub(self.channel())
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self._close_channel()
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def kill9(self) -> None:
+        self._close_channel()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def rows(self, table: str, where: str = "1") -> list[sqlite3.Row]:
+        conn = sqlite3.connect(self.root / "state.db")
+        conn.row_factory = sqlite3.Row
+        try:
+            return conn.execute(f"SELECT * FROM {table} WHERE {where}").fetchall()
+        finally:
+            conn.close()
+
+    def leaks(self) -> dict[str, list[str]]:
+        """Everything a daemon with no objects must not hold any more."""
+        found: dict[str, list[str]] = {}
+        for kind in ("netns", "utsns", "ipcns"):
+            d = self.run_root / kind
+            if d.exists() and (pins := sorted(p.name for p in d.iterdir())):
+                found[kind] = pins
+        mounts = [
+            line.split()[4]
+            for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4].startswith((str(self.root), str(self.run_root)))
+            and line.split()[4] not in (str(self.run_root / k) for k in ("netns", "utsns", "ipcns"))
+        ]
+        if mounts:
+            found["mounts"] = mounts
+        for table in ("sandboxes", "containers", "names", "journal", "allocations", "gc_queue"):
+            if (self.root / "state.db").exists() and (rows := self.rows(table)):
+                found[table] = [str(tuple(r)) for r in rows][:5]
+        if self.network is not None:
+            if allocations := self.network.allocations():
+                found["ipam"] = allocations
+            if veths := self.network.veths():
+                found["veths"] = veths
+        sandboxes = self.root / "sandboxes"
+        if sandboxes.exists() and (dirs := sorted(p.name for p in sandboxes.iterdir())):
+            found["sandbox_dirs"] = dirs
+        return found
+
+
+def pod_config(
+    name: str = "pod",
+    namespace: str = "default",
+    uid: str = "uid-1",
+    attempt: int = 0,
+    **kwargs: Any,
+) -> api_pb2.PodSandboxConfig:
+    return api_pb2.PodSandboxConfig(
+        metadata=api_pb2.PodSandboxMetadata(name=name, namespace=namespace, uid=uid, attempt=attempt),
+        hostname=kwargs.pop("hostname", name),
+        log_directory=kwargs.pop("log_directory", ""),
+        labels=kwargs.pop("labels", {"app": name}),
+        annotations=kwargs.pop("annotations", {"note": "test"}),
+        linux=kwargs.pop("linux", api_pb2.LinuxPodSandboxConfig()),
+        **kwargs,
+    )
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached in time")
+        time.sleep(interval)
+
+
+def ping(ip: str) -> bool:
+    return subprocess.run(
+        ["ping", "-c", "1", "-W", "2", ip], capture_output=True, check=False
+    ).returncode == 0

@@ -1,0 +1,140 @@
+"""kubelet's retry pattern against the real daemon, with a CNI plugin slower than the deadline.
+
+The slow test plugin is chained after bridge; it sleeps as long as the test says, can be
+told to fail, and counts its ADDs, so the tests can prove the work was done exactly once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from tests.harness import Daemon, TestNetwork, pod_config, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
+
+
+def run_pod(daemon: Daemon, name: str, timeout: float) -> str:
+    return daemon.runtime().RunPodSandbox(
+        api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout
+    ).pod_sandbox_id
+
+
+def listed(daemon: Daemon) -> list[str]:
+    return [i.id for i in daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items]
+
+
+def remove_all(daemon: Daemon) -> None:
+    for sandbox_id in listed(daemon):
+        daemon.runtime().RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+        )
+
+
+def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: TestNetwork) -> None:
+    test_network.delay_file.write_text("4")
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as first:
+        run_pod(daemon, "slow", timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert listed(daemon) == []  # kubelet must see "no sandbox" and retry with the same name
+
+    with pytest.raises(grpc.RpcError) as second:
+        run_pod(daemon, "slow", timeout=1.5)
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "name is reserved" in second.value.details() or "reserved" in second.value.details()
+    assert "stage: sandbox network" in second.value.details()
+    assert listed(daemon) == []
+
+    # the creation finishes in the background into the cache
+    wait_until(lambda: time.monotonic() - started > 4.5, timeout=10)
+    t0 = time.monotonic()
+    sandbox_id = run_pod(daemon, "slow", timeout=10)
+    claim_time = time.monotonic() - t0
+    assert claim_time < 1.0, f"claiming the cached sandbox took {claim_time:.2f}s"
+    status = daemon.runtime().PodSandboxStatus(
+        api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5
+    ).status
+    assert status.state == api_pb2.SANDBOX_READY
+    assert status.network.ip
+    assert test_network.adds() == 1
+    assert listed(daemon) == [sandbox_id]
+    # a fourth request (the response to the third was lost) gets the same sandbox
+    assert run_pod(daemon, "slow", timeout=5) == sandbox_id
+    assert test_network.adds() == 1
+    remove_all(daemon)
+    assert daemon.leaks() == {}
+
+
+def test_twenty_concurrent_requests_create_one_sandbox(daemon: Daemon, test_network: TestNetwork) -> None:
+    test_network.delay_file.write_text("1")
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        futures = [pool.submit(run_pod, daemon, "crowd", 30) for _ in range(20)]
+        results = []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except grpc.RpcError as exc:
+                results.append(exc.code())
+    ids = {r for r in results if isinstance(r, str)}
+    assert len(ids) == 1, results
+    # the others were told the name is reserved (they arrived while it was in flight)
+    assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))
+    assert test_network.adds() == 1
+    assert len(listed(daemon)) == 1
+    remove_all(daemon)
+    assert daemon.leaks() == {}
+
+
+def test_failing_plugin_wakes_the_waiter_at_once(daemon: Daemon, test_network: TestNetwork) -> None:
+    test_network.delay_file.write_text("2")
+    test_network.fail_file.write_text("network exploded")
+    with pytest.raises(grpc.RpcError):
+        run_pod(daemon, "doomed", timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as waiter:
+        run_pod(daemon, "doomed", timeout=30)
+    waited = time.monotonic() - t0
+    assert "network exploded" in waiter.value.details()
+    assert waited < 10, f"the waiter was woken only after {waited:.1f}s"
+    wait_until(lambda: daemon.leaks() == {}, timeout=20)
+
+
+def test_unclaimed_sandbox_expires_and_leaves_nothing(
+    make_daemon, test_network: TestNetwork  # type: ignore[no-untyped-def]
+) -> None:
+    daemon: Daemon = make_daemon(settings={"creation": {"claim_grace": "1s"}})
+    daemon.start()
+    test_network.delay_file.write_text("2")
+    with pytest.raises(grpc.RpcError):
+        run_pod(daemon, "forgotten", timeout=0.5)
+    # finished at ~2s, expires 1s later; nobody claims it
+    wait_until(lambda: test_network.adds() == 1, timeout=10)
+    wait_until(lambda: daemon.leaks() == {}, timeout=20)
+    assert listed(daemon) == []
+    # the name is free: a new request creates a new sandbox
+    test_network.delay_file.write_text("0")
+    sandbox_id = run_pod(daemon, "forgotten", timeout=30)
+    assert test_network.adds() == 2
+    assert listed(daemon) == [sandbox_id]
+    remove_all(daemon)
+    assert daemon.leaks() == {}
+
+
+def test_without_keep_on_timeout_the_pod_never_becomes_ready(
+    make_daemon, test_network: TestNetwork  # type: ignore[no-untyped-def]
+) -> None:
+    daemon: Daemon = make_daemon(settings={"creation": {"keep_on_timeout": False}})
+    daemon.start()
+    test_network.delay_file.write_text("1.5")
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as info:
+            run_pod(daemon, "thrown-away", timeout=1.0)
+        assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS)
+        time.sleep(2.0)
+    assert listed(daemon) == []
+    wait_until(lambda: daemon.leaks() == {}, timeout=20)

@@ -1,0 +1,134 @@
+"""The config contract: defaults, every key, precise errors, TOML round trip."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from cri_shim.cli import main
+from cri_shim.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    config_to_toml,
+    load_config,
+    parse_duration,
+)
+
+
+def test_defaults_match_the_documented_contract() -> None:
+    cfg = Config()
+    assert cfg.listen == "unix:///run/cri-shim/cri-shim.sock"
+    assert cfg.root == Path("/var/lib/cri-shim")
+    assert cfg.run_root == Path("/run/cri-shim")
+    assert cfg.cgroup_manager == "cgroupfs"
+    assert cfg.network.config_dir == Path("/etc/cni/net.d")
+    assert cfg.network.bin_dirs == [Path("/usr/lib/cni"), Path("/opt/cni/bin")]
+    assert cfg.network.setup_timeout == 300
+    assert cfg.creation.claim_grace == 120
+    assert cfg.creation.keep_on_timeout is True
+    assert cfg.runtime.default_handler == "runc"
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("90s", 90), ("5m", 300), ("1h", 3600), ("250ms", 0.25), (30, 30), ("1.5s", 1.5)],
+)
+def test_durations(value: object, seconds: float) -> None:
+    assert parse_duration(value, "k") == seconds
+
+
+@pytest.mark.parametrize("value", ["5 minutes", "-1s", True, "", "m"])
+def test_bad_durations_name_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match="network.setup_timeout"):
+        config_from_dict({"network": {"setup_timeout": value}})
+
+
+def test_every_key_is_read() -> None:
+    cfg = config_from_dict(
+        {
+            "listen": "unix:///tmp/x.sock",
+            "root": "/tmp/root",
+            "run_root": "/tmp/run",
+            "log_level": "DEBUG",
+            "cgroup_manager": "systemd",
+            "network": {"config_dir": "/n", "bin_dirs": ["/b"], "setup_timeout": "90s"},
+            "creation": {"claim_grace": "30s", "keep_on_timeout": False},
+            "runtime": {
+                "default_handler": "slow",
+                "conmon": "/usr/bin/conmon",
+                "handlers": {"slow": {"path": "/usr/local/bin/slow-runc"}},
+            },
+            "images": {
+                "insecure_registries": ["127.0.0.1:5000"],
+                "mirrors": {"docker.io": ["http://127.0.0.1:5000"]},
+            },
+        }
+    )
+    assert cfg.socket_path == Path("/tmp/x.sock")
+    assert cfg.log_level == "debug"
+    assert cfg.network.setup_timeout == 90
+    assert cfg.creation.keep_on_timeout is False
+    assert cfg.runtime.handlers["slow"].path == Path("/usr/local/bin/slow-runc")
+    assert "runc" in cfg.runtime.handlers
+    assert cfg.images.mirrors == {"docker.io": ["http://127.0.0.1:5000"]}
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"lissen": "x"}, "lissen"),
+        ({"network": {"confdir": "/x"}}, "network.confdir"),
+        ({"runtime": {"handlers": {"x": {"pth": "/y"}}}}, "runtime.handlers.x.pth"),
+        ({"cgroup_manager": "openrc"}, "cgroup_manager"),
+        ({"root": "relative/dir"}, "root"),
+        ({"listen": "tcp://0.0.0.0:1"}, "listen"),
+        ({"creation": {"keep_on_timeout": "yes"}}, "creation.keep_on_timeout"),
+        ({"runtime": {"default_handler": "kata"}}, "runtime.default_handler"),
+        ({"images": {"mirrors": {"docker.io": "http://x"}}}, "images.mirrors.docker.io"),
+    ],
+)
+def test_errors_name_the_key(data: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert str(info.value).startswith(key)
+
+
+def test_printed_config_loads_back_to_the_same(tmp_path: Path) -> None:
+    cfg = config_from_dict({"creation": {"claim_grace": "90s"}, "images": {"mirrors": {"a": ["b"]}}})
+    text = config_to_toml(cfg)
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_config(path) == cfg
+    assert tomllib.loads(text)["creation"]["claim_grace"] == "90s"
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('root = "/from/file"\nlog_level = "debug"\n')
+    cfg = apply_overrides(load_config(path), root="/from/flag", log_level=None)
+    assert cfg.root == Path("/from/flag")
+    assert cfg.log_level == "debug"
+
+
+def test_missing_or_broken_file_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("root = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_cli_config_prints_toml_and_refuses_bad_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "--root", "/srv/cri"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["root"] == "/srv/cri"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[network]\nsetup_timout = '1m'\n")
+    assert main(["config", "--config", str(bad)]) == 2
+    assert "network.setup_timout" in capsys.readouterr().err
