@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from cri_shim.images.store import ImageStore
+from cri_shim.state.db import Database
 from tests.harness import Daemon, TestNetwork, make_test_network
+from tests.imagebuild import cached_oci_layout
 
 _counter = itertools.count()
 
@@ -64,6 +67,24 @@ def make_daemon(short_tmp: Path, test_network: TestNetwork) -> Iterator[type]:
     yield factory  # type: ignore[misc]
     for d in made:
         d.stop()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[Database]:
+    database = Database(tmp_path / "state" / "state.db")
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path, db: Database) -> ImageStore:
+    return ImageStore(tmp_path / "root", db)
+
+
+@pytest.fixture(scope="session")
+def busybox_layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default busybox test image as an OCI layout (shared: do not modify)."""
+    return cached_oci_layout(tmp_path_factory.getbasetemp() / "images")
 
 
 def _force_unmount_below(path: Path) -> None:

@@ -1,0 +1,385 @@
+"""Unpacking one layer tarball into one directory, in overlayfs' on-disk form.
+
+The compression is sniffed from the magic bytes (gzip, zstd, bzip2, xz, or none), not taken
+from the media type, because archives in the wild lie about it. The uncompressed stream is
+hashed while it is extracted, so the caller can check the layer's diff ID in the same pass.
+
+OCI whiteouts become overlay whiteouts: `.wh.<name>` a 0/0 character device named `<name>`,
+`.wh..wh..opq` the `trusted.overlay.opaque=y` xattr on its directory.
+
+Every path is resolved one component at a time from a directory fd with O_NOFOLLOW, so an
+entry can never be written outside the layer directory or through a symlink, whatever the
+archive contains; entries that try are refused with `InvalidArgument`.
+"""
+
+from __future__ import annotations
+
+import bz2
+import errno
+import gzip
+import hashlib
+import lzma
+import os
+import shutil
+import stat
+import tarfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import zstandard
+
+from cri_shim.errors import InvalidArgument
+
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_WHITEOUT = ".wh..wh..opq"
+AUFS_META_PREFIX = ".wh..wh."
+OPAQUE_XATTR = "trusted.overlay.opaque"
+# Xattrs an archive must not set: overlayfs trusts them to decide what a merged directory
+# shows (redirects, metacopy, opaque), so a forged one could expose another layer's files.
+_FORBIDDEN_XATTR_PREFIXES = ("trusted.overlay.", "user.overlay.")
+_PAX_XATTR = "SCHILY.xattr."
+_CHUNK = 1 << 20
+_NODE_TYPES = {
+    tarfile.CHRTYPE: stat.S_IFCHR,
+    tarfile.BLKTYPE: stat.S_IFBLK,
+    tarfile.FIFOTYPE: stat.S_IFIFO,
+}
+
+_MAGIC = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+)
+
+
+@dataclass(frozen=True)
+class UnpackResult:
+    diff_id: str  # sha256 of the uncompressed tar stream
+    size: int  # bytes of file content written (hardlinks counted once)
+
+
+class LayerError(InvalidArgument):
+    """The layer archive is malformed or tries to write where it must not."""
+
+
+def sniff_compression(head: bytes) -> str:
+    for magic, name in _MAGIC:
+        if head.startswith(magic):
+            return name
+    return "none"
+
+
+class _HashingReader:
+    """A read-only stream that hashes and counts everything read through it."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.hash = hashlib.sha256()
+        self.length = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._raw.read(size)
+        self.hash.update(data)
+        self.length += len(data)
+        return data
+
+    def drain(self) -> None:
+        # tarfile stops at the end-of-archive blocks; the diff ID covers every byte.
+        while self.read(_CHUNK):
+            pass
+
+
+@contextmanager
+def _decompressed(stream: BinaryIO) -> Iterator[Any]:
+    head = _peek(stream, 6)
+    kind = sniff_compression(head)
+    if kind == "gzip":
+        with gzip.GzipFile(fileobj=stream, mode="rb") as gz:
+            yield gz
+    elif kind == "zstd":
+        # read_across_frames: a layer may be several concatenated zstd frames.
+        with zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True) as zs:
+            yield zs
+    elif kind == "bzip2":
+        with bz2.BZ2File(stream, mode="rb") as bz:
+            yield bz
+    elif kind == "xz":
+        with lzma.LZMAFile(stream, mode="rb") as xz:
+            yield xz
+    else:
+        yield stream
+
+
+def _peek(stream: BinaryIO, size: int) -> bytes:
+    position = stream.tell()
+    head = stream.read(size)
+    stream.seek(position)
+    return head
+
+
+def unpack_layer(blob: Path | BinaryIO, dest: Path) -> UnpackResult:
+    """Extract the layer `blob` (a path or a seekable binary stream) into the empty or
+    missing directory `dest`. On error `dest` is left partly written: unpack into a
+    temporary directory and rename it only on success."""
+    dest.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if isinstance(blob, Path):
+        with blob.open("rb") as stream:
+            return _unpack_stream(stream, dest)
+    return _unpack_stream(blob, dest)
+
+
+def _unpack_stream(stream: BinaryIO, dest: Path) -> UnpackResult:
+    try:
+        with _decompressed(stream) as plain:
+            reader = _HashingReader(plain)
+            extractor = _Extractor(dest)
+            try:
+                with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
+                    for member in archive:
+                        extractor.extract(archive, member)
+                reader.drain()
+                extractor.finish()
+            finally:
+                extractor.close()
+    except (
+        tarfile.TarError,
+        EOFError,
+        zstandard.ZstdError,
+        OSError,
+        lzma.LZMAError,
+        zlib.error,
+    ) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise  # a host problem (disk full, permissions), not a malformed archive
+        raise LayerError(f"layer is not a valid (compressed) tar archive: {exc}") from exc
+    return UnpackResult(diff_id=f"sha256:{reader.hash.hexdigest()}", size=extractor.size)
+
+
+def _split(name: str, what: str) -> list[str]:
+    """Archive path → components; refuses absolute paths and `..` instead of clamping them,
+    because an archive that needs clamping was made to attack or is broken."""
+    if name.startswith("/"):
+        raise LayerError(f"{what} {name!r} is an absolute path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise LayerError(f"{what} {name!r} contains '..'")
+    if "\x00" in name:
+        raise LayerError(f"{what} {name!r} contains a NUL byte")
+    return parts
+
+
+class _Extractor:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        self.size = 0
+        # Directory mtimes are set last: creating children would change them again.
+        self._dir_times: list[tuple[tuple[str, ...], float]] = []
+
+    def close(self) -> None:
+        os.close(self.root_fd)
+
+    # --- path resolution -------------------------------------------------------------
+    def _open_dir(self, parts: list[str], create: bool, name: str) -> int:
+        """An fd for the directory `parts` under the root, never following a symlink.
+        Missing directories are created (0755, root) when `create` is set."""
+        fd = os.dup(self.root_fd)
+        try:
+            for part in parts:
+                try:
+                    child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise LayerError(
+                            f"entry {name!r} would be written through {part!r}, "
+                            "which is a symlink or not a directory"
+                        ) from exc
+                    raise
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    # --- members -----------------------------------------------------------------------
+    def extract(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        parts = _split(member.name, "entry")
+        if not parts:
+            # "." or "./": the layer root itself; overlay shows the top layer's root mode.
+            if member.isdir():
+                self._apply_metadata(self.root_fd, None, member)
+                self._dir_times.append(((), member.mtime))
+            return
+        *parent, base = parts
+        if base != OPAQUE_WHITEOUT and any(p.startswith(AUFS_META_PREFIX) for p in parts):
+            return  # aufs bookkeeping (.wh..wh.plnk/, .wh..wh.aufs): not content
+        if base.startswith(WHITEOUT_PREFIX):
+            self._whiteout(parent, base, member)
+            return
+        parent_fd = self._open_dir(parent, create=True, name=member.name)
+        try:
+            self._create(archive, member, parent_fd, parent, base)
+        finally:
+            os.close(parent_fd)
+
+    def _whiteout(self, parent: list[str], base: str, member: tarfile.TarInfo) -> None:
+        parent_fd = self._open_dir(parent, create=True, name=member.name)
+        try:
+            if base == OPAQUE_WHITEOUT:
+                os.setxattr(parent_fd, OPAQUE_XATTR, b"y")
+                return
+            hidden = base[len(WHITEOUT_PREFIX) :]
+            if hidden in (".", ".."):
+                raise LayerError(f"whiteout {member.name!r} names {hidden!r}")
+            self._remove_existing(parent_fd, hidden)
+            os.mknod(hidden, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=parent_fd)
+            os.chown(hidden, member.uid, member.gid, dir_fd=parent_fd, follow_symlinks=False)
+        finally:
+            os.close(parent_fd)
+
+    def _remove_existing(self, parent_fd: int, base: str, keep_dir: bool = False) -> None:
+        """A later entry for the same path replaces the earlier one (tar semantics)."""
+        try:
+            st = os.lstat(base, dir_fd=parent_fd)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            if keep_dir:
+                return
+            shutil.rmtree(base, dir_fd=parent_fd)
+        else:
+            os.unlink(base, dir_fd=parent_fd)
+
+    def _create(
+        self,
+        archive: tarfile.TarFile,
+        member: tarfile.TarInfo,
+        parent_fd: int,
+        parent: list[str],
+        base: str,
+    ) -> None:
+        self._remove_existing(parent_fd, base, keep_dir=member.isdir())
+        if member.isdir():
+            try:
+                os.mkdir(base, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+            fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+            try:
+                self._apply_metadata(fd, None, member)
+            finally:
+                os.close(fd)
+            self._dir_times.append(((*parent, base), member.mtime))
+        elif member.isreg():
+            fd = os.open(
+                base,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=parent_fd,
+            )
+            try:
+                source = archive.extractfile(member)
+                if source is not None:
+                    with source, os.fdopen(os.dup(fd), "wb") as target:
+                        shutil.copyfileobj(source, target, _CHUNK)
+                self.size += member.size
+                self._apply_metadata(fd, None, member)
+                os.utime(fd, (member.mtime, member.mtime))
+            finally:
+                os.close(fd)
+        elif member.issym():
+            # The target is not checked: a symlink is only data here, resolved later inside
+            # the container's root, and nothing in this extractor ever follows one.
+            os.symlink(member.linkname, base, dir_fd=parent_fd)
+            self._apply_metadata(parent_fd, base, member)
+            os.utime(base, (member.mtime, member.mtime), dir_fd=parent_fd, follow_symlinks=False)
+        elif member.islnk():
+            self._hardlink(member, parent_fd, base)
+        elif member.type in _NODE_TYPES:
+            device = 0 if member.isfifo() else os.makedev(member.devmajor, member.devminor)
+            os.mknod(base, _NODE_TYPES[member.type] | 0o600, device, dir_fd=parent_fd)
+            self._apply_metadata(parent_fd, base, member)
+            os.utime(base, (member.mtime, member.mtime), dir_fd=parent_fd, follow_symlinks=False)
+        else:
+            raise LayerError(f"entry {member.name!r} has unsupported tar type {member.type!r}")
+
+    def _hardlink(self, member: tarfile.TarInfo, parent_fd: int, base: str) -> None:
+        target = _split(member.linkname, f"hardlink {member.name!r} target")
+        if not target:
+            raise LayerError(f"hardlink {member.name!r} points at the layer root")
+        *target_parent, target_base = target
+        try:
+            source_fd = self._open_dir(target_parent, create=False, name=member.linkname)
+        except FileNotFoundError:
+            source_fd = -1
+        try:
+            try:
+                st = os.lstat(target_base, dir_fd=source_fd) if source_fd >= 0 else None
+            except FileNotFoundError:
+                st = None
+            if st is None:
+                raise LayerError(
+                    f"hardlink {member.name!r} points at {member.linkname!r}, "
+                    "which is not in this layer"
+                )
+            if stat.S_ISDIR(st.st_mode):
+                raise LayerError(f"hardlink {member.name!r} points at a directory")
+            os.link(
+                target_base,
+                base,
+                src_dir_fd=source_fd,
+                dst_dir_fd=parent_fd,
+                follow_symlinks=False,
+            )
+        finally:
+            if source_fd >= 0:
+                os.close(source_fd)
+
+    def _apply_metadata(self, fd: int, name: str | None, member: tarfile.TarInfo) -> None:
+        """Owner, then mode, then xattrs: chown clears setuid bits and file capabilities,
+        so both must come after it. With `name`, the entry `name` in the directory `fd`
+        (a symlink or device node: no xattrs); without, the open file or directory `fd`."""
+        if name is None:
+            os.chown(fd, member.uid, member.gid)
+            os.chmod(fd, stat.S_IMODE(member.mode))
+            self._set_xattrs(fd, member)
+            return
+        os.chown(name, member.uid, member.gid, dir_fd=fd, follow_symlinks=False)
+        if not member.issym():
+            # A node this extractor has just made with mknod, so following is safe (Linux
+            # cannot change a symlink's own mode anyway).
+            os.chmod(name, stat.S_IMODE(member.mode), dir_fd=fd)
+
+    def _set_xattrs(self, fd: int, member: tarfile.TarInfo) -> None:
+        for key, value in member.pax_headers.items():
+            if not key.startswith(_PAX_XATTR):
+                continue
+            attribute = key[len(_PAX_XATTR) :]
+            if attribute.startswith(_FORBIDDEN_XATTR_PREFIXES):
+                raise LayerError(f"entry {member.name!r} sets the reserved xattr {attribute!r}")
+            # tarfile decodes PAX values as UTF-8 with surrogateescape; undo it for raw bytes.
+            raw = value.encode("utf-8", "surrogateescape")
+            os.setxattr(fd, attribute, raw)
+
+    def finish(self) -> None:
+        # Deepest first, so that setting a child's time does not disturb its parent's.
+        for parts, mtime in sorted(self._dir_times, key=lambda item: -len(item[0])):
+            try:
+                fd = self._open_dir(list(parts), create=False, name="/".join(parts))
+            except (FileNotFoundError, LayerError):
+                continue  # replaced by a later entry
+            try:
+                os.utime(fd, (mtime, mtime))
+            finally:
+                os.close(fd)
