@@ -14,7 +14,7 @@ import pytest
 
 from cri_shim.images.store import ImageStore
 from cri_shim.state.db import Database
-from tests.harness import Daemon, TestNetwork, make_test_network
+from tests.harness import Daemon, CniTestNetwork, make_test_network
 from tests.imagebuild import cached_oci_layout
 
 _counter = itertools.count()
@@ -39,14 +39,14 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.fixture
-def test_network(short_tmp: Path) -> Iterator[TestNetwork]:
+def test_network(short_tmp: Path) -> Iterator[CniTestNetwork]:
     network = make_test_network(short_tmp, next(_counter))
     yield network
     network.remove()
 
 
 @pytest.fixture
-def daemon(short_tmp: Path, test_network: TestNetwork) -> Iterator[Daemon]:
+def daemon(short_tmp: Path, test_network: CniTestNetwork) -> Iterator[Daemon]:
     """A started daemon; tests may change `settings` and call restart()."""
     d = Daemon(short_tmp, test_network)
     d.start()
@@ -55,7 +55,7 @@ def daemon(short_tmp: Path, test_network: TestNetwork) -> Iterator[Daemon]:
 
 
 @pytest.fixture
-def make_daemon(short_tmp: Path, test_network: TestNetwork) -> Iterator[type]:
+def make_daemon(short_tmp: Path, test_network: CniTestNetwork) -> Iterator[type]:
     """Build a daemon with settings before it starts: make_daemon(settings={...})."""
     made: list[Daemon] = []
 

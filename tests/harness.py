@@ -26,7 +26,7 @@ FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"
 
 
 @dataclass
-class TestNetwork:
+class CniTestNetwork:
     """A CNI configuration on a bridge of the test's own, with host-local IPAM in tmp."""
 
     config_dir: Path
@@ -70,7 +70,7 @@ class TestNetwork:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
 
 
-def make_test_network(base: Path, index: int, *, slow: bool = True) -> TestNetwork:
+def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNetwork:
     config_dir = base / "net.d"
     control = base / "cni-control"
     ipam_dir = base / "ipam"
@@ -105,7 +105,7 @@ def make_test_network(base: Path, index: int, *, slow: bool = True) -> TestNetwo
         )
     conflist = {"cniVersion": "1.0.0", "name": "crishim-test", "plugins": plugins}
     (config_dir / "10-test.conflist").write_text(json.dumps(conflist, indent=2))
-    return TestNetwork(config_dir, bridge, subnet, ipam_dir, control)
+    return CniTestNetwork(config_dir, bridge, subnet, ipam_dir, control)
 
 
 @dataclass
@@ -113,7 +113,7 @@ class Daemon:
     """One `cri-shim serve` process with its own socket, roots and config."""
 
     base: Path
-    network: TestNetwork | None
+    network: CniTestNetwork | None
     settings: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None

@@ -162,9 +162,12 @@ class SandboxService:
             request = self._network_request(sandbox_id, config, pinned.net)
             # DEL is journaled before ADD: a plugin may allocate an address and then fail,
             # and only a DEL gives that address back.
-            self._journal.record(sandbox_id, "cni_del", **_request_args(request))
+            seq = self._journal.record(sandbox_id, "cni_del", **_request_args(request))
             cni_result = await self._cni.add(request, self._config.network.setup_timeout)
             ips, result = cni_result.ips, cni_result.raw
+            # DEL must reach the plugins that did the ADD, even if the configuration
+            # directory changes meanwhile (a CNI daemonset replacing the bundled network).
+            self._journal.amend(sandbox_id, seq, prev_result=result, config=cni_result.config)
             for ip in ips:
                 self._ledger.allocate("ip", ip, sandbox_id)
         self._db.execute(
@@ -231,7 +234,12 @@ class SandboxService:
             uid=args["uid"],
             port_mappings=args["port_mappings"],
         )
-        await self._cni.delete(request, self._config.network.teardown_timeout)
+        await self._cni.delete(
+            request,
+            self._config.network.teardown_timeout,
+            prev_result=args.get("prev_result"),
+            config=args.get("config"),
+        )
         # Only now is the address free: the plugin has given it back.
         self._ledger.release(args["pod_id"], "ip")
 

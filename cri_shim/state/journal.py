@@ -56,18 +56,33 @@ class Journal:
     def register(self, action: str, undo: UndoAction) -> None:
         self._actions[action] = undo
 
-    def record(self, object_id: str, action: str, **args: Any) -> None:
-        """Record the inverse of a step that is about to be (or was just) done."""
+    def record(self, object_id: str, action: str, **args: Any) -> int:
+        """Record the inverse of a step that is about to be (or was just) done; returns its seq."""
         if action not in self._actions:
             raise KeyError(f"no undo action named {action!r} is registered")
         with self._db.transaction() as conn:
             row = conn.execute(
                 "SELECT COALESCE(MAX(seq), 0) + 1 FROM journal WHERE object_id = ?", (object_id,)
             ).fetchone()
+            seq = int(row[0])
             conn.execute(
                 "INSERT INTO journal (object_id, seq, action, args) VALUES (?, ?, ?, ?)",
-                (object_id, int(row[0]), action, json.dumps(args, sort_keys=True)),
+                (object_id, seq, action, json.dumps(args, sort_keys=True)),
             )
+        return seq
+
+    def amend(self, object_id: str, seq: int, **args: Any) -> None:
+        """Add what a step learned while running (a CNI result) to its recorded inverse."""
+        row = self._db.query_one(
+            "SELECT args FROM journal WHERE object_id = ? AND seq = ?", (object_id, seq)
+        )
+        if row is None:
+            return
+        merged = {**json.loads(row[0]), **args}
+        self._db.execute(
+            "UPDATE journal SET args = ? WHERE object_id = ? AND seq = ?",
+            (json.dumps(merged, sort_keys=True), object_id, seq),
+        )
 
     def steps(self, object_id: str) -> list[UndoStep]:
         rows = self._db.query(

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon, TestNetwork, ping, pod_config
+from tests.harness import Daemon, CniTestNetwork, ping, pod_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -46,7 +46,7 @@ def test_version_and_status(daemon: Daemon) -> None:
     assert config.linux.cgroup_driver == api_pb2.CGROUPFS
 
 
-def test_network_not_ready_without_cni_config(daemon: Daemon, test_network: TestNetwork) -> None:
+def test_network_not_ready_without_cni_config(daemon: Daemon, test_network: CniTestNetwork) -> None:
     for f in test_network.config_dir.iterdir():
         f.unlink()
     (test_network.config_dir / "broken.conflist").write_text("{not json")
@@ -58,7 +58,7 @@ def test_network_not_ready_without_cni_config(daemon: Daemon, test_network: Test
     assert conditions["NetworkReady"].message
 
 
-def test_pod_lifecycle_like_crictl(daemon: Daemon, test_network: TestNetwork, short_tmp: Path) -> None:
+def test_pod_lifecycle_like_crictl(daemon: Daemon, test_network: CniTestNetwork, short_tmp: Path) -> None:
     log_dir = short_tmp / "pod-logs"
     config = pod_config(
         "web", hostname="web-host", log_directory=str(log_dir),
@@ -141,7 +141,7 @@ def test_list_filters(daemon: Daemon) -> None:
     assert daemon.leaks() == {}
 
 
-def test_host_network_pod_skips_netns_and_cni(daemon: Daemon, test_network: TestNetwork) -> None:
+def test_host_network_pod_skips_netns_and_cni(daemon: Daemon, test_network: CniTestNetwork) -> None:
     linux = api_pb2.LinuxPodSandboxConfig(
         security_context=api_pb2.LinuxSandboxSecurityContext(
             namespace_options=api_pb2.NamespaceOption(network=api_pb2.NODE)
@@ -198,7 +198,7 @@ def test_status_of_unknown_sandbox_is_not_found(daemon: Daemon) -> None:
 
 
 def test_cni_failure_returns_plugin_message_and_leaves_nothing(
-    daemon: Daemon, test_network: TestNetwork
+    daemon: Daemon, test_network: CniTestNetwork
 ) -> None:
     test_network.fail_file.write_text("injected failure from the test plugin")
     with pytest.raises(grpc.RpcError) as info:

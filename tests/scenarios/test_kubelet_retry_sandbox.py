@@ -13,7 +13,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon, TestNetwork, pod_config, wait_until
+from tests.harness import Daemon, CniTestNetwork, pod_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def remove_all(daemon: Daemon) -> None:
         )
 
 
-def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: TestNetwork) -> None:
+def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: CniTestNetwork) -> None:
     test_network.delay_file.write_text("4")
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as first:
@@ -70,7 +70,7 @@ def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: TestNe
     assert daemon.leaks() == {}
 
 
-def test_twenty_concurrent_requests_create_one_sandbox(daemon: Daemon, test_network: TestNetwork) -> None:
+def test_twenty_concurrent_requests_create_one_sandbox(daemon: Daemon, test_network: CniTestNetwork) -> None:
     test_network.delay_file.write_text("1")
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         futures = [pool.submit(run_pod, daemon, "crowd", 30) for _ in range(20)]
@@ -90,7 +90,7 @@ def test_twenty_concurrent_requests_create_one_sandbox(daemon: Daemon, test_netw
     assert daemon.leaks() == {}
 
 
-def test_failing_plugin_wakes_the_waiter_at_once(daemon: Daemon, test_network: TestNetwork) -> None:
+def test_failing_plugin_wakes_the_waiter_at_once(daemon: Daemon, test_network: CniTestNetwork) -> None:
     test_network.delay_file.write_text("2")
     test_network.fail_file.write_text("network exploded")
     with pytest.raises(grpc.RpcError):
@@ -105,7 +105,7 @@ def test_failing_plugin_wakes_the_waiter_at_once(daemon: Daemon, test_network: T
 
 
 def test_unclaimed_sandbox_expires_and_leaves_nothing(
-    make_daemon, test_network: TestNetwork  # type: ignore[no-untyped-def]
+    make_daemon, test_network: CniTestNetwork  # type: ignore[no-untyped-def]
 ) -> None:
     daemon: Daemon = make_daemon(settings={"creation": {"claim_grace": "1s"}})
     daemon.start()
@@ -126,7 +126,7 @@ def test_unclaimed_sandbox_expires_and_leaves_nothing(
 
 
 def test_without_keep_on_timeout_the_pod_never_becomes_ready(
-    make_daemon, test_network: TestNetwork  # type: ignore[no-untyped-def]
+    make_daemon, test_network: CniTestNetwork  # type: ignore[no-untyped-def]
 ) -> None:
     daemon: Daemon = make_daemon(settings={"creation": {"keep_on_timeout": False}})
     daemon.start()

@@ -1,0 +1,52 @@
+"""Shared pieces of the benchmarks: a daemon on a scratch root and a test network."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.harness import Daemon, make_test_network  # noqa: E402
+
+
+@contextmanager
+def bench_daemon(settings: dict[str, Any] | None = None, slow_cni: bool = True) -> Iterator[Daemon]:
+    base = Path(tempfile.mkdtemp(prefix="csb-", dir="/tmp"))
+    network = make_test_network(base, 7, slow=slow_cni)
+    daemon = Daemon(base, network, settings=settings or {})
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        network.remove()
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            if line.split()[4].startswith(str(base)):
+                subprocess.run(["umount", "-l", line.split()[4]], check=False)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return statistics.median(ordered), p95
+
+
+def row(name: str, samples: list[float]) -> str:
+    median, p95 = percentiles(samples)
+    return f"{name:<22} median {median * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   (n={len(samples)})"
