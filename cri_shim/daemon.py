@@ -22,6 +22,7 @@ import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
 from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.images.store import ImageStore
 from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
@@ -46,6 +47,7 @@ class Services:
     journal: Journal
     ledger: Ledger
     sandboxes: SandboxService
+    images: ImageStore
     metrics: Metrics
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -84,9 +86,10 @@ def build_services(config: Config) -> Services:
     pinner = NamespacePinner(config.run_root)
     cni = CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR)
     sandboxes = SandboxService(config, db, journal, ledger, pinner, cni)
+    images = ImageStore(config.root, db)
     return Services(
         config=config, db=db, journal=journal, ledger=ledger, sandboxes=sandboxes,
-        metrics=Metrics(),
+        images=images, metrics=Metrics(),
     )
 
 
