@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,9 @@ from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
+from cri_shim.lifecycle.containers import ContainerService
 from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.runtime.conmon import RuntimeBackend
 
 log = logging.getLogger("cri_shim.daemon")
 
@@ -47,15 +50,21 @@ class Services:
     journal: Journal
     ledger: Ledger
     sandboxes: SandboxService
+    containers: ContainerService
     images: ImageStore
     metrics: Metrics
     extra: dict[str, Any] = field(default_factory=dict)
 
     def creation_stats(self) -> dict[str, Any]:
-        return {"sandbox": self.sandboxes.coordinator.stats()}
+        return {
+            "sandbox": self.sandboxes.coordinator.stats(),
+            "container": self.containers.coordinator.stats(),
+        }
 
     def container_statuses_of(self, sandbox_id: str) -> list[api_pb2.ContainerStatus]:
-        return []
+        from cri_shim.server.container import to_status
+
+        return [to_status(c) for c in self.containers.list(sandbox_id=sandbox_id)]
 
 
 def become_subreaper() -> None:
@@ -86,21 +95,44 @@ def build_services(config: Config) -> Services:
     pinner = NamespacePinner(config.run_root)
     cni = CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR)
     sandboxes = SandboxService(config, db, journal, ledger, pinner, cni)
-    images = ImageStore(config.root, db)
+    containers: ContainerService | None = None
+
+    def layers_in_use(chains: Collection[str]) -> Collection[str]:
+        # Layers under a container's root filesystem must outlive their image's removal.
+        return set(chains) & containers.chain_ids_in_use() if containers else set()
+
+    images = ImageStore(config.root, db, in_use=layers_in_use)
+    containers = ContainerService(
+        config, db, journal, sandboxes, images, build_backends(config)
+    )
     return Services(
         config=config, db=db, journal=journal, ledger=ledger, sandboxes=sandboxes,
-        images=images, metrics=Metrics(),
+        containers=containers, images=images, metrics=Metrics(),
     )
+
+
+def build_backends(config: Config) -> dict[str, RuntimeBackend]:
+    backends = {}
+    for name, handler in config.runtime.handlers.items():
+        backends[name] = RuntimeBackend(
+            name,
+            handler.path,
+            handler.root or config.run_root / "runtime" / name,
+            config.runtime.conmon,
+            config.run_root / "conmon" / name,
+        )
+    return backends
 
 
 async def restore(services: Services) -> None:
     started = time.monotonic()
     await services.sandboxes.restore()
+    await services.containers.restore()
     queued = await services.journal.collect_garbage()
     if queued:
         log.warning("%d cleanup step(s) still queued for garbage collection", queued)
-    log.info("state restored in %.3fs: %d sandboxes", time.monotonic() - started,
-             len(services.sandboxes.list()))
+    log.info("state restored in %.3fs: %d sandboxes, %d containers", time.monotonic() - started,
+             len(services.sandboxes.list()), len(services.containers.list()))
 
 
 class Daemon:
@@ -154,6 +186,7 @@ class Daemon:
             await self._server.stop(grace=5)
         if self.services is not None:
             await self.services.sandboxes.coordinator.aclose()
+            await self.services.containers.coordinator.aclose()
             self.services.db.close()
         log.info("stopped")
 

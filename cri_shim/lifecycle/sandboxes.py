@@ -25,6 +25,7 @@ from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import sandbox_name
 from cri_shim.errors import FailedPrecondition, InvalidArgument, NotFound
 from cri_shim import mounts
+from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.state.db import Database
@@ -49,8 +50,11 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-class SandboxService:
+class SandboxService(PersistedCreationHooks):
     """Owns every sandbox: rows, journal steps, coordinator hooks and queries."""
+
+    table = "sandboxes"
+    kind = "sandbox"
 
     def __init__(
         self,
@@ -61,8 +65,8 @@ class SandboxService:
         pinner: NamespacePinner,
         cni: CniNetwork,
     ) -> None:
+        super().__init__(db)
         self._config = config
-        self._db = db
         self._journal = journal
         self._ledger = ledger
         self._pinner = pinner
@@ -258,28 +262,7 @@ class SandboxService:
         await asyncio.to_thread(mounts.unmount_below, path)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
-    # ---- CreationHooks -------------------------------------------------------------
-
-    def reserve(self, name: str, object_id: str) -> None:
-        self._db.execute(
-            "INSERT INTO names (name, kind, object_id, reserved_at) VALUES (?, 'sandbox', ?, ?)",
-            (name, object_id, time.time()),
-        )
-
-    def stage_changed(self, object_id: str, stage: str) -> None:
-        self._db.execute("UPDATE sandboxes SET stage = ? WHERE id = ?", (stage, object_id))
-
-    def cached(self, object_id: str, expires_at: float) -> None:
-        self._db.execute(
-            "UPDATE sandboxes SET phase = 'cached', cached_until = ? WHERE id = ?",
-            (time.time() + max(0.0, expires_at - asyncio.get_running_loop().time()), object_id),
-        )
-
-    def publish(self, object_id: str) -> None:
-        self._db.execute(
-            "UPDATE sandboxes SET phase = 'visible', cached_until = NULL WHERE id = ?",
-            (object_id,),
-        )
+    # ---- CreationHooks (the rest are inherited) -----------------------------------
 
     async def cleanup(self, object_id: str) -> None:
         try:
@@ -287,15 +270,7 @@ class SandboxService:
                 await self.remove_containers(object_id)
             await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
         finally:
-            self._forget(object_id)
-
-    def released(self, name: str, object_id: str) -> None:
-        self._db.execute("DELETE FROM names WHERE name = ? AND object_id = ?", (name, object_id))
-
-    def _forget(self, sandbox_id: str) -> None:
-        with self._db.transaction() as conn:
-            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
-            conn.execute("DELETE FROM allocations WHERE owner_id = ?", (sandbox_id,))
+            self.forget(object_id)
 
     # ---- Stop / Remove -------------------------------------------------------------
 
@@ -327,31 +302,15 @@ class SandboxService:
             await self._journal.undo(sandbox.id, budget=self._config.creation.cleanup_timeout)
         except UndoFailed as exc:
             log.error("sandbox %s (%s): removal left work for GC: %s", sandbox.id, sandbox.name, exc)
-        with self._db.transaction() as conn:
-            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox.id,))
-            conn.execute("DELETE FROM names WHERE object_id = ?", (sandbox.id,))
-            conn.execute("DELETE FROM allocations WHERE owner_id = ?", (sandbox.id,))
+        self.forget(sandbox.id)
         self.coordinator.release(sandbox.name)
         log.info("sandbox %s (%s) removed", sandbox.id, sandbox.name)
 
     # ---- queries (visible sandboxes only) ------------------------------------------
 
     def find(self, ref: str) -> SandboxRecord | None:
-        """A visible sandbox by full ID or unique ID prefix, as crictl users expect."""
-        if not ref:
-            raise InvalidArgument("pod sandbox ID must not be empty")
-        rows = self._db.query(
-            "SELECT * FROM sandboxes WHERE phase = 'visible' AND id LIKE ? ESCAPE '\\' LIMIT 2",
-            (_like_prefix(ref),),
-        )
-        if not rows:
-            return None
-        if len(rows) > 1:
-            exact = [r for r in rows if r["id"] == ref]
-            if not exact:
-                raise InvalidArgument(f"pod sandbox ID prefix {ref!r} is ambiguous")
-            rows = exact
-        return SandboxRecord.from_row(rows[0])
+        row = self.find_visible_row(ref)
+        return SandboxRecord.from_row(row) if row is not None else None
 
     def get(self, ref: str) -> SandboxRecord:
         sandbox = self.find(ref)
@@ -384,8 +343,7 @@ class SandboxService:
                     await self._journal.undo(row["id"], budget=self._config.creation.cleanup_timeout)
                 except UndoFailed as exc:
                     log.error("sandbox %s: rollback left work for GC: %s", row["id"], exc)
-                self._forget(row["id"])
-                self._db.execute("DELETE FROM names WHERE object_id = ?", (row["id"],))
+                self.forget(row["id"])
             elif row["phase"] == "cached":
                 self.coordinator.restore_cached(row["name"], row["id"])
             else:
@@ -420,8 +378,3 @@ def _request_args(request: PodNetworkRequest) -> dict[str, Any]:
 
 def _str(path: Path | None) -> str | None:
     return str(path) if path is not None else None
-
-
-def _like_prefix(ref: str) -> str:
-    return ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-

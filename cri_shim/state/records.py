@@ -64,3 +64,52 @@ def host_network(config: api_pb2.PodSandboxConfig) -> bool:
 
 def _path(value: str | None) -> Path | None:
     return Path(value) if value else None
+
+
+@dataclass
+class ContainerRecord:
+    id: str
+    name: str
+    sandbox_id: str
+    phase: str
+    stage: str
+    state: str  # created | running | exited | unknown
+    created_at: int
+    started_at: int
+    finished_at: int
+    exit_code: int
+    reason: str
+    message: str
+    image_id: str
+    image_ref: str
+    config: api_pb2.ContainerConfig
+    log_path: str
+    bundle_dir: Path
+    rootfs: Path
+    pid: int
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> ContainerRecord:
+        config = api_pb2.ContainerConfig()
+        config.ParseFromString(row["config"])
+        return cls(
+            id=row["id"],
+            name=row["name"],
+            sandbox_id=row["sandbox_id"],
+            phase=row["phase"],
+            stage=row["stage"],
+            state=row["state"],
+            created_at=int(row["created_at"]),
+            started_at=int(row["started_at"]),
+            finished_at=int(row["finished_at"]),
+            exit_code=int(row["exit_code"]),
+            reason=row["reason"],
+            message=row["message"],
+            image_id=row["image_id"],
+            image_ref=row["image_ref"],
+            config=config,
+            log_path=row["log_path"],
+            bundle_dir=Path(row["bundle_dir"]),
+            rootfs=Path(row["rootfs"]),
+            pid=int(row["pid"]),
+        )

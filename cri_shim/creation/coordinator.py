@@ -1,0 +1,720 @@
+"""Idempotent creation under client deadlines: the contract of DESIGN §2, and nothing else.
+
+The coordinator owns the life of a *name*, from its reservation to its release, and the
+tasks that live in between: the creation itself (detached from the request that started
+it), the expiry timer of a finished but unclaimed object, and its cleanup. It does no I/O
+of its own: the domain layer does the work in the creator it passes to `create()` and
+persists every decision through `CreationHooks`, in the same step as the memory change.
+
+A name is in one of four phases:
+
+    (free) --create--> IN_FLIGHT --done, requester waiting--> VISIBLE --release()--> (free)
+                           |  \\--done, requester gone------> CACHED --claim--> VISIBLE
+                           |                                    \\--expiry--> CLEANING
+                           \\--failed / abandoned-----------------------------> CLEANING
+                                                          CLEANING --cleanup--> (free)
+
+Every method must be called from the event loop's thread. Deadlines are absolute times on
+the coordinator's clock, which is the event loop's clock (`loop.time()`) unless one is
+injected. Waits are turned into delays on that clock and slept on the loop, so an injected
+clock must run at the loop's pace; tests that want virtual time run a virtual-time loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import secrets
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol, TypedDict
+
+from cri_shim.creation.registrar import NameRegistrar
+from cri_shim.errors import DeadlineExceeded, FailedPrecondition, NameReserved, Unavailable
+
+log = logging.getLogger("cri_shim.creation")
+
+# The stage a name is at before its creator reports one, and while it is being undone.
+STAGE_RESERVED = "reserved"
+STAGE_CLEANUP = "cleanup"
+
+# Every counter stats() reports, present from the start so that a scrape sees zeros.
+COUNTERS = (
+    "reserved",  # a new name was reserved and its creation started
+    "created",  # finished while its request waited: published and returned
+    "timed_out",  # the request's deadline passed before its creation finished
+    "client_gone",  # the request was cancelled before its creation finished
+    "cached",  # finished after its request had gone: kept for the retry
+    "claimed",  # a retry took a cached object
+    "returned_existing",  # a retry found its object already visible
+    "waiting",  # a duplicate request started watching a creation in flight
+    "name_reserved",  # a duplicate request was answered `name is reserved`
+    "failed",  # a creation failed (or was abandoned) and was rolled back
+    "abandoned",  # keep_on_timeout=False: a creation cancelled because its request gave up
+    "expired",  # a cached object was never claimed and was cleaned up
+    "cleanup_failed",  # a cleanup raised or overran its budget; the name was released anyway
+    "released",  # a name freed after a cleanup
+)
+
+
+class CreationHooks(Protocol):
+    """What the domain layer persists and undoes for the coordinator.
+
+    Every hook but `cleanup` is synchronous, so that the memory change and the database
+    write happen in one step with no other request in between.
+
+    A hook that raises fails its step: `reserve` fails the request and leaves the name
+    free; `stage_changed` (raised inside the creator), `publish` and `cached` fail the
+    creation, which is then undone (a failed `publish` on a claim leaves the object cached);
+    `cleanup` is logged and the name released anyway; `released` is logged, and the name is
+    free in memory all the same.
+    """
+
+    def reserve(self, name: str, object_id: str) -> None:
+        """Persist that `name` is reserved for `object_id` (before any work starts)."""
+
+    def stage_changed(self, object_id: str, stage: str) -> None:
+        """Persist the stage the creation has reached."""
+
+    def cached(self, object_id: str, expires_at: float) -> None:
+        """Persist that the object is finished but unclaimed, until `expires_at`."""
+
+    def publish(self, object_id: str) -> None:
+        """Make the object visible: listed and operable."""
+
+    async def cleanup(self, object_id: str) -> None:
+        """Undo everything the creation did (the undo journal). May raise."""
+
+    def released(self, name: str, object_id: str) -> None:
+        """Persist that `name` is free again."""
+
+
+class Phase(enum.StrEnum):
+    IN_FLIGHT = "in_flight"  # the creator is running
+    CACHED = "cached"  # finished, unclaimed, invisible; waiting for a retry or expiry
+    VISIBLE = "visible"  # handed to a client: listed and operable
+    CLEANING = "cleaning"  # failed, abandoned or expired: being undone, name still held
+
+
+class Stage:
+    """The creator's handle for reporting how far it has got.
+
+    The stage is what a duplicate request is told (`name is reserved ... (stage: ...)`),
+    what Status verbose lists for stalled creations, and what the database records.
+    """
+
+    def __init__(self, report: Callable[[str], None], current: str = STAGE_RESERVED) -> None:
+        self._report = report
+        self._current = current
+
+    @property
+    def current(self) -> str:
+        return self._current
+
+    def set(self, stage: str) -> None:
+        self._current = stage
+        self._report(stage)
+
+
+Creator = Callable[[str, Stage], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class NameInfo:
+    """What the coordinator knows about one name (see `lookup`)."""
+
+    name: str
+    object_id: str
+    phase: Phase
+    stage: str
+    expires_at: float | None
+
+
+class InFlightInfo(TypedDict):
+    name: str
+    object_id: str
+    stage: str
+    age_seconds: float  # since the name was reserved
+    stage_seconds: float  # since the current stage was entered
+    watchers: int
+    requester_waiting: bool
+
+
+class CreationStats(TypedDict):
+    kind: str
+    counters: dict[str, int]
+    stages_entered: dict[str, int]
+    stalled_by_stage: dict[str, int]  # in-flight creations, grouped by their current stage
+    in_flight: list[InFlightInfo]
+    cached: int
+    visible: int
+    cleaning: int
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One held name and what is happening to it."""
+
+    name: str
+    object_id: str
+    phase: Phase
+    stage: str
+    reserved_at: float
+    stage_since: float
+    # Resolved when the current creation (or expiry cleanup) settles; what requests wait on.
+    settled: asyncio.Future[None] | None = None
+    # The error of a failed creation, handed to every request waiting on it.
+    error: BaseException | None = None
+    requester_waiting: bool = False
+    watchers: int = 0
+    # The latest time any request waiting on this creation gives up (see `_expiry_time`).
+    latest_deadline: float | None = None
+    expires_at: float | None = None
+    run_task: asyncio.Task[None] | None = None
+    expiry_task: asyncio.Task[None] | None = None
+
+    def note_deadline(self, when: float) -> None:
+        if self.latest_deadline is None or when > self.latest_deadline:
+            self.latest_deadline = when
+
+
+class CreationCoordinator:
+    """Reserves names, runs creations detached from their requests, caches and expires.
+
+    `kind` ("sandbox", "container") only appears in messages and logs.
+
+    `keep_on_timeout=False` is the containerd-like comparison mode: a creation whose request
+    gives up is cancelled and rolled back, and duplicates are refused at once.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        hooks: CreationHooks,
+        *,
+        claim_grace: float = 120.0,
+        keep_on_timeout: bool = True,
+        cleanup_timeout: float = 120.0,
+        clock: Callable[[], float] | None = None,
+        new_id: Callable[[], str] | None = None,
+    ) -> None:
+        self._kind = kind
+        self._hooks = hooks
+        self._claim_grace = claim_grace
+        self._keep_on_timeout = keep_on_timeout
+        self._cleanup_timeout = cleanup_timeout
+        self._clock = clock if clock is not None else _loop_time
+        self._new_id = new_id if new_id is not None else _random_id
+        self._registrar = NameRegistrar()
+        self._entries: dict[str, _Entry] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._stages_entered: Counter[str] = Counter()
+        self._closing = False
+
+    # ---- the request path ----------------------------------------------------------
+
+    async def create(self, name: str, deadline: float | None, run: Creator) -> str:
+        """Create the object called `name` with `run(object_id, stage)`, or get it back.
+
+        Returns the object's ID once it is visible. `deadline` is absolute on the
+        coordinator's clock; None means the request waits as long as the creation takes.
+        Raises DeadlineExceeded when the deadline passes first (the creation goes on and the
+        next request with this name gets the object), NameReserved to a duplicate of a
+        creation in flight, and the creator's own error when the creation failed.
+        """
+        if self._closing:
+            raise Unavailable(f"cri-shim is shutting down; retry {name!r} once it is back")
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._reserve(name, run)
+            return await self._await_own_creation(entry, deadline)
+        if entry.phase is Phase.VISIBLE:
+            # The same request again: its response was lost or it raced its own retry.
+            # Answering with the object (as CRI-O does) is what keeps a claimed object from
+            # ever leaking: the client can always get the ID it was owed.
+            self._count("returned_existing", entry, "already visible, returning it")
+            return entry.object_id
+        if entry.phase is Phase.CACHED:
+            return self._claim_cached(entry)
+        await self._watch(entry, deadline)
+
+    def _reserve(self, name: str, run: Creator) -> _Entry:
+        # Synchronous up to the spawn: no other request can see the name free in between.
+        object_id = self._new_id()
+        self._registrar.reserve(name, object_id)
+        try:
+            self._hooks.reserve(name, object_id)
+        except BaseException:
+            self._registrar.release(name)
+            raise
+        now = self._clock()
+        entry = _Entry(
+            name=name,
+            object_id=object_id,
+            phase=Phase.IN_FLIGHT,
+            stage=STAGE_RESERVED,
+            reserved_at=now,
+            stage_since=now,
+            settled=asyncio.get_running_loop().create_future(),
+            requester_waiting=True,
+        )
+        self._entries[name] = entry
+        self._count("reserved", entry, "reserved, creation started")
+        self._spawn(self._drive(entry, run), f"create {self._kind} {name}")
+        return entry
+
+    async def _await_own_creation(self, entry: _Entry, deadline: float | None) -> str:
+        """The requester that reserved the name waits for its creation, until its deadline."""
+        if deadline is not None:
+            entry.note_deadline(deadline)
+        try:
+            settled = await self._wait(entry.settled, deadline)
+        except asyncio.CancelledError:
+            self._requester_gone(entry, deadline, cancelled=True)
+            raise
+        if not settled:
+            self._requester_gone(entry, deadline, cancelled=False)
+            if entry.error is not None:
+                raise self._error_of(entry)  # failed before the deadline; being undone now
+            if self._keep_on_timeout:
+                raise DeadlineExceeded(
+                    f"deadline exceeded: {self._kind} creation of {entry.name!r} continues in "
+                    "the background; retry with the same name to get it "
+                    f"(stage: {entry.stage})"
+                )
+            raise DeadlineExceeded(
+                f"deadline exceeded: {self._kind} creation of {entry.name!r} was abandoned "
+                f"at stage {entry.stage!r} and is being rolled back"
+            )
+        if entry.error is not None:
+            raise self._error_of(entry)
+        return entry.object_id
+
+    def _requester_gone(self, entry: _Entry, deadline: float | None, *, cancelled: bool) -> None:
+        """The reserving request stopped waiting: from now on a finished object is cached."""
+        entry.requester_waiting = False
+        if deadline is None:
+            # A request without a deadline stops waiting only when cancelled: that moment
+            # stands in for its deadline when the expiry is computed.
+            entry.note_deadline(self._clock())
+        if entry.phase is not Phase.IN_FLIGHT:
+            return  # already finished or failed: nothing left to decide
+        if cancelled:
+            self._count("client_gone", entry, "requester cancelled, creation continues")
+        else:
+            self._count("timed_out", entry, "requester's deadline passed, creation continues")
+        if not self._keep_on_timeout:
+            self._count("abandoned", entry, "keep_on_timeout is off: cancelling the creation")
+            if entry.run_task is not None:
+                entry.run_task.cancel()
+
+    def _claim_cached(self, entry: _Entry) -> str:
+        """A retry takes the object that was finished for it: publish and return it."""
+        # Publish first: if persisting fails, the object stays cached and claimable.
+        self._hooks.publish(entry.object_id)
+        if entry.expiry_task is not None:
+            pass
+            entry.expiry_task = None
+        entry.phase = Phase.VISIBLE
+        entry.expires_at = None
+        self._count("claimed", entry, "claimed from the cache, now visible")
+        return entry.object_id
+
+    async def _watch(self, entry: _Entry, deadline: float | None) -> NoReturn:
+        """A duplicate of a creation in flight: wait, then refuse (or pass on its failure).
+
+        The duplicate is refused even when the creation finished while it waited. Handing
+        the object to a request whose own deadline is nearly spent risks the response being
+        lost on the way, and then nobody knows the object exists: it leaks. Refusing costs
+        the client one more retry, which then claims the object from the cache with its
+        whole deadline ahead of it.
+        """
+        if not self._keep_on_timeout:
+            # containerd-like: no cache to hand the object to later, so waiting buys nothing.
+            self._refuse(entry)
+        entry.watchers += 1
+        if deadline is not None:
+            entry.note_deadline(deadline)
+        self._count("waiting", entry, f"duplicate request waits (stage: {entry.stage})")
+        try:
+            await self._wait(entry.settled, deadline)
+        except asyncio.CancelledError:
+            if deadline is None:
+                entry.note_deadline(self._clock())
+            raise
+        finally:
+            entry.watchers -= 1
+        if entry.error is not None:
+            # Rather than let the client wait out its deadline for an object that will
+            # never come (CRI-O does), hand it the creation's error at once.
+            log.info("%s %r: duplicate request gets the creation's error", self._kind, entry.name)
+            raise self._error_of(entry)
+        self._refuse(entry)
+
+    def _refuse(self, entry: _Entry) -> NoReturn:
+        self._count("name_reserved", entry, f"refused: name is reserved (stage: {entry.stage})")
+        raise NameReserved(
+            f"name {entry.name!r} is reserved for {entry.object_id}: creation in progress "
+            f"(stage: {entry.stage}); retry to get it once done"
+        )
+
+    async def _wait(self, settled: asyncio.Future[None] | None, deadline: float | None) -> bool:
+        """Wait for `settled` until `deadline`; True if it resolved.
+
+        This is the shield between a request and the creation: asyncio.wait never cancels
+        what it waits for, so a request that times out or is cancelled leaves the creation
+        (and everybody else waiting on it) untouched.
+        """
+        assert settled is not None, "only in-flight and cleaning names are waited on"
+        if settled.done():
+            return True
+        timeout = None if deadline is None else max(0.0, deadline - self._clock())
+        await asyncio.wait((settled,), timeout=timeout)
+        return settled.done()
+
+    # ---- the creation, detached from any request -------------------------------------
+
+    async def _drive(self, entry: _Entry, run: Creator) -> None:
+        """Run one creation to its end: publish it, cache it, or undo it."""
+        if not self._keep_on_timeout and not entry.requester_waiting:
+            # The request gave up before the creation even started.
+            await self._undo(entry, self._abandoned_error(entry))
+            return
+        stage = Stage(lambda new: self._stage_changed(entry, new))
+        run_task = self._spawn(
+            _call_creator(run, entry.object_id, stage),
+            f"run {self._kind} {entry.name}",
+            report_errors=False,  # this task's outcome is read below
+        )
+        entry.run_task = run_task
+        try:
+            await asyncio.wait((run_task,))
+        except asyncio.CancelledError:
+            run_task.cancel()  # daemon shutdown: stop here; a restart rolls it back
+            raise
+        entry.run_task = None
+        error: BaseException | None
+        if run_task.cancelled():
+            # Only keep_on_timeout=False cancels a creation: its requester gave up.
+            error = self._abandoned_error(entry)
+        else:
+            error = run_task.exception()
+        if error is None:
+            try:
+                self._finish(entry)
+                return
+            except Exception as exc:  # a hook failed to persist: the object is not usable
+                error = exc
+        await self._undo(entry, error)
+
+    def _finish(self, entry: _Entry) -> None:
+        """The creator is done: the waiting requester gets the object, else the cache."""
+        if entry.requester_waiting:
+            self._hooks.publish(entry.object_id)
+            entry.phase = Phase.VISIBLE
+            self._count("created", entry, "created, now visible")
+        elif not self._keep_on_timeout:
+            # Finished in the instant its request gave up; without a cache it goes.
+            raise self._abandoned_error(entry)
+        else:
+            expires_at = self._expiry_time(entry)
+            self._hooks.cached(entry.object_id, expires_at)
+            entry.phase = Phase.CACHED
+            entry.expires_at = expires_at
+            entry.expiry_task = self._spawn(
+                self._expire_when_due(entry), f"expire {self._kind} {entry.name}"
+            )
+            self._count(
+                "cached",
+                entry,
+                f"finished after its request gave up; cached for {expires_at - self._clock():.0f}s",
+            )
+        self._settle(entry)
+
+    def _expiry_time(self, entry: _Entry) -> float:
+        """When an unclaimed object is cleaned up: claim_grace after the last request gave up.
+
+        The clock starts at the latest of the finish time and the deadlines of the original
+        request and of every duplicate that waited on the creation, not at the finish
+        time. A kubelet retries after its own deadline; counting from the finish instead
+        would let a creation that finished early expire just before the retry that would
+        have claimed it (CRI-O's fixed reaper has exactly that weakness).
+        """
+        start = self._clock()
+        if entry.latest_deadline is not None:
+            start = max(start, entry.latest_deadline)
+        return start + self._claim_grace
+
+    async def _expire_when_due(self, entry: _Entry) -> None:
+        assert entry.expires_at is not None
+        delay = entry.expires_at - self._clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        # A claim during the sleep cancels this task. Past it, nothing else runs until the
+        # cleanup's first await, so no claim can slip in between the wake-up and CLEANING.
+        entry.expiry_task = None
+        entry.phase = Phase.CLEANING
+        entry.stage = STAGE_CLEANUP
+        entry.stage_since = self._clock()
+        # Duplicates arriving during the cleanup wait for the name to be free again.
+        entry.settled = asyncio.get_running_loop().create_future()
+        self._count("expired", entry, "never claimed; cleaning up")
+        try:
+            await self._cleanup(entry)
+        finally:
+            self._release_after_cleanup(entry)
+
+    async def _undo(self, entry: _Entry, error: BaseException) -> None:
+        """A creation failed or was abandoned: undo it, free the name, then tell everyone.
+
+        Waiting requests are woken only after the name is free, so that a client retrying
+        at once on the error finds the name available rather than reserved.
+        """
+        self._count(
+            "failed",
+            entry,
+            f"failed at stage {entry.stage!r}: {error}; rolling back",
+            logging.WARNING,
+        )
+        entry.phase = Phase.CLEANING
+        entry.stage = STAGE_CLEANUP
+        entry.stage_since = self._clock()
+        entry.error = error
+        try:
+            await self._cleanup(entry)
+        finally:
+            self._release_after_cleanup(entry)
+
+    async def _cleanup(self, entry: _Entry) -> None:
+        """Run the domain's cleanup within its own budget; failures are logged, not raised."""
+        try:
+            async with asyncio.timeout(self._cleanup_timeout):
+                await self._hooks.cleanup(entry.object_id)
+        except TimeoutError:
+            self._counters["cleanup_failed"] += 1
+            log.error(
+                "%s %r (%s): cleanup did not finish within %.0fs; releasing the name anyway, "
+                "what is left is for garbage collection",
+                self._kind,
+                entry.name,
+                entry.object_id,
+                self._cleanup_timeout,
+            )
+        except Exception:
+            self._counters["cleanup_failed"] += 1
+            log.exception(
+                "%s %r (%s): cleanup failed; releasing the name anyway",
+                self._kind,
+                entry.name,
+                entry.object_id,
+            )
+
+    def _release_after_cleanup(self, entry: _Entry) -> None:
+        """Free the name (memory, then database) and wake whoever waits on it.
+
+        Skipped at shutdown: a cleanup interrupted there must stay recorded as reserved, so
+        that the restart finds it and runs the journal again.
+        """
+        if self._closing:
+            return
+        if self._entries.get(entry.name) is entry:
+            del self._entries[entry.name]
+        self._registrar.release(entry.name)
+        self._count("released", entry, "name released")
+        try:
+            self._hooks.released(entry.name, entry.object_id)
+        except Exception:
+            # The name is free in memory; the stale row is found and dropped on restart.
+            log.exception("%s %r: persisting the release failed", self._kind, entry.name)
+        self._settle(entry)
+
+    def _stage_changed(self, entry: _Entry, stage: str) -> None:
+        if entry.phase is not Phase.IN_FLIGHT:
+            log.debug(
+                "%s %r: ignoring stage %r after the creation ended", self._kind, entry.name, stage
+            )
+            return
+        # Persist before recording, so that memory never says more than the database.
+        self._hooks.stage_changed(entry.object_id, stage)
+        entry.stage = stage
+        entry.stage_since = self._clock()
+        self._stages_entered[stage] += 1
+        log.info("%s %r (%s): stage %s", self._kind, entry.name, entry.object_id, stage)
+
+    def _abandoned_error(self, entry: _Entry) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"deadline exceeded: {self._kind} creation of {entry.name!r} was abandoned at "
+            f"stage {entry.stage!r} because its request gave up (keep_on_timeout is off)"
+        )
+
+    @staticmethod
+    def _error_of(entry: _Entry) -> BaseException:
+        assert entry.error is not None
+        # One error object goes to every request that waited on the creation: reset its
+        # traceback, so that each raise shows its own rather than all of them piled up.
+        return entry.error.with_traceback(None)
+
+    @staticmethod
+    def _settle(entry: _Entry) -> None:
+        if entry.settled is not None and not entry.settled.done():
+            entry.settled.set_result(None)
+
+    # ---- the domain's side: removal and restore --------------------------------------
+
+    def release(self, name: str, *, object_id: str | None = None) -> None:
+        """The domain removed a visible object: forget it, so that the name is free.
+
+        Memory only: the domain has already deleted the rows. Releasing a free name is a
+        no-op. Pass `object_id` to make a late, repeated release harmless when the name has
+        meanwhile been given to a new object.
+        """
+        entry = self._entries.get(name)
+        if entry is None or (object_id is not None and entry.object_id != object_id):
+            return
+        if entry.phase is not Phase.VISIBLE:
+            raise FailedPrecondition(
+                f"{self._kind} {name!r} is {entry.phase} (stage: {entry.stage}), not visible; "
+                "only a visible object can be removed"
+            )
+        del self._entries[name]
+        self._registrar.release(name)
+        log.info("%s %r (%s): removed, name released", self._kind, name, entry.object_id)
+
+    def restore_visible(self, name: str, object_id: str) -> None:
+        """After a restart: `name` belongs to a visible object. Persists nothing."""
+        self._restore(name, object_id, Phase.VISIBLE)
+
+    def restore_cached(self, name: str, object_id: str) -> None:
+        """After a restart: a cached object, claimable again with a fresh expiry.
+
+        The expiry restarts at now + claim_grace: the retries that would have claimed it may
+        have failed against the stopped daemon. Persists nothing (the row says `cached`).
+        """
+        entry = self._restore(name, object_id, Phase.CACHED)
+        entry.expires_at = self._clock() + self._claim_grace
+        entry.expiry_task = self._spawn(self._expire_when_due(entry), f"expire {self._kind} {name}")
+
+    def _restore(self, name: str, object_id: str, phase: Phase) -> _Entry:
+        if self._closing:
+            raise Unavailable("cri-shim is shutting down")
+        self._registrar.reserve(name, object_id)  # NameTaken if the database holds it twice
+        now = self._clock()
+        entry = _Entry(
+            name=name,
+            object_id=object_id,
+            phase=phase,
+            stage="restored",
+            reserved_at=now,
+            stage_since=now,
+        )
+        self._entries[name] = entry
+        log.info("%s %r (%s): restored as %s", self._kind, name, object_id, phase)
+        return entry
+
+    # ---- inspection ------------------------------------------------------------------
+
+    def lookup(self, name: str) -> NameInfo | None:
+        entry = self._entries.get(name)
+        if entry is None:
+            return None
+        return NameInfo(entry.name, entry.object_id, entry.phase, entry.stage, entry.expires_at)
+
+    def stats(self) -> CreationStats:
+        """Counters and what is in flight, for Status verbose and metrics."""
+        now = self._clock()
+        in_flight = [e for e in self._entries.values() if e.phase is Phase.IN_FLIGHT]
+        phases = Counter(e.phase for e in self._entries.values())
+        return CreationStats(
+            kind=self._kind,
+            counters=dict(self._counters),
+            stages_entered=dict(self._stages_entered),
+            stalled_by_stage=dict(Counter(e.stage for e in in_flight)),
+            in_flight=[
+                InFlightInfo(
+                    name=e.name,
+                    object_id=e.object_id,
+                    stage=e.stage,
+                    age_seconds=round(now - e.reserved_at, 3),
+                    stage_seconds=round(now - e.stage_since, 3),
+                    watchers=e.watchers,
+                    requester_waiting=e.requester_waiting,
+                )
+                for e in in_flight
+            ],
+            cached=phases[Phase.CACHED],
+            visible=phases[Phase.VISIBLE],
+            cleaning=phases[Phase.CLEANING],
+        )
+
+    # ---- shutdown ----------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Daemon shutdown: stop creations and timers where they are, WITHOUT cleanup.
+
+        Their rows still say reserved / creating / cached, so the restart rolls interrupted
+        creations back from the journal and restores cached objects; cleaning up here would
+        only race the process exit. Requests still waiting get UNAVAILABLE.
+        """
+        if self._closing:
+            return
+        self._closing = True
+        busy = [e.name for e in self._entries.values() if e.phase is not Phase.VISIBLE]
+        log.info(
+            "%s coordinator shutting down; %d name(s) in flight, cached or cleaning are left to "
+            "the restart: %s",
+            self._kind,
+            len(busy),
+            ", ".join(busy) or "none",
+        )
+        for entry in self._entries.values():
+            if entry.settled is not None and not entry.settled.done():
+                # Even a failed creation's waiters get this: its rollback is not done, so
+                # only a retry after the restart can tell whether the name is free.
+                entry.error = Unavailable(
+                    f"cri-shim is shutting down during the creation of {entry.name!r}; "
+                    "retry once it is back"
+                )
+                entry.settled.set_result(None)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- task ownership ----------------------------------------------------------------
+
+    def _spawn(
+        self, coro: Coroutine[Any, Any, None], name: str, *, report_errors: bool = True
+    ) -> asyncio.Task[None]:
+        """Start a task the coordinator owns: tracked until done, cancelled by aclose."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._task_done(t, report_errors))
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any], report_errors: bool) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()  # retrieved always, so asyncio never warns it was lost
+        if error is not None and report_errors:
+            log.error("%s task %r failed", self._kind, task.get_name(), exc_info=error)
+
+    def _count(self, counter: str, entry: _Entry, message: str, level: int = logging.INFO) -> None:
+        self._counters[counter] += 1
+        log.log(level, "%s %r (%s): %s", self._kind, entry.name, entry.object_id, message)
+
+
+async def _call_creator(run: Creator, object_id: str, stage: Stage) -> None:
+    await run(object_id, stage)
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _random_id() -> str:
+    # 64 hex digits, like the IDs CRI-O and containerd hand out.
+    return secrets.token_hex(32)

@@ -1,0 +1,434 @@
+"""Containers: creation steps, lifecycle, teardown, restore and queries.
+
+A container is an overlay root filesystem over its image's layers, an OCI bundle, and a
+runc container held by one conmon. Like sandboxes, each creation step records its inverse
+in the undo journal before the next step starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from cri_api.v1 import api_pb2
+
+from cri_shim import mounts
+from cri_shim.config import Config
+from cri_shim.creation.coordinator import CreationCoordinator, Stage
+from cri_shim.creation.names import container_name
+from cri_shim.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from cri_shim.images import overlay
+from cri_shim.images.store import ImageRecord, ImageStore
+from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.oci import ExecResult
+from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
+from cri_shim.state.db import Database
+from cri_shim.state.journal import Journal, UndoFailed
+from cri_shim.state.records import ContainerRecord, SandboxRecord
+
+log = logging.getLogger("cri_shim.container")
+
+STAGE_STORAGE = "container storage"
+STAGE_SPEC = "container spec"
+STAGE_RUNTIME = "container runtime creation"
+STAGE_CREATED = "container created"
+
+CREATED, RUNNING, EXITED = "created", "running", "exited"
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+class ContainerService(PersistedCreationHooks):
+    """Owns every container: rows, journal steps, coordinator hooks, runtime calls."""
+
+    table = "containers"
+    kind = "container"
+
+    def __init__(
+        self,
+        config: Config,
+        db: Database,
+        journal: Journal,
+        sandboxes: SandboxService,
+        images: ImageStore,
+        backends: dict[str, RuntimeBackend],
+    ) -> None:
+        super().__init__(db)
+        self._config = config
+        self._journal = journal
+        self._sandboxes = sandboxes
+        self._images = images
+        self.backends = backends
+        self._dir = config.root / "containers"
+        self.coordinator = CreationCoordinator(
+            "container",
+            self,
+            claim_grace=config.creation.claim_grace,
+            keep_on_timeout=config.creation.keep_on_timeout,
+            cleanup_timeout=config.creation.cleanup_timeout,
+        )
+        sandboxes.stop_containers = self.stop_all_in
+        sandboxes.remove_containers = self.remove_all_in
+        journal.register("runtime_delete", self._undo_runtime)
+        journal.register("rootfs_unmount", self._undo_rootfs)
+        journal.register("container_dir", self._undo_dir)
+
+    # ---- CreateContainer -----------------------------------------------------------
+
+    async def create(
+        self,
+        sandbox_ref: str,
+        config: api_pb2.ContainerConfig,
+        deadline: float | None,
+    ) -> str:
+        if not config.metadata.name:
+            raise InvalidArgument("ContainerConfig.metadata.name must not be empty")
+        if not config.image.image:
+            raise InvalidArgument("ContainerConfig.image.image must not be empty")
+        sandbox = self._sandboxes.get_ready(sandbox_ref)
+        image = self._images.get(config.image.image)
+        if image is None:
+            raise NotFound(f"image {config.image.image!r} not found: pull or import it first")
+        pod = sandbox.config.metadata
+        name = container_name(config.metadata.name, pod.name, pod.namespace, pod.uid,
+                              config.metadata.attempt)
+        log_path = self._log_path(sandbox, config)
+
+        async def run(container_id: str, stage: Stage) -> None:
+            await self._create(container_id, name, sandbox, config, image, log_path, stage)
+
+        return await self.coordinator.create(name, deadline, run)
+
+    def _log_path(self, sandbox: SandboxRecord, config: api_pb2.ContainerConfig) -> str:
+        directory = sandbox.config.log_directory
+        if not directory or not config.log_path:
+            return ""
+        if os.path.isabs(config.log_path):
+            raise InvalidArgument(
+                f"ContainerConfig.log_path {config.log_path!r} must be relative to the "
+                "sandbox's log_directory"
+            )
+        base = os.path.realpath(directory)
+        path = os.path.realpath(os.path.join(base, config.log_path))
+        if os.path.commonpath([base, path]) != base:
+            raise InvalidArgument(
+                f"ContainerConfig.log_path {config.log_path!r} leaves the sandbox's log_directory"
+            )
+        return path
+
+    async def _create(
+        self,
+        container_id: str,
+        name: str,
+        sandbox: SandboxRecord,
+        config: api_pb2.ContainerConfig,
+        image: ImageRecord,
+        log_path: str,
+        stage: Stage,
+    ) -> None:
+        bundle = self._dir / container_id
+        rootfs = bundle / "rootfs"
+        stage.set(STAGE_STORAGE)
+        with self._db.transaction() as conn:
+            conn.execute(
+                "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
+                "image_id, image_ref, config, log_path, bundle_dir, rootfs) "
+                "VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (container_id, name, sandbox.id, STAGE_STORAGE, CREATED, _now_ns(), image.id,
+                 config.image.image, config.SerializeToString(), log_path, str(bundle),
+                 str(rootfs)),
+            )
+        self._journal.record(container_id, "container_dir", path=str(bundle))
+        for sub in ("upper", "work", "rootfs"):
+            (bundle / sub).mkdir(parents=True, exist_ok=True)
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._journal.record(container_id, "rootfs_unmount", path=str(rootfs))
+        lower = self._images.lower_dirs(image)
+        await asyncio.to_thread(
+            overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
+        )
+
+        stage.set(STAGE_SPEC)
+        spec = build_spec(
+            config,
+            self._sandbox_context(sandbox),
+            _image_view(image),
+            rootfs,
+            container_id=container_id,
+        )
+
+        stage.set(STAGE_RUNTIME)
+        backend = self._backend(sandbox.runtime_handler)
+        self._journal.record(container_id, "runtime_delete", handler=sandbox.runtime_handler,
+                             id=container_id)
+        pid = await backend.create(
+            container_id, bundle, spec, Path(log_path or bundle / "container.log"),
+            tty=config.tty, stdin=config.stdin,
+        )
+        self._db.execute(
+            "UPDATE containers SET pid = ?, stage = ? WHERE id = ?",
+            (pid, STAGE_CREATED, container_id),
+        )
+        stage.set(STAGE_CREATED)
+
+    def _sandbox_context(self, sandbox: SandboxRecord) -> SandboxContext:
+        sc = sandbox.config.linux.security_context
+        options = sc.namespace_options
+        return SandboxContext(
+            pod_id=sandbox.id,
+            hostname=sandbox.config.hostname or sandbox.config.metadata.name,
+            netns_path=sandbox.netns_path,
+            ipc_ns_path=sandbox.ipc_path,
+            uts_ns_path=sandbox.uts_path,
+            host_pid=options.pid == api_pb2.NODE,
+            resolv_conf_path=sandbox.sandbox_dir / "resolv.conf",
+            hostname_path=sandbox.sandbox_dir / "hostname",
+            hosts_path=sandbox.sandbox_dir / "hosts",
+            shm_path=sandbox.sandbox_dir / "shm" if options.ipc != api_pb2.NODE else None,
+            cgroup_parent=sandbox.config.linux.cgroup_parent,
+            privileged=sc.privileged,
+            run_as_user=sc.run_as_user.value if sc.HasField("run_as_user") else None,
+            supplemental_groups=tuple(sc.supplemental_groups),
+            sysctls=dict(sandbox.config.linux.sysctls),
+        )
+
+    def _backend(self, handler: str) -> RuntimeBackend:
+        try:
+            return self.backends[handler or self._config.runtime.default_handler]
+        except KeyError:
+            raise FailedPrecondition(f"runtime handler {handler!r} is not configured") from None
+
+    # ---- undo actions --------------------------------------------------------------
+
+    async def _undo_runtime(self, args: dict[str, Any]) -> None:
+        await self._backend(args["handler"]).delete(args["id"])
+
+    async def _undo_rootfs(self, args: dict[str, Any]) -> None:
+        await asyncio.to_thread(overlay.unmount, Path(args["path"]))
+
+    async def _undo_dir(self, args: dict[str, Any]) -> None:
+        path = Path(args["path"])
+        await asyncio.to_thread(mounts.unmount_below, path)
+        await asyncio.to_thread(shutil.rmtree, path, True)
+
+    # ---- CreationHooks (the rest are inherited) -----------------------------------
+
+    async def cleanup(self, object_id: str) -> None:
+        try:
+            await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
+        finally:
+            self.forget(object_id)
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def start(self, ref: str) -> None:
+        container = self.get(ref)
+        if container.state != CREATED:
+            raise FailedPrecondition(
+                f"container {container.id} is {container.state}, only a created container can start"
+            )
+        sandbox = self._sandboxes.get(container.sandbox_id)
+        backend = self._backend(sandbox.runtime_handler)
+        # Taken before the start: a process that exits at once must not look as if it
+        # finished before it started.
+        started_at = _now_ns()
+        await backend.start(container.id)
+        self._db.execute(
+            "UPDATE containers SET state = ?, started_at = ? WHERE id = ?",
+            (RUNNING, started_at, container.id),
+        )
+        log.info("container %s (%s) started", container.id, container.name)
+
+    async def stop(self, ref: str, timeout: float) -> None:
+        container = self.find(ref)
+        if container is None:
+            return
+        await self._stop(container, timeout)
+
+    async def _stop(self, container: ContainerRecord, timeout: float) -> None:
+        container = self.refresh(container)
+        if container.state == EXITED:
+            return
+        backend = self._backend(self._handler_of(container))
+        if container.state == CREATED:
+            # Never started: nothing to signal; the runtime container is torn down on remove.
+            await backend.stop(container.id, 0, signal.SIGKILL)
+        else:
+            image = self._images.get(container.image_id)
+            stop_signal = resolve_stop_signal(
+                container.config, _image_view(image) if image else ImageConfigView()
+            )
+            await backend.stop(container.id, max(0.0, timeout), stop_signal)
+        self._mark_exited(container, backend)
+        log.info("container %s (%s) stopped", container.id, container.name)
+
+    def _mark_exited(self, container: ContainerRecord, backend: RuntimeBackend) -> ContainerRecord:
+        status = backend.exit_status(container.id)
+        code, finished = status if status is not None else (137, _now_ns())
+        if backend.oom_killed(container.id):
+            reason = "OOMKilled"
+        elif code == 0:
+            reason = "Completed"
+        else:
+            reason = "Error"
+        self._db.execute(
+            "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ? "
+            "WHERE id = ?",
+            (EXITED, code, finished, reason, container.id),
+        )
+        container.state, container.exit_code = EXITED, code
+        container.finished_at, container.reason = finished, reason
+        return container
+
+    def refresh(self, container: ContainerRecord) -> ContainerRecord:
+        """Pick up an exit that conmon recorded since we last looked."""
+        if container.state != RUNNING:
+            return container
+        backend = self._backend(self._handler_of(container))
+        if backend.exit_status(container.id) is None:
+            return container
+        return self._mark_exited(container, backend)
+
+    async def remove(self, ref: str) -> None:
+        container = self.find(ref)
+        if container is None:
+            return
+        await self._stop(container, 0)
+        try:
+            await self._journal.undo(container.id, budget=self._config.creation.cleanup_timeout)
+        except UndoFailed as exc:
+            log.error("container %s (%s): removal left work for GC: %s",
+                      container.id, container.name, exc)
+        self.forget(container.id)
+        self.coordinator.release(container.name)
+        log.info("container %s (%s) removed", container.id, container.name)
+
+    async def stop_all_in(self, sandbox_id: str) -> None:
+        await asyncio.gather(*(self._stop(c, 0) for c in self.list(sandbox_id=sandbox_id)))
+
+    async def remove_all_in(self, sandbox_id: str) -> None:
+        for container in self.list(sandbox_id=sandbox_id):
+            await self.remove(container.id)
+
+    async def exec_sync(self, ref: str, cmd: list[str], timeout: float) -> ExecResult:
+        if not cmd:
+            raise InvalidArgument("ExecSyncRequest.cmd must not be empty")
+        container = self.get_running(ref)
+        # A timeout of 0 means none (kubelet sends its probe timeout otherwise).
+        result = await self.backend_of(container).exec_sync(container.id, cmd, timeout or None)
+        if result.timed_out:
+            # kubelet turns DEADLINE_EXCEEDED into a probe timeout, as with containerd.
+            raise DeadlineExceeded(
+                f"command {cmd[0]!r} in container {container.id} timed out after {timeout:g}s "
+                "and was killed"
+            )
+        return result
+
+    async def reopen_log(self, ref: str) -> None:
+        container = self.get_running(ref)
+        await self.backend_of(container).reopen_log(container.id)
+
+    async def update_resources(self, ref: str, resources: api_pb2.LinuxContainerResources) -> None:
+        container = self.get(ref)
+        if container.state == EXITED:
+            raise FailedPrecondition(f"container {container.id} has exited")
+        await self.backend_of(container).update_resources(container.id, resources)
+
+    def _handler_of(self, container: ContainerRecord) -> str:
+        row = self._db.query_one(
+            "SELECT runtime_handler FROM sandboxes WHERE id = ?", (container.sandbox_id,)
+        )
+        return str(row[0]) if row else self._config.runtime.default_handler
+
+    def backend_of(self, container: ContainerRecord) -> RuntimeBackend:
+        return self._backend(self._handler_of(container))
+
+    # ---- queries (visible containers only) -----------------------------------------
+
+    def find(self, ref: str) -> ContainerRecord | None:
+        row = self.find_visible_row(ref)
+        return self.refresh(ContainerRecord.from_row(row)) if row is not None else None
+
+    def get(self, ref: str) -> ContainerRecord:
+        container = self.find(ref)
+        if container is None:
+            raise NotFound(f"container {ref!r} not found")
+        return container
+
+    def get_running(self, ref: str) -> ContainerRecord:
+        container = self.get(ref)
+        if container.state != RUNNING:
+            raise FailedPrecondition(f"container {container.id} is not running ({container.state})")
+        return container
+
+    def list(self, sandbox_id: str | None = None) -> list[ContainerRecord]:
+        if sandbox_id is None:
+            rows = self._db.query(
+                "SELECT * FROM containers WHERE phase = 'visible' ORDER BY created_at"
+            )
+        else:
+            rows = self._db.query(
+                "SELECT * FROM containers WHERE phase = 'visible' AND sandbox_id = ? "
+                "ORDER BY created_at",
+                (sandbox_id,),
+            )
+        return [self.refresh(ContainerRecord.from_row(r)) for r in rows]
+
+    def chain_ids_in_use(self) -> set[str]:
+        rows = self._db.query("SELECT DISTINCT image_id FROM containers")
+        used: set[str] = set()
+        for row in rows:
+            image = self._images.get(row[0])
+            if image is not None:
+                used.update(image.layers)
+        return used
+
+    # ---- restore -------------------------------------------------------------------
+
+    async def restore(self) -> None:
+        rows = self._db.query("SELECT id, name, phase FROM containers")
+        for row in rows:
+            if row["phase"] == "creating":
+                log.warning("container %s (%s): creation was interrupted; rolling it back",
+                            row["id"], row["name"])
+                try:
+                    await self._journal.undo(row["id"], budget=self._config.creation.cleanup_timeout)
+                except UndoFailed as exc:
+                    log.error("container %s: rollback left work for GC: %s", row["id"], exc)
+                self.forget(row["id"])
+            elif row["phase"] == "cached":
+                self.coordinator.restore_cached(row["name"], row["id"])
+            else:
+                self.coordinator.restore_visible(row["name"], row["id"])
+        self._db.execute(
+            "DELETE FROM names WHERE kind = 'container' "
+            "AND object_id NOT IN (SELECT id FROM containers)"
+        )
+        # Containers that exited while the daemon was down: conmon's exit files say how.
+        for container in self.list():
+            self.refresh(container)
+
+
+def _image_view(image: ImageRecord) -> ImageConfigView:
+    return ImageConfigView(
+        entrypoint=tuple(image.entrypoint),
+        cmd=tuple(image.cmd),
+        env=tuple(image.env),
+        working_dir=image.working_dir,
+        user=image.user,
+        stop_signal=image.stop_signal,
+    )
+
+

@@ -1,0 +1,1 @@
+"""Container logs in the CRI format that kubelet reads (crilog.py)."""

@@ -1,0 +1,661 @@
+"""Containers run under conmon, as CRI-O runs them: one RuntimeBackend per runtime handler.
+
+conmon holds the container's stdio, writes the CRI log, records the exit code in a file
+and outlives the daemon, so a restart loses nothing: every fact this module needs is a
+file under `state_dir`, and nothing is kept in memory. Layout:
+
+    state_dir/exits/<id>                      exit code written by conmon; mtime = finish time
+    state_dir/sockets/                        conmon's attach-socket links
+    state_dir/runc-logs/                      per-call runc logs (removed after each call)
+    state_dir/containers/<id>/meta.json       bundle, log path, cgroup, conmon's identity
+    state_dir/containers/<id>/conmon.pid      written by conmon
+    state_dir/containers/<id>/conmon.log      conmon's own diagnostics
+    state_dir/containers/<id>/persist/        conmon's persist dir (its `oom` marker)
+
+ExecSync uses `runc exec` directly: conmon's exec mode adds a process and a protocol for
+nothing that ExecSync needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cri_api.v1 import api_pb2
+
+from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+from cri_shim.runtime.host_limits import HostLimits, current_host_limits
+from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
+from cri_shim.runtime.resources import linux_resources
+from cri_shim.runtime.stats import CgroupStats, oom_kill_count, read_cgroup_stats
+
+log = logging.getLogger(__name__)
+
+CREATE_TIMEOUT = 60.0  # conmon + runc create; a large rootfs or a busy host is slow
+KILL_GRACE = 10.0  # after SIGKILL, how long until the exit must be recorded
+MONITOR_EXIT_GRACE = 2.0  # after runc delete, how long conmon gets to exit by itself
+REOPEN_TIMEOUT = 2.0
+
+# conmon's control FIFO message: "<type> <height> <width>\n"; type 2 reopens the log.
+_REOPEN_LOG_MESSAGE = b"2 0 0\n"
+# Files conmon (or runc through it) leaves in the bundle.
+_BUNDLE_ARTIFACTS = ("pidfile", "attach", "ctl", "winsz")
+_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class _ProcessRef:
+    """A process by pid and start time, so that a reused pid is never mistaken for it."""
+
+    pid: int
+    start_time: int
+
+
+@dataclass(frozen=True)
+class _Meta:
+    bundle: str
+    log_path: str
+    cgroups_path: str
+    conmon_pid: int = 0
+    conmon_start_time: int = 0
+
+
+class RuntimeBackend:
+    """Create, start, stop, delete and inspect containers of one runtime handler."""
+
+    def __init__(
+        self,
+        handler_name: str,
+        runtime_path: Path,
+        runtime_root: Path,
+        conmon_path: Path,
+        state_dir: Path,
+        *,
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        host: HostLimits | None = None,
+        call_timeout: float = 30.0,
+        create_timeout: float = CREATE_TIMEOUT,
+        conmon_log_level: str = "info",
+    ) -> None:
+        self.handler_name = handler_name
+        self.runtime_path = _executable(runtime_path, "runtime")
+        self.conmon_path = _executable(conmon_path, "conmon")
+        self.state_dir = state_dir
+        self.cgroup_root = cgroup_root
+        self._host = host
+        self.create_timeout = create_timeout
+        self.conmon_log_level = conmon_log_level
+        self._exits = state_dir / "exits"
+        self._sockets = state_dir / "sockets"
+        self._containers = state_dir / "containers"
+        for directory in (self._exits, self._sockets, self._containers, runtime_root):
+            directory.mkdir(parents=True, exist_ok=True)
+        self.oci = OciRuntime(
+            self.runtime_path,
+            runtime_root,
+            log_dir=state_dir / "runc-logs",
+            call_timeout=call_timeout,
+        )
+        self.oci.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- create / start -------------------------------------------------------------
+
+    async def create(
+        self,
+        container_id: str,
+        bundle: Path,
+        spec: Mapping[str, Any],
+        log_path: Path,
+        tty: bool,
+        stdin: bool,
+    ) -> int:
+        """Write config.json, start conmon (which runs `runc create`), and return the
+        container's pid once conmon reports it. On any failure, including cancellation,
+        everything started is taken down again (conmon, runc state, files) and the error
+        carries the runtime's own message."""
+        _check_id(container_id)
+        cdir = self._containers / container_id
+        try:
+            cdir.mkdir()  # the claim on this id: atomic, so two creates cannot both win
+        except FileExistsError:
+            # Never "clean up" an id in use: that would destroy a live container.
+            raise FailedPrecondition(
+                f"container {container_id} already exists in runtime handler "
+                f"{self.handler_name}; delete it first"
+            ) from None
+        started = time.monotonic()
+        try:
+            (cdir / "persist").mkdir()
+            pid = await self._create(container_id, cdir, bundle, spec, log_path, tty, stdin)
+        except BaseException:
+            await self._discard(container_id)
+            raise
+        log.debug(
+            "created %s (pid %d) in %.1f ms", container_id, pid, (time.monotonic() - started) * 1000
+        )
+        return pid
+
+    async def _create(
+        self,
+        container_id: str,
+        cdir: Path,
+        bundle: Path,
+        spec: Mapping[str, Any],
+        log_path: Path,
+        tty: bool,
+        stdin: bool,
+    ) -> int:
+        meta = self._prepare(container_id, cdir, bundle, spec, log_path, tty)
+
+        args = [
+            str(self.conmon_path),
+            "--api-version",
+            "1",
+            "-c",
+            container_id,
+            "-u",
+            container_id,
+            "-n",
+            container_id,
+            "-r",
+            str(self.runtime_path),
+            "-b",
+            str(bundle),
+            "-p",
+            str(bundle / "pidfile"),
+            "--conmon-pidfile",
+            str(cdir / "conmon.pid"),
+            "--persist-dir",
+            str(cdir / "persist"),
+            "--exit-dir",
+            str(self._exits),
+            "--socket-dir-path",
+            str(self._sockets),
+            "-l",
+            f"k8s-file:{log_path}",
+            "--log-level",
+            self.conmon_log_level,
+        ]
+        for runtime_arg in self.oci.conmon_runtime_args():
+            args += ["--runtime-arg", runtime_arg]
+        if tty:
+            args.append("--terminal")
+        if stdin:
+            args.append("--stdin")
+
+        deadline = time.monotonic() + self.create_timeout
+        sync_read, sync_write = os.pipe()
+        diagnostics = os.open(cdir / "conmon.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        try:
+            # conmon finds the sync pipe by the fd number in _OCI_SYNCPIPE. Its stdout and
+            # stderr go to a file, never a pipe to us: conmon outlives the daemon, and a
+            # write to a pipe whose reader died would kill it with SIGPIPE.
+            proc = await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=diagnostics,
+                stderr=diagnostics,
+                pass_fds=(sync_write,),
+                env={**os.environ, "_OCI_SYNCPIPE": str(sync_write)},
+            )
+        except BaseException:
+            os.close(sync_read)
+            raise
+        finally:
+            os.close(sync_write)
+            os.close(diagnostics)
+        try:
+            # conmon forks its monitor and the first process exits at once.
+            await asyncio.wait_for(proc.wait(), _remaining(deadline))
+            if proc.returncode != 0:
+                raise Internal(
+                    f"conmon for {container_id} failed (exit status {proc.returncode}): "
+                    f"{_tail(cdir / 'conmon.log')}"
+                )
+            report = await _read_sync_line(sync_read, _remaining(deadline))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"creating container {container_id} took longer than {self.create_timeout:g}s"
+            ) from None
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            with contextlib.suppress(OSError):
+                os.close(sync_read)
+
+        conmon = self._read_conmon_ref(cdir)
+        if conmon is not None:
+            meta = _Meta(
+                **{**asdict(meta), "conmon_pid": conmon.pid, "conmon_start_time": conmon.start_time}
+            )
+            _write_atomic(cdir / "meta.json", json.dumps(asdict(meta)).encode())
+
+        if not report:
+            raise Internal(
+                f"conmon for {container_id} exited without reporting the container's pid: "
+                f"{_tail(cdir / 'conmon.log')}"
+            )
+        try:
+            message = json.loads(report)
+            pid = int(message["data"])
+        except (ValueError, KeyError, TypeError):
+            raise Internal(
+                f"conmon for {container_id} sent an unreadable report: {report!r}"
+            ) from None
+        if pid <= 0:
+            text = str(message.get("message", ""))
+            reason = runtime_error_message(text) or text or "no message"
+            raise Internal(f"creating container {container_id} failed: {reason}")
+        return pid
+
+    def _prepare(
+        self,
+        container_id: str,
+        cdir: Path,
+        bundle: Path,
+        spec: Mapping[str, Any],
+        log_path: Path,
+        tty: bool,
+    ) -> _Meta:
+        """Write config.json and meta.json (small local files: not worth a thread)."""
+        config = copy.deepcopy(dict(spec))
+        # The tty flag is conmon's and the spec's at once; one source so they cannot differ.
+        config.setdefault("process", {})["terminal"] = tty
+        bundle.mkdir(parents=True, exist_ok=True)
+        _write_atomic(bundle / "config.json", json.dumps(config).encode())
+        with contextlib.suppress(FileNotFoundError):
+            (self._exits / container_id).unlink()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        meta = _Meta(
+            bundle=str(bundle),
+            log_path=str(log_path),
+            cgroups_path=str(config.get("linux", {}).get("cgroupsPath", "")),
+        )
+        _write_atomic(cdir / "meta.json", json.dumps(asdict(meta)).encode())
+        return meta
+
+    async def start(self, container_id: str) -> None:
+        await self.oci.start(container_id)
+
+    # ---- stop / delete --------------------------------------------------------------
+
+    async def stop(
+        self,
+        container_id: str,
+        timeout: float,  # noqa: ASYNC109 - StopContainerRequest.timeout, the grace period
+        stop_signal: int,
+    ) -> None:
+        """Send `stop_signal`, wait up to `timeout` seconds, then SIGKILL every process
+        of the container. Stopping a stopped or unknown container does nothing."""
+        if self.exit_status(container_id) is not None:
+            return
+        if timeout > 0:
+            if not await self._signal(container_id, stop_signal, all_processes=False):
+                return
+            if await self._wait_monitor(container_id, timeout):
+                return
+            log.info(
+                "%s did not stop within %gs after signal %d; killing it",
+                container_id,
+                timeout,
+                stop_signal,
+            )
+        if not await self._signal(container_id, signal.SIGKILL, all_processes=True):
+            return
+        if not await self._wait_monitor(container_id, KILL_GRACE):
+            raise DeadlineExceeded(
+                f"container {container_id} did not exit within {KILL_GRACE:g}s of SIGKILL"
+            )
+
+    async def _signal(self, container_id: str, sig: int, *, all_processes: bool) -> bool:
+        """False when there is nothing left to signal."""
+        try:
+            await self.oci.kill(container_id, sig, all=all_processes)
+        except NotFound:
+            return False
+        except FailedPrecondition:
+            # "container not running": it exited after our check; conmon records it.
+            await self._wait_monitor(container_id, KILL_GRACE)
+            return False
+        return True
+
+    async def delete(self, container_id: str) -> None:
+        """Remove the container from the runtime (killing it if it still runs), make sure
+        its conmon is gone, and remove the files this backend made. Idempotent."""
+        _check_id(container_id)
+        cdir = self._containers / container_id
+        meta = self._read_meta(container_id)
+        conmon = self._conmon_ref(container_id)
+        await self.oci.delete(container_id, force=True)  # a missing container is fine
+        if conmon is not None and _alive(conmon):
+            await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
+            if _alive(conmon):
+                log.warning(
+                    "conmon %d for %s outlived its container; killing it", conmon.pid, container_id
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(conmon.pid, signal.SIGKILL)
+                await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
+        if conmon is not None:
+            _reap(conmon)
+        for leftover in (self._exits / container_id, self._sockets / container_id):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+        if meta is not None:
+            for name in _BUNDLE_ARTIFACTS:
+                with contextlib.suppress(FileNotFoundError):
+                    (Path(meta.bundle) / name).unlink()
+        shutil.rmtree(cdir, ignore_errors=True)
+
+    async def _discard(self, container_id: str) -> None:
+        """Undo a failed create. Errors are logged, not raised: the create's own error
+        is the one the caller must see."""
+        conmon = self._conmon_ref(container_id)
+        if conmon is None:
+            conmon = self._read_conmon_ref(self._containers / container_id)
+        if conmon is not None and _alive(conmon):
+            # conmon leads its own process group, which holds a runc create in flight.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(conmon.pid, signal.SIGKILL)
+            await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
+        try:
+            await asyncio.shield(self.delete(container_id))
+        except Exception as err:  # reported; the create's own error is the one raised
+            log.error("cleaning up failed create of %s: %s", container_id, err)
+
+    # ---- exit and state -------------------------------------------------------------
+
+    def exit_status(self, container_id: str) -> tuple[int, int] | None:
+        """(exit code, finished_at in ns since the epoch) once conmon recorded the exit.
+        The finish time is the exit file's mtime: conmon writes it when the process ends,
+        and it survives a daemon restart."""
+        path = self._exits / container_id
+        try:
+            text = path.read_text().strip()
+            finished = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        try:
+            code = int(text)
+        except ValueError:
+            return None  # being written
+        conmon = self._conmon_ref(container_id)
+        if conmon is not None:
+            _reap(conmon)
+        return code, finished
+
+    async def wait_exit(
+        self,
+        container_id: str,
+        timeout: float | None,  # noqa: ASYNC109 - a budget, as everywhere in this API
+    ) -> tuple[int, int]:
+        """Wait until the container has exited; return exit_status(). Raises
+        DeadlineExceeded after `timeout` seconds (None waits for ever), and Internal when
+        conmon is gone without recording an exit (killed, or the host rebooted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.exit_status(container_id)
+            if status is not None:
+                return status
+            conmon = self._conmon_ref(container_id)
+            if conmon is None or not _alive(conmon):
+                status = self.exit_status(container_id)  # written just before it exited
+                if status is not None:
+                    return status
+                raise Internal(
+                    f"the monitor of container {container_id} is gone without recording "
+                    "an exit code"
+                )
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"container {container_id} is still running")
+            await _wait_process_exit(conmon, remaining)
+
+    async def _wait_monitor(self, container_id: str, timeout: float) -> bool:  # noqa: ASYNC109
+        """True once the exit is recorded or conmon is gone; False on timeout."""
+        try:
+            await self.wait_exit(container_id, timeout)
+        except DeadlineExceeded:
+            return False
+        except Internal:
+            return True
+        return True
+
+    async def state(self, container_id: str) -> str:
+        """created | running | stopped | unknown."""
+        try:
+            current = await self.oci.state(container_id)
+        except NotFound:
+            return "stopped" if self.exit_status(container_id) is not None else "unknown"
+        return {
+            "creating": "created",
+            "created": "created",
+            "running": "running",
+            "pausing": "running",
+            "paused": "running",
+            "stopped": "stopped",
+        }.get(current.status, "unknown")
+
+    def oom_killed(self, container_id: str) -> bool:
+        """Whether the kernel's OOM killer killed a process of this container. Ask before
+        delete(): the evidence is the container's cgroup and conmon's persist dir."""
+        if (self._containers / container_id / "persist" / "oom").exists():
+            return True
+        meta = self._read_meta(container_id)
+        if meta is None or not meta.cgroups_path:
+            return False
+        count = oom_kill_count(
+            meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
+        )
+        return count > 0
+
+    def cgroup_stats(self, container_id: str) -> CgroupStats:
+        meta = self._read_meta(container_id)
+        if meta is None:
+            raise NotFound(
+                f"container {container_id} is not known to runtime handler {self.handler_name}"
+            )
+        return read_cgroup_stats(
+            meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
+        )
+
+    # ---- exec, logs, resources ------------------------------------------------------
+
+    async def exec_sync(
+        self,
+        container_id: str,
+        cmd: Sequence[str],
+        timeout: float | None,  # noqa: ASYNC109 - ExecSyncRequest.timeout
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        return await self.oci.exec_sync(container_id, cmd, timeout, env)
+
+    async def reopen_log(self, container_id: str) -> None:
+        """Ask conmon to reopen the log file (kubelet renamed it to rotate), and return
+        once the new file exists, so that kubelet never compresses a file still written."""
+        meta = self._read_meta(container_id)
+        if meta is None:
+            raise NotFound(
+                f"container {container_id} is not known to runtime handler {self.handler_name}"
+            )
+        try:
+            # Non-blocking: with no reader (conmon gone) open fails with ENXIO instead of
+            # hanging for ever.
+            fd = os.open(Path(meta.bundle) / "ctl", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as err:
+            if err.errno in (errno.ENXIO, errno.ENOENT):
+                raise FailedPrecondition(
+                    f"container {container_id} is not running; its log is not open"
+                ) from None
+            raise Internal(f"reopening the log of {container_id}: {err}") from None
+        try:
+            os.write(fd, _REOPEN_LOG_MESSAGE)
+        finally:
+            os.close(fd)
+        log_path = Path(meta.log_path)
+        deadline = time.monotonic() + REOPEN_TIMEOUT
+        while not _exists(log_path):
+            if time.monotonic() > deadline:
+                raise Internal(f"conmon did not reopen {log_path} within {REOPEN_TIMEOUT:g}s")
+            await asyncio.sleep(0.002)
+
+    async def update_resources(
+        self,
+        container_id: str,
+        resources: api_pb2.LinuxContainerResources | Mapping[str, Any],
+    ) -> None:
+        if isinstance(resources, api_pb2.LinuxContainerResources):
+            oci_resources = linux_resources(resources, self._host_limits())
+        else:
+            oci_resources = dict(resources)
+        if oci_resources:
+            await self.oci.update(container_id, oci_resources)
+
+    # ---- files ----------------------------------------------------------------------
+
+    def _host_limits(self) -> HostLimits:
+        return self._host or current_host_limits()
+
+    def _read_meta(self, container_id: str) -> _Meta | None:
+        try:
+            raw = json.loads((self._containers / container_id / "meta.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return _Meta(**raw)
+
+    def _conmon_ref(self, container_id: str) -> _ProcessRef | None:
+        meta = self._read_meta(container_id)
+        if meta is None or meta.conmon_pid <= 0:
+            return None
+        return _ProcessRef(meta.conmon_pid, meta.conmon_start_time)
+
+    @staticmethod
+    def _read_conmon_ref(cdir: Path) -> _ProcessRef | None:
+        try:
+            pid = int((cdir / "conmon.pid").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        start = _process_stat(pid)
+        return _ProcessRef(pid, start[2]) if start is not None else None
+
+
+def _check_id(container_id: str) -> None:
+    # The id becomes a file name in several directories; refuse anything that could escape.
+    if not _CONTAINER_ID.match(container_id):
+        raise FailedPrecondition(f"invalid container id {container_id!r}")
+
+
+def _executable(path: Path, what: str) -> Path:
+    found = shutil.which(str(path))
+    if found is None:
+        raise FailedPrecondition(f"{what} {path} not found or not executable")
+    return Path(found).resolve()
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+async def _read_sync_line(fd: int, timeout: float) -> bytes:  # noqa: ASYNC109
+    """conmon writes one JSON line when runc create finished, and keeps the pipe open for
+    the container's lifetime: read that line, never wait for EOF."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", buffering=0)
+    )
+    try:
+        return await asyncio.wait_for(reader.readline(), timeout)
+    finally:
+        transport.close()
+
+
+def _process_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks) of a process, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    # After the command name: state, ppid, ..., starttime is field 22 of the whole line.
+    return fields[0].decode(), int(fields[1]), int(fields[19])
+
+
+def _alive(ref: _ProcessRef) -> bool:
+    found = _process_stat(ref.pid)
+    return found is not None and found[2] == ref.start_time and found[0] not in ("Z", "X")
+
+
+def _reap(ref: _ProcessRef) -> None:
+    """conmon double-forks away from us, but with the daemon as child subreaper the
+    monitor is re-parented to the daemon, and an exited one stays a zombie until
+    reaped. Only this exact process (pid and start time) is reaped, never a pid that
+    asyncio is waiting for."""
+    found = _process_stat(ref.pid)
+    if found is None or found[2] != ref.start_time or found[0] != "Z":
+        return
+    if found[1] != os.getpid():
+        return
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(ref.pid, os.WNOHANG)
+
+
+async def _wait_process_exit(ref: _ProcessRef, timeout: float | None) -> None:  # noqa: ASYNC109
+    """Wait for any process (not only a child) to exit, through a pidfd."""
+    try:
+        pidfd = os.pidfd_open(ref.pid)
+    except ProcessLookupError:
+        return
+    try:
+        if not _alive(ref):  # checked after opening, so the pidfd is the right process
+            return
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except TimeoutError:
+            return
+        finally:
+            loop.remove_reader(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists()
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return "no diagnostics"
+    return text[-limit:] or "no diagnostics"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)

@@ -1,0 +1,365 @@
+"""The one place that runs the OCI runtime CLI (runc, or any handler with runc's CLI).
+
+Every call has a budget and every failure carries the runtime's own words: runc writes
+its errors as JSON lines to a per-call `--log` file, which is read back and parsed. A
+per-call file (not stderr) because during `runc exec` stderr is the exec'd process's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CALL_TIMEOUT = 30.0
+# ExecSync output is returned in one gRPC message; kubelet's limit is 16 MiB.
+MAX_EXEC_OUTPUT = 16 * 1024 * 1024
+# After an exec'd process exited, how long to keep reading output that a background
+# child of it may still hold open, when the request has no deadline of its own.
+EXEC_OUTPUT_DRAIN = 2.0
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    id: str
+    status: str  # creating | created | running | paused | stopped
+    pid: int
+    bundle: Path
+    created: str
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    stdout: bytes
+    stderr: bytes
+    exit_code: int  # -1 when timed_out
+    timed_out: bool
+
+
+_LOGFMT_MSG = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
+_LOGFMT_LEVEL = re.compile(r"level=(\w+)")
+
+
+def runtime_error_message(text: str) -> str:
+    """The error and fatal messages in runc's output (JSON lines or logfmt), joined.
+    All of them, not just the last: on an OOM-score failure the cause ("failed to update
+    /proc/self/oom_score_adj") comes one line before the generic "can't get final child's
+    PID from pipe"."""
+    messages: list[str] = []
+    plain: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        level, message = "", None
+        if line.startswith("{"):
+            try:
+                entry = json.loads(line)
+                level, message = str(entry.get("level", "")), str(entry.get("msg", ""))
+            except ValueError:
+                pass
+        elif (found := _LOGFMT_MSG.search(line)) is not None:
+            level_match = _LOGFMT_LEVEL.search(line)
+            level = level_match.group(1) if level_match else ""
+            try:
+                message = json.loads(f'"{found.group(1)}"')
+            except ValueError:
+                message = found.group(1)
+        if message is None:
+            plain.append(line)
+        elif level in ("error", "fatal", "panic") and message not in messages:
+            messages.append(message)
+    if messages:
+        return "; ".join(messages)
+    return "; ".join(plain)[-2000:]
+
+
+class OciRuntime:
+    """runc's CLI for one handler: `path` is the binary, `root` its state directory."""
+
+    def __init__(
+        self,
+        path: Path,
+        root: Path,
+        *,
+        log_dir: Path,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    ) -> None:
+        self.path = path
+        self.root = root
+        self.log_dir = log_dir
+        self.call_timeout = call_timeout
+
+    def conmon_runtime_args(self) -> list[str]:
+        """Global options for conmon's `--runtime-arg`, so that the create it runs uses the
+        same state root and writes errors in the same parseable form."""
+        return [f"--root={self.root}", "--log-format=json"]
+
+    # Every call takes `timeout` (seconds; None = the handler's call_timeout) rather than
+    # relying on callers to wrap it: a runc that hangs must be killed, not just abandoned.
+
+    async def state(
+        self,
+        container_id: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> ContainerState:
+        out = await self._call(["state", container_id], container_id, timeout)
+        return _parse_state(json.loads(out))
+
+    async def list(self, *, timeout: float | None = None) -> list[ContainerState]:  # noqa: ASYNC109
+        out = await self._call(["list", "--format", "json"], "", timeout)
+        return [_parse_state(entry) for entry in json.loads(out) or []]
+
+    async def start(self, container_id: str, *, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        await self._call(["start", container_id], container_id, timeout)
+
+    async def kill(
+        self,
+        container_id: str,
+        sig: int,
+        *,
+        all: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> None:
+        args = ["kill", *(["--all"] if all else []), container_id, str(int(sig))]
+        await self._call(args, container_id, timeout)
+
+    async def delete(
+        self,
+        container_id: str,
+        *,
+        force: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> None:
+        """With force, a missing container is not an error (runc's own behaviour)."""
+        args = ["delete", *(["--force"] if force else []), container_id]
+        await self._call(args, container_id, timeout)
+
+    async def update(
+        self,
+        container_id: str,
+        resources: Mapping[str, Any],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> None:
+        payload = json.dumps(dict(resources)).encode()
+        await self._call(
+            ["update", "--resources", "-", container_id], container_id, timeout, stdin=payload
+        )
+
+    async def exec_sync(
+        self,
+        container_id: str,
+        cmd: Sequence[str],
+        timeout: float | None,  # noqa: ASYNC109 - ExecSyncRequest.timeout
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run `cmd` in the container and collect its output. On timeout the process and
+        its group are killed and the call returns at once with `timed_out=True`.
+        timeout None or 0 means no limit."""
+        if not cmd:
+            raise FailedPrecondition("exec: no command given")
+        log_name = self._new_log_file("exec")
+        pid_file = Path(log_name).with_suffix(".pid")
+        env_args = [f"--env={key}={value}" for key, value in (env or {}).items()]
+        args = [
+            str(self.path),
+            *self._global_args(log_name),
+            "exec",
+            "--pid-file",
+            str(pid_file),
+            *env_args,
+            container_id,
+            *cmd,
+        ]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                # Its own session, so that killing runc cannot hit the daemon's group.
+                start_new_session=True,
+            )
+            assert proc.stdout is not None and proc.stderr is not None
+            stdout, stderr = bytearray(), bytearray()
+            readers = [
+                asyncio.create_task(_read_capped(proc.stdout, stdout)),
+                asyncio.create_task(_read_capped(proc.stderr, stderr)),
+            ]
+            waiter = asyncio.create_task(proc.wait())
+            limit = timeout if timeout else None
+            try:
+                done, _ = await asyncio.wait({waiter}, timeout=limit)
+                timed_out = not done
+                if timed_out:
+                    await _kill_exec(proc, pid_file)
+                    await waiter
+                else:
+                    # Output may still be in flight, or held open by a background child.
+                    await asyncio.wait(readers, timeout=EXEC_OUTPUT_DRAIN)
+            finally:
+                for task in (*readers, waiter):
+                    task.cancel()
+                await asyncio.gather(*readers, waiter, return_exceptions=True)
+                if proc.returncode is None:
+                    await _kill_exec(proc, pid_file)
+            if timed_out:
+                note = f"\ncommand timed out after {timeout:g}s and was killed\n".encode()
+                return ExecResult(bytes(stdout), bytes(stderr) + note, -1, True)
+            code = proc.returncode
+            assert code is not None
+            runc_error = runtime_error_message(_read_text(log_name))
+            if code != 0 and runc_error:
+                # runc itself failed (no such binary, container gone): not the command's
+                # exit code, so say so rather than report 255.
+                raise _classify(f"exec in {container_id}", container_id, runc_error)
+            return ExecResult(
+                bytes(stdout), bytes(stderr), code if code >= 0 else 128 - code, False
+            )
+        finally:
+            for leftover in (log_name, pid_file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+
+    def _new_log_file(self, verb: str) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f"runc-{verb}-", suffix=".log", dir=self.log_dir)
+        os.close(fd)
+        return name
+
+    # `list` is a method of this class, so the builtin is spelled out below it.
+    def _global_args(self, log_file: str) -> builtins.list[str]:
+        return ["--root", str(self.root), "--log", log_file, "--log-format", "json"]
+
+    async def _call(
+        self,
+        args: builtins.list[str],
+        container_id: str,
+        timeout: float | None,  # noqa: ASYNC109
+        *,
+        stdin: bytes | None = None,
+    ) -> bytes:
+        budget = timeout if timeout is not None else self.call_timeout
+        log_name = self._new_log_file(args[0])
+        started = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                str(self.path),
+                *self._global_args(log_name),
+                *args,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(stdin), budget)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+                raise DeadlineExceeded(
+                    f"{self.path.name} {' '.join(args)} did not finish within {budget:g}s"
+                ) from None
+            finally:
+                if proc.returncode is None:  # cancelled by the caller: leave no runc behind
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+            log.debug(
+                "%s %s: rc=%s in %.1f ms",
+                self.path.name,
+                args[0],
+                proc.returncode,
+                (time.monotonic() - started) * 1000,
+            )
+            if proc.returncode != 0:
+                message = (
+                    runtime_error_message(_read_text(log_name))
+                    or runtime_error_message(err.decode(errors="replace"))
+                    or f"exit status {proc.returncode}"
+                )
+                raise _classify(f"{self.path.name} {args[0]}", container_id, message)
+            return out
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(log_name)
+
+
+def _classify(what: str, container_id: str, message: str) -> Exception:
+    if "does not exist" in message:
+        return NotFound(f"container {container_id} does not exist in the runtime ({message})")
+    if "stopped" in message or "not running" in message:
+        return FailedPrecondition(f"{what}: {message}")
+    return Internal(f"{what}: {message}")
+
+
+def _parse_state(entry: Mapping[str, Any]) -> ContainerState:
+    return ContainerState(
+        id=str(entry["id"]),
+        status=str(entry.get("status", "unknown")),
+        pid=int(entry.get("pid") or 0),
+        bundle=Path(entry.get("bundle") or ""),
+        created=str(entry.get("created", "")),
+    )
+
+
+def _read_pid(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+async def _read_capped(stream: asyncio.StreamReader, into: bytearray) -> None:
+    """Read to EOF; keep at most MAX_EXEC_OUTPUT bytes, but keep draining so the writer
+    never blocks on a full pipe."""
+    while chunk := await stream.read(65536):
+        room = MAX_EXEC_OUTPUT - len(into)
+        if room > 0:
+            into += chunk[:room]
+
+
+async def _kill_exec(proc: asyncio.subprocess.Process, pid_file: Path) -> None:
+    """Kill the exec'd process and everything in its process group at once, then let runc
+    reap it. runc makes the exec'd process a session leader, so its group is separate
+    from runc's and must be killed by its own id.
+
+    All at once, not children first: a parent whose child was killed runs on (a shell
+    goes to its next command), and nothing of the command may run after its timeout.
+    The price: a grandchild whose parent died with it is re-parented to the container's
+    init, which may never reap it (the zombie goes when the container does).
+    """
+    exec_pid = _read_pid(pid_file)  # 0: runc had not started it yet; killing runc is enough
+    if exec_pid > 0:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(exec_pid, signal.SIGKILL)
+    # runc reaps the exec'd process and exits by itself; give it a moment, then force it.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(proc.wait()), 1.0)
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

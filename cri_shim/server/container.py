@@ -1,0 +1,157 @@
+"""CreateContainer, Start/Stop/Remove, ListContainers, ContainerStatus, ExecSync, logs, resources."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from cri_shim.server.rpc import request_deadline
+from cri_shim.state.records import ContainerRecord
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+_STATES = {
+    "created": api_pb2.CONTAINER_CREATED,
+    "running": api_pb2.CONTAINER_RUNNING,
+    "exited": api_pb2.CONTAINER_EXITED,
+}
+
+
+def container_state(container: ContainerRecord) -> int:
+    return _STATES.get(container.state, api_pb2.CONTAINER_UNKNOWN)
+
+
+async def create_container(
+    services: Services, request: api_pb2.CreateContainerRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.CreateContainerResponse:
+    container_id = await services.containers.create(
+        request.pod_sandbox_id, request.config, request_deadline(context)
+    )
+    return api_pb2.CreateContainerResponse(container_id=container_id)
+
+
+async def start_container(
+    services: Services, request: api_pb2.StartContainerRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.StartContainerResponse:
+    await services.containers.start(request.container_id)
+    return api_pb2.StartContainerResponse()
+
+
+async def stop_container(
+    services: Services, request: api_pb2.StopContainerRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.StopContainerResponse:
+    await services.containers.stop(request.container_id, float(request.timeout))
+    return api_pb2.StopContainerResponse()
+
+
+async def remove_container(
+    services: Services, request: api_pb2.RemoveContainerRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.RemoveContainerResponse:
+    await services.containers.remove(request.container_id)
+    return api_pb2.RemoveContainerResponse()
+
+
+def to_container(container: ContainerRecord) -> api_pb2.Container:
+    return api_pb2.Container(
+        id=container.id,
+        pod_sandbox_id=container.sandbox_id,
+        metadata=container.config.metadata,
+        image=api_pb2.ImageSpec(image=container.image_ref),
+        image_ref=container.image_id,
+        image_id=container.image_id,
+        state=container_state(container),
+        created_at=container.created_at,
+        labels=container.config.labels,
+        annotations=container.config.annotations,
+    )
+
+
+async def list_containers(
+    services: Services, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ListContainersResponse:
+    f = request.filter
+    items = []
+    for container in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
+        if f.id and not container.id.startswith(f.id):
+            continue
+        if f.HasField("state") and f.state.state != container_state(container):
+            continue
+        if any(container.config.labels.get(k) != v for k, v in f.label_selector.items()):
+            continue
+        items.append(to_container(container))
+    return api_pb2.ListContainersResponse(containers=items)
+
+
+def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
+    config = container.config
+    return api_pb2.ContainerStatus(
+        id=container.id,
+        metadata=config.metadata,
+        state=container_state(container),
+        created_at=container.created_at,
+        started_at=container.started_at,
+        finished_at=container.finished_at,
+        exit_code=container.exit_code,
+        image=api_pb2.ImageSpec(image=container.image_ref),
+        image_ref=container.image_id,
+        image_id=container.image_id,
+        reason=container.reason,
+        message=container.message,
+        labels=config.labels,
+        annotations=config.annotations,
+        mounts=list(config.mounts),
+        log_path=container.log_path,
+    )
+
+
+async def container_status(
+    services: Services, request: api_pb2.ContainerStatusRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ContainerStatusResponse:
+    container = services.containers.get(request.container_id)
+    response = api_pb2.ContainerStatusResponse(status=to_status(container))
+    if request.verbose:
+        spec_path = container.bundle_dir / "config.json"
+        info = {
+            "id": container.id,
+            "name": container.name,
+            "sandboxID": container.sandbox_id,
+            "pid": container.pid,
+            "bundle": str(container.bundle_dir),
+            "rootfs": str(container.rootfs),
+            "runtimeSpec": json.loads(spec_path.read_text()) if spec_path.exists() else None,
+        }
+        response.info["info"] = json.dumps(info, sort_keys=True)
+    return response
+
+
+async def exec_sync(
+    services: Services, request: api_pb2.ExecSyncRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ExecSyncResponse:
+    result = await services.containers.exec_sync(
+        request.container_id, list(request.cmd), float(request.timeout)
+    )
+    return api_pb2.ExecSyncResponse(
+        stdout=result.stdout, stderr=result.stderr, exit_code=result.exit_code
+    )
+
+
+async def reopen_container_log(
+    services: Services,
+    request: api_pb2.ReopenContainerLogRequest,
+    context: grpc.aio.ServicerContext,
+) -> api_pb2.ReopenContainerLogResponse:
+    await services.containers.reopen_log(request.container_id)
+    return api_pb2.ReopenContainerLogResponse()
+
+
+async def update_container_resources(
+    services: Services,
+    request: api_pb2.UpdateContainerResourcesRequest,
+    context: grpc.aio.ServicerContext,
+) -> api_pb2.UpdateContainerResourcesResponse:
+    await services.containers.update_resources(request.container_id, request.linux)
+    return api_pb2.UpdateContainerResourcesResponse()

@@ -1,0 +1,86 @@
+"""Fixtures for the runtime layer: a host with this machine's quirks, an image rootfs with
+its own /etc/passwd, and a backend over the conmon-stub and fake-oci-runtime test doubles."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cri_api.v1 import api_pb2
+from runtime_spec_inputs import GROUP, PASSWD, STUB_DIR, container_config
+
+from cri_shim.runtime.capabilities import ALL_CAPABILITIES
+from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.host_limits import HostLimits
+from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
+
+
+@pytest.fixture
+def host() -> HostLimits:
+    """Like this machine: no CAP_SYS_RESOURCE in the bounding set, NOFILE hard 20000."""
+    return HostLimits(
+        capability_bounding_set=frozenset(ALL_CAPABILITIES) - {"CAP_SYS_RESOURCE"},
+        oom_score_adj=0,
+        nofile_hard=20000,
+        cgroup_v2=False,
+        swap_accounting=False,
+    )
+
+
+@pytest.fixture
+def rootfs(tmp_path: Path) -> Path:
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text(PASSWD)
+    (root / "etc" / "group").write_text(GROUP)
+    return root
+
+
+@pytest.fixture
+def spec_of(rootfs: Path, host: HostLimits) -> Callable[..., dict[str, Any]]:
+    """build_spec with defaults for whatever the test does not care about."""
+
+    def build(
+        cfg: api_pb2.ContainerConfig | None = None,
+        sandbox: SandboxContext | None = None,
+        image: ImageConfigView | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        return build_spec(
+            cfg if cfg is not None else container_config(),
+            sandbox or SandboxContext(pod_id="pod1"),
+            image or ImageConfigView(),
+            rootfs,
+            container_id=kwargs.pop("container_id", "c1"),
+            host=kwargs.pop("host", host),
+            **kwargs,
+        )
+
+    return build
+
+
+@pytest.fixture
+async def stub_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+) -> AsyncIterator[RuntimeBackend]:
+    """A RuntimeBackend over the test doubles. Whatever a test leaves is deleted after it."""
+    # The doubles are `#!/usr/bin/env python3` scripts; this interpreter starts fastest.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    backend = RuntimeBackend(
+        "stub",
+        STUB_DIR / "fake-oci-runtime",
+        tmp_path / "runtime-root",
+        STUB_DIR / "conmon-stub",
+        tmp_path / "state",
+        cgroup_root=tmp_path / "cgroup",
+        host=host,
+        call_timeout=10,
+        create_timeout=10,
+    )
+    yield backend
+    for leftover in (tmp_path / "state" / "containers").iterdir():
+        await backend.delete(leftover.name)

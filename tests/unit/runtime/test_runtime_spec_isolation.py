@@ -1,0 +1,350 @@
+"""build_spec: seccomp, masked paths, namespaces, cgroups, resources, sysctls, hostname."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cri_api.v1 import api_pb2
+from runtime_spec_inputs import container_config
+
+from cri_shim.errors import InvalidArgument
+from cri_shim.runtime.host_limits import HostLimits
+from cri_shim.runtime.spec import DEFAULT_MASKED_PATHS, DEFAULT_READONLY_PATHS, SandboxContext
+
+SpecOf = Callable[..., dict[str, Any]]
+
+
+def _denied(spec: dict[str, Any]) -> set[str]:
+    seccomp = spec["linux"]["seccomp"]
+    assert seccomp["defaultAction"] == "SCMP_ACT_ALLOW"
+    return {
+        name
+        for rule in seccomp["syscalls"]
+        if rule["action"] == "SCMP_ACT_ERRNO"
+        for name in rule["names"]
+    }
+
+
+# ---- seccomp --------------------------------------------------------------------------
+
+
+def test_runtime_default_denies_dangerous_syscalls(spec_of: SpecOf) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.seccomp.profile_type = api_pb2.SecurityProfile.RuntimeDefault
+    denied = _denied(spec_of(cfg))
+    assert {
+        "kexec_load",
+        "open_by_handle_at",
+        "init_module",
+        "mount",
+        "unshare",
+        "ptrace",
+        "keyctl",
+        "bpf",
+        "reboot",
+    } <= denied
+    assert not {"read", "write", "clone", "execve", "openat"} & denied
+
+
+@pytest.mark.parametrize(
+    ("capability", "now_allowed"),
+    [
+        ("SYS_ADMIN", {"mount", "unshare", "setns", "bpf"}),
+        ("SYS_PTRACE", {"ptrace"}),
+        ("SYS_MODULE", {"init_module", "finit_module"}),
+        ("SYS_TIME", {"settimeofday"}),
+    ],
+)
+def test_runtime_default_allows_what_an_added_capability_grants(
+    spec_of: SpecOf, capability: str, now_allowed: set[str]
+) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.seccomp.profile_type = api_pb2.SecurityProfile.RuntimeDefault
+    cfg.linux.security_context.capabilities.add_capabilities.append(capability)
+    denied = _denied(spec_of(cfg))
+    assert not now_allowed & denied
+    assert "keyctl" in denied  # never allowed
+
+
+@pytest.mark.parametrize(
+    ("setup", "has_seccomp"),
+    [
+        (lambda sc: None, False),  # nothing requested: unconfined, as kubelet's default
+        (lambda sc: sc.seccomp.__setattr__("profile_type", 1), False),  # Unconfined
+        (lambda sc: sc.seccomp.__setattr__("profile_type", 0), True),  # RuntimeDefault
+        (lambda sc: setattr(sc, "seccomp_profile_path", "runtime/default"), True),
+        (lambda sc: setattr(sc, "seccomp_profile_path", "docker/default"), True),
+        (lambda sc: setattr(sc, "seccomp_profile_path", "unconfined"), False),
+    ],
+)
+def test_seccomp_choice(spec_of: SpecOf, setup: Callable[[Any], None], has_seccomp: bool) -> None:
+    cfg = container_config()
+    setup(cfg.linux.security_context)
+    assert ("seccomp" in spec_of(cfg)["linux"]) is has_seccomp
+
+
+def test_privileged_is_never_confined(spec_of: SpecOf) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.privileged = True
+    cfg.linux.security_context.seccomp.profile_type = api_pb2.SecurityProfile.RuntimeDefault
+    assert (
+        "seccomp" not in spec_of(cfg, sandbox=SandboxContext(pod_id="p", privileged=True))["linux"]
+    )
+
+
+def test_localhost_profile_is_loaded(spec_of: SpecOf, tmp_path: Path) -> None:
+    profile = {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "archMap": [{"architecture": "SCMP_ARCH_X86_64", "subArchitectures": ["SCMP_ARCH_X86"]}],
+        "syscalls": [
+            {"names": ["read", "write"], "action": "SCMP_ACT_ALLOW"},
+            {
+                "names": ["mount"],
+                "action": "SCMP_ACT_ALLOW",
+                "includes": {"caps": ["CAP_SYS_ADMIN"]},
+            },
+            {"names": ["chown"], "action": "SCMP_ACT_ALLOW", "excludes": {"caps": ["CAP_CHOWN"]}},
+        ],
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    cfg = container_config()
+    cfg.linux.security_context.seccomp.profile_type = api_pb2.SecurityProfile.Localhost
+    cfg.linux.security_context.seccomp.localhost_ref = str(path)
+    seccomp = spec_of(cfg)["linux"]["seccomp"]
+    assert seccomp["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert seccomp["architectures"] == ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"]
+    # No CAP_SYS_ADMIN: the mount rule does not apply; CAP_CHOWN held: chown rule excluded.
+    assert seccomp["syscalls"] == [{"names": ["read", "write"], "action": "SCMP_ACT_ALLOW"}]
+
+    cfg.linux.security_context.seccomp.localhost_ref = ""
+    cfg.linux.security_context.seccomp_profile_path = f"localhost/{path}"
+    cfg.linux.security_context.ClearField("seccomp")
+    assert spec_of(cfg)["linux"]["seccomp"]["defaultAction"] == "SCMP_ACT_ERRNO"
+
+
+@pytest.mark.parametrize(
+    ("ref", "content", "message"),
+    [
+        ("/nonexistent/profile.json", None, "does not exist"),
+        ("relative.json", None, "must be absolute"),
+        ("{tmp}/bad.json", "{not json", "cannot load"),
+        ("{tmp}/noaction.json", '{"syscalls": []}', "not a seccomp profile"),
+    ],
+)
+def test_bad_localhost_profile_is_invalid(
+    spec_of: SpecOf, tmp_path: Path, ref: str, content: str | None, message: str
+) -> None:
+    ref = ref.format(tmp=tmp_path)
+    if content is not None:
+        Path(ref).write_text(content)
+    cfg = container_config()
+    cfg.linux.security_context.seccomp.profile_type = api_pb2.SecurityProfile.Localhost
+    cfg.linux.security_context.seccomp.localhost_ref = ref
+    with pytest.raises(InvalidArgument, match=f"seccomp.localhost_ref.*{message}"):
+        spec_of(cfg)
+
+
+# ---- masked and read-only paths -------------------------------------------------------
+
+
+def test_masked_and_readonly_paths(spec_of: SpecOf) -> None:
+    linux = spec_of()["linux"]
+    assert linux["maskedPaths"] == list(DEFAULT_MASKED_PATHS)
+    assert "/proc/kcore" in linux["maskedPaths"]
+    assert linux["readonlyPaths"] == list(DEFAULT_READONLY_PATHS)
+    assert "/proc/sys" in linux["readonlyPaths"]
+
+    cfg = container_config()
+    cfg.linux.security_context.masked_paths.append("/proc/custom")
+    cfg.linux.security_context.readonly_paths.append("/proc/other")
+    linux = spec_of(cfg)["linux"]
+    assert linux["maskedPaths"] == ["/proc/custom"]
+    assert linux["readonlyPaths"] == ["/proc/other"]
+
+    cfg.linux.security_context.privileged = True
+    linux = spec_of(cfg, sandbox=SandboxContext(pod_id="p", privileged=True))["linux"]
+    assert linux["maskedPaths"] == [] and linux["readonlyPaths"] == []
+
+
+# ---- namespaces -----------------------------------------------------------------------
+
+
+def _namespaces(spec: dict[str, Any]) -> dict[str, str | None]:
+    return {ns["type"]: ns.get("path") for ns in spec["linux"]["namespaces"]}
+
+
+def test_pod_namespaces_are_joined_by_path(spec_of: SpecOf) -> None:
+    sandbox = SandboxContext(
+        pod_id="p",
+        netns_path=Path("/run/netns/p"),
+        ipc_ns_path=Path("/run/ipc/p"),
+        uts_ns_path=Path("/run/uts/p"),
+        hostname="web-0",
+    )
+    spec = spec_of(sandbox=sandbox)
+    assert _namespaces(spec) == {
+        "mount": None,
+        "network": "/run/netns/p",
+        "ipc": "/run/ipc/p",
+        "uts": "/run/uts/p",
+        "pid": None,
+    }
+    assert spec["hostname"] == "web-0"
+
+
+def test_host_namespaces_are_left_out(spec_of: SpecOf) -> None:
+    spec = spec_of(sandbox=SandboxContext(pod_id="p", hostname="node1", host_pid=True))
+    assert _namespaces(spec) == {"mount": None}
+    # runc refuses a hostname without a UTS namespace of the container's own.
+    assert "hostname" not in spec
+
+
+@pytest.mark.parametrize(
+    ("mode", "pid_ns", "target", "expected"),
+    [
+        (api_pb2.CONTAINER, None, None, None),
+        (api_pb2.NODE, None, None, "absent"),
+        (api_pb2.POD, Path("/proc/42/ns/pid"), None, "/proc/42/ns/pid"),
+        (api_pb2.TARGET, None, Path("/proc/77/ns/pid"), "/proc/77/ns/pid"),
+    ],
+)
+def test_pid_namespace_modes(
+    spec_of: SpecOf, mode: int, pid_ns: Path | None, target: Path | None, expected: str | None
+) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.namespace_options.pid = mode
+    spec = spec_of(
+        cfg, sandbox=SandboxContext(pod_id="p", pid_ns_path=pid_ns), target_pid_ns_path=target
+    )
+    namespaces = _namespaces(spec)
+    if expected == "absent":
+        assert "pid" not in namespaces
+    else:
+        assert namespaces["pid"] == expected
+
+
+@pytest.mark.parametrize("mode", [api_pb2.POD, api_pb2.TARGET])
+def test_pid_namespace_to_join_must_exist(spec_of: SpecOf, mode: int) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.namespace_options.pid = mode
+    with pytest.raises(InvalidArgument, match="namespace_options"):
+        spec_of(cfg)
+
+
+# ---- cgroups and resources ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("parent", "expected"),
+    [
+        ("", "/cri-shim/c1"),
+        ("/kubepods/besteffort/pod123", "/kubepods/besteffort/pod123/cri-shim-c1"),
+        ("/kubepods/", "/kubepods/cri-shim-c1"),
+    ],
+)
+def test_cgroups_path(spec_of: SpecOf, parent: str, expected: str) -> None:
+    spec = spec_of(sandbox=SandboxContext(pod_id="p", cgroup_parent=parent))
+    assert spec["linux"]["cgroupsPath"] == expected
+
+
+@pytest.mark.parametrize("parent", ["kubepods.slice", "relative/path"])
+def test_non_cgroupfs_parent_is_invalid(spec_of: SpecOf, parent: str) -> None:
+    with pytest.raises(InvalidArgument, match="cgroup_parent"):
+        spec_of(sandbox=SandboxContext(pod_id="p", cgroup_parent=parent))
+
+
+def test_resources(spec_of: SpecOf) -> None:
+    cfg = container_config()
+    res = cfg.linux.resources
+    res.cpu_shares, res.cpu_quota, res.cpu_period = 512, 50000, 100000
+    res.cpuset_cpus, res.cpuset_mems = "0-1", "0"
+    res.memory_limit_in_bytes = 64 << 20
+    res.hugepage_limits.append(api_pb2.HugepageLimit(page_size="2MB", limit=1 << 21))
+    resources = spec_of(cfg)["linux"]["resources"]
+    assert resources["cpu"] == {
+        "shares": 512,
+        "quota": 50000,
+        "period": 100000,
+        "cpus": "0-1",
+        "mems": "0",
+    }
+    assert resources["memory"] == {"limit": 64 << 20}  # no swap accounting here
+    assert resources["hugepageLimits"] == [{"pageSize": "2MB", "limit": 1 << 21}]
+
+
+def test_unset_resources_are_left_out(spec_of: SpecOf) -> None:
+    assert spec_of()["linux"]["resources"] == {"devices": [{"allow": False, "access": "rwm"}]}
+
+
+def test_swap_equals_memory_when_the_host_accounts_swap(spec_of: SpecOf, host: HostLimits) -> None:
+    cfg = container_config()
+    cfg.linux.resources.memory_limit_in_bytes = 64 << 20
+    limits = HostLimits(**{**host.__dict__, "swap_accounting": True})
+    assert spec_of(cfg, host=limits)["linux"]["resources"]["memory"] == {
+        "limit": 64 << 20,
+        "swap": 64 << 20,
+    }
+
+
+def test_unified_needs_cgroup_v2(spec_of: SpecOf, host: HostLimits) -> None:
+    cfg = container_config()
+    cfg.linux.resources.unified["memory.high"] = "1000000"
+    with pytest.raises(InvalidArgument, match="unified"):
+        spec_of(cfg)
+    limits = HostLimits(**{**host.__dict__, "cgroup_v2": True})
+    assert spec_of(cfg, host=limits)["linux"]["resources"]["unified"] == {"memory.high": "1000000"}
+
+
+def test_negative_limits_are_invalid(spec_of: SpecOf) -> None:
+    cfg = container_config()
+    cfg.linux.resources.memory_limit_in_bytes = -5
+    with pytest.raises(InvalidArgument, match="memory_limit_in_bytes"):
+        spec_of(cfg)
+
+
+# ---- sysctls --------------------------------------------------------------------------
+
+PINNED = {"netns_path": Path("/n"), "ipc_ns_path": Path("/i"), "uts_ns_path": Path("/u")}
+
+
+@pytest.mark.parametrize(
+    ("sysctls", "pins", "expected"),
+    [
+        ({"net.ipv4.ip_forward": "1"}, PINNED, {"net.ipv4.ip_forward": "1"}),
+        (
+            {"net/ipv4/conf/eth0.100/forwarding": "1"},
+            PINNED,
+            {"net.ipv4.conf.eth0/100.forwarding": "1"},
+        ),
+        (
+            {"kernel.shmmax": "1", "fs.mqueue.msg_max": "20"},
+            PINNED,
+            {"kernel.shmmax": "1", "fs.mqueue.msg_max": "20"},
+        ),
+        ({"net.ipv4.ip_forward": "1"}, {}, "host network"),
+        ({"kernel.msgmax": "1"}, {"netns_path": Path("/n")}, "host IPC"),
+        ({"vm.swappiness": "1"}, PINNED, "not a namespaced sysctl"),
+    ],
+)
+def test_sysctls(
+    spec_of: SpecOf, sysctls: dict[str, str], pins: dict[str, Path], expected: Any
+) -> None:
+    sandbox = SandboxContext(pod_id="p", sysctls=sysctls, **pins)
+    if isinstance(expected, str):
+        with pytest.raises(InvalidArgument, match=expected):
+            spec_of(sandbox=sandbox)
+    else:
+        assert spec_of(sandbox=sandbox)["linux"]["sysctl"] == expected
+
+
+def test_annotations_carry_the_request_and_the_pod(spec_of: SpecOf) -> None:
+    cfg = container_config()
+    cfg.annotations["team"] = "blue"
+    annotations = spec_of(cfg, sandbox=SandboxContext(pod_id="pod-9"))["annotations"]
+    assert annotations["team"] == "blue"
+    assert annotations["io.kubernetes.cri.sandbox-id"] == "pod-9"
