@@ -32,6 +32,7 @@ from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
 from cri_shim.lifecycle.containers import ContainerService
+from cri_shim.lifecycle.reconcile import reconcile_host
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.runtime.conmon import RuntimeBackend
 
@@ -128,6 +129,12 @@ async def restore(services: Services) -> None:
     started = time.monotonic()
     await services.sandboxes.restore()
     await services.containers.restore()
+    orphans = await reconcile_host(
+        services.db, services.sandboxes, services.containers, services.sandboxes.pinner,
+        services.config.root,
+    )
+    if orphans:
+        log.warning("reconciliation removed or corrected %d orphan(s)", orphans)
     queued = await services.journal.collect_garbage()
     if queued:
         log.warning("%d cleanup step(s) still queued for garbage collection", queued)

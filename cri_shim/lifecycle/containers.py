@@ -26,6 +26,7 @@ from cri_shim.creation.names import container_name
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from cri_shim.images import overlay
 from cri_shim.images.store import ImageRecord, ImageStore
+from cri_shim.faults import fault_point
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.runtime.conmon import RuntimeBackend
@@ -149,6 +150,7 @@ class ContainerService(PersistedCreationHooks):
                  config.image.image, config.SerializeToString(), log_path, str(bundle),
                  str(rootfs)),
             )
+        fault_point("container:row")
         self._journal.record(container_id, "container_dir", path=str(bundle))
         for sub in ("upper", "work", "rootfs"):
             (bundle / sub).mkdir(parents=True, exist_ok=True)
@@ -159,6 +161,7 @@ class ContainerService(PersistedCreationHooks):
         await asyncio.to_thread(
             overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
         )
+        fault_point("container:rootfs")
 
         stage.set(STAGE_SPEC)
         spec = build_spec(
@@ -173,10 +176,12 @@ class ContainerService(PersistedCreationHooks):
         backend = self._backend(sandbox.runtime_handler)
         self._journal.record(container_id, "runtime_delete", handler=sandbox.runtime_handler,
                              id=container_id)
+        fault_point("container:runtime-journaled")
         pid = await backend.create(
             container_id, bundle, spec, Path(log_path or bundle / "container.log"),
             tty=config.tty, stdin=config.stdin,
         )
+        fault_point("container:runtime-created")
         self._db.execute(
             "UPDATE containers SET pid = ?, stage = ? WHERE id = ?",
             (pid, STAGE_CREATED, container_id),
@@ -291,6 +296,16 @@ class ContainerService(PersistedCreationHooks):
         container.state, container.exit_code = EXITED, code
         container.finished_at, container.reason = finished, reason
         return container
+
+    def mark_lost(self, container: ContainerRecord) -> None:
+        log.warning("container %s (%s): its process is gone and no exit was recorded",
+                    container.id, container.name)
+        self._db.execute(
+            "UPDATE containers SET state = ?, exit_code = 255, finished_at = ?, reason = ?, "
+            "message = ? WHERE id = ?",
+            (EXITED, _now_ns(), "Unknown", "the container's process disappeared without an "
+             "exit record (host reboot?)", container.id),
+        )
 
     def refresh(self, container: ContainerRecord) -> ContainerRecord:
         """Pick up an exit that conmon recorded since we last looked."""

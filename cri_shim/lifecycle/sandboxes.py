@@ -25,6 +25,7 @@ from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import sandbox_name
 from cri_shim.errors import FailedPrecondition, InvalidArgument, NotFound
 from cri_shim import mounts
+from cri_shim.faults import fault_point
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import NamespacePinner
@@ -69,7 +70,7 @@ class SandboxService(PersistedCreationHooks):
         self._config = config
         self._journal = journal
         self._ledger = ledger
-        self._pinner = pinner
+        self.pinner = pinner
         self._cni = cni
         self._dir = config.root / "sandboxes"
         self.coordinator = CreationCoordinator(
@@ -127,20 +128,23 @@ class SandboxService(PersistedCreationHooks):
                 (sandbox_id, name, STAGE_STORAGE, _now_ns(), handler,
                  config.SerializeToString(), str(sandbox_dir)),
             )
+        fault_point("sandbox:row")
         self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
         sandbox_dir.mkdir(parents=True, exist_ok=True)
         self._write_files(sandbox_dir, config)
         if config.log_directory:
             Path(config.log_directory).mkdir(parents=True, exist_ok=True)
+        fault_point("sandbox:files")
         shm = sandbox_dir / "shm"
         shm.mkdir(exist_ok=True)
         self._journal.record(sandbox_id, "unmount", path=str(shm))
         mounts.mount_tmpfs(shm, size=SHM_SIZE, mode=0o1777)
+        fault_point("sandbox:shm")
 
         stage.set(STAGE_NAMESPACES)
         options = config.linux.security_context.namespace_options
         hostnet = host_network(config)
-        pins = self._pinner
+        pins = self.pinner
         for kind, wanted in (("netns", not hostnet), ("utsns", not hostnet),
                              ("ipcns", options.ipc != api_pb2.NODE)):
             if wanted:
@@ -158,6 +162,7 @@ class SandboxService(PersistedCreationHooks):
             "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ? WHERE id = ?",
             (_str(pinned.net), _str(pinned.ipc), _str(pinned.uts), sandbox_id),
         )
+        fault_point("sandbox:namespaces")
 
         ips: list[str] = []
         result: dict[str, Any] | None = None
@@ -167,6 +172,7 @@ class SandboxService(PersistedCreationHooks):
             # DEL is journaled before ADD: a plugin may allocate an address and then fail,
             # and only a DEL gives that address back.
             seq = self._journal.record(sandbox_id, "cni_del", **_request_args(request))
+            fault_point("sandbox:network-journaled")
             cni_result = await self._cni.add(request, self._config.network.setup_timeout)
             ips, result = cni_result.ips, cni_result.raw
             # DEL must reach the plugins that did the ADD, even if the configuration
@@ -174,11 +180,13 @@ class SandboxService(PersistedCreationHooks):
             self._journal.amend(sandbox_id, seq, prev_result=result, config=cni_result.config)
             for ip in ips:
                 self._ledger.allocate("ip", ip, sandbox_id)
+            fault_point("sandbox:network-added")
         self._db.execute(
             "UPDATE sandboxes SET ips = ?, cni_result = ?, state = 'ready', stage = ? WHERE id = ?",
             (json.dumps(ips), json.dumps(result) if result else None, STAGE_READY, sandbox_id),
         )
         stage.set(STAGE_READY)
+        fault_point("sandbox:ready")
 
     def _network_request(
         self, sandbox_id: str, config: api_pb2.PodSandboxConfig, netns: Path
@@ -248,7 +256,7 @@ class SandboxService(PersistedCreationHooks):
         self._ledger.release(args["pod_id"], "ip")
 
     async def _undo_unpin(self, args: dict[str, Any]) -> None:
-        await self._pinner.unpin(Path(args["path"]))
+        await self.pinner.unpin(Path(args["path"]))
         self._db.execute(
             "DELETE FROM allocations WHERE kind = 'path' AND value = ?", (args["path"],)
         )
@@ -360,6 +368,9 @@ class SandboxService(PersistedCreationHooks):
                     await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
                 except UndoFailed as exc:
                     log.error("orphan journal of %s left work for GC: %s", object_id, exc)
+
+    def mark_not_ready(self, sandbox_id: str) -> None:
+        self._db.execute("UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox_id,))
 
     def network_status(self) -> tuple[bool, str, str]:
         return self._cni.status()

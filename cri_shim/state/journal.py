@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cri_shim.faults import fault_point
 from cri_shim.state.db import Database
 
 log = logging.getLogger("cri_shim.journal")
@@ -116,6 +117,7 @@ class Journal:
         for step in reversed(self.steps(object_id)):
             if (wanted is not None and step.action not in wanted) or step.action in skipped:
                 continue
+            fault_point(f"undo:{step.action}")
             error = await self._run_with_retries(step, deadline)
             if error is not None:
                 failures.append((step, error))

@@ -1,0 +1,50 @@
+"""Test-only fault injection: die at a named step, as a `kill -9` would.
+
+`CRI_SHIM_FAULT=sandbox:network` makes the daemon `os._exit(137)` when a creation reaches
+that point. Several points may be given, separated by commas. Restart tests use it to
+prove that a crash at any step leaves nothing behind. Unset in production: the check is
+one set lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENV = "CRI_SHIM_FAULT"
+EXIT_CODE = 137
+
+_points = frozenset(p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip())
+
+# Every point the daemon has, so tests can iterate over all of them.
+SANDBOX_CREATE = (
+    "sandbox:row",
+    "sandbox:files",
+    "sandbox:shm",
+    "sandbox:namespaces",
+    "sandbox:network-journaled",
+    "sandbox:network-added",
+    "sandbox:ready",
+)
+CONTAINER_CREATE = (
+    "container:row",
+    "container:rootfs",
+    "container:runtime-journaled",
+    "container:runtime-created",
+)
+TEARDOWN = (
+    "undo:cni_del",
+    "undo:unpin",
+    "undo:unmount",
+    "undo:remove_dir",
+    "undo:runtime_delete",
+    "undo:rootfs_unmount",
+    "undo:container_dir",
+)
+
+
+def fault_point(name: str) -> None:
+    if name in _points:
+        logging.getLogger("cri_shim.faults").critical("fault injected at %s: exiting", name)
+        logging.shutdown()
+        os._exit(EXIT_CODE)

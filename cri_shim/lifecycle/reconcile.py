@@ -1,0 +1,87 @@
+"""Start-up reconciliation: make the host agree with the state database before serving.
+
+Restore has already rolled interrupted creations back through their journals. What is
+left on the host under the daemon's own roots that no record explains (a namespace pin, a
+sandbox or container directory with its mounts, a runc container) is an orphan from a
+crash at a point where even the journal could not have known of it, or from a lost
+database; it is removed and logged. Records whose host side vanished (a reboot clears
+/run) are marked as such rather than reported as running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+from cri_shim import mounts
+from cri_shim.lifecycle.containers import RUNNING, ContainerService
+from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.network.netns import NamespacePinner
+from cri_shim.state.db import Database
+
+log = logging.getLogger("cri_shim.reconcile")
+
+
+async def reconcile_host(
+    db: Database,
+    sandboxes: SandboxService,
+    containers: ContainerService,
+    pinner: NamespacePinner,
+    root: Path,
+) -> int:
+    """Remove orphans; returns how many were found."""
+    found = 0
+    known_pins = {
+        value
+        for row in db.query("SELECT netns_path, ipc_path, uts_path FROM sandboxes")
+        for value in row
+        if value
+    }
+    for pin in pinner.pinned():
+        if str(pin) not in known_pins:
+            log.warning("orphan namespace pin %s: removing it", pin)
+            await pinner.unpin(pin)
+            found += 1
+
+    for table, directory in (("sandboxes", root / "sandboxes"), ("containers", root / "containers")):
+        known = {row[0] for row in db.query(f"SELECT id FROM {table}")}
+        if not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            if entry.name not in known:
+                log.warning("orphan %s directory %s: unmounting and removing it", table, entry)
+                await asyncio.to_thread(mounts.unmount_below, entry)
+                await asyncio.to_thread(shutil.rmtree, entry, True)
+                found += 1
+
+    known_containers = {row[0] for row in db.query("SELECT id FROM containers")}
+    for backend in containers.backends.values():
+        for state in await backend.oci.list():
+            if state.id not in known_containers:
+                log.warning("orphan %s container %s: deleting it", backend.handler_name, state.id)
+                await backend.delete(state.id)
+                found += 1
+
+    for container in containers.list():
+        if container.state != RUNNING:
+            continue
+        backend = containers.backend_of(container)
+        if backend.exit_status(container.id) is None and await backend.state(container.id) in (
+            "stopped",
+            "unknown",
+        ):
+            # Gone without an exit record (the node rebooted): report it exited, unknown code.
+            containers.mark_lost(container)
+            found += 1
+
+    for sandbox in sandboxes.list():
+        if sandbox.ready and sandbox.netns_path is not None and not mounts.is_mounted(
+            sandbox.netns_path
+        ):
+            log.warning("sandbox %s (%s): its network namespace is gone; marking it not ready",
+                        sandbox.id, sandbox.name)
+            sandboxes.mark_not_ready(sandbox.id)
+            found += 1
+    return found

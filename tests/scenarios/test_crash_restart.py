@@ -1,0 +1,186 @@
+"""kill -9 at every creation and teardown step, then restart: nothing leaks, names come back.
+
+The daemon is made to `os._exit` at a named step (CRI_SHIM_FAULT, test-only). After a
+restart without the fault, the world must be consistent: an interrupted creation is rolled
+back and its name usable again; an interrupted removal completes when retried.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from cri_shim import faults
+from tests.harness import REPO, CniTestNetwork, Daemon, pod_config, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
+
+IMAGE = "docker.io/library/busybox:latest"
+SANDBOX_TEARDOWN = ("undo:cni_del", "undo:unpin", "undo:unmount", "undo:remove_dir")
+CONTAINER_TEARDOWN = ("undo:runtime_delete", "undo:rootfs_unmount", "undo:container_dir")
+
+
+def run_pod(daemon: Daemon, name: str = "crash", timeout: float = 30) -> str:
+    return daemon.runtime().RunPodSandbox(
+        api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout
+    ).pod_sandbox_id
+
+
+def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
+
+
+def listed(daemon: Daemon) -> list[str]:
+    return [i.id for i in daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items]
+
+
+def crash_and_restart(daemon: Daemon, fault: str, call) -> None:  # type: ignore[no-untyped-def]
+    """Restart `daemon` with the fault armed, make `call` hit it, then restart clean."""
+    daemon.stop()
+    daemon.env = {faults.ENV: fault}
+    daemon.start()
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), info.value
+    assert daemon.proc is not None
+    assert daemon.proc.wait(10) == faults.EXIT_CODE, daemon.log()
+    daemon.proc = None
+    daemon.env = {}
+    daemon.start()
+
+
+@pytest.mark.parametrize("fault", faults.SANDBOX_CREATE)
+def test_crash_during_sandbox_creation(daemon: Daemon, test_network: CniTestNetwork, fault: str) -> None:
+    crash_and_restart(daemon, fault, lambda: run_pod(daemon))
+    assert listed(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
+    sandbox_id = run_pod(daemon)  # the name is free again
+    assert listed(daemon) == [sandbox_id]
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}
+
+
+@pytest.mark.parametrize("fault", SANDBOX_TEARDOWN)
+def test_crash_during_sandbox_removal(daemon: Daemon, fault: str) -> None:
+    sandbox_id = run_pod(daemon)
+    crash_and_restart(daemon, fault, lambda: remove_pod(daemon, sandbox_id))
+    remove_pod(daemon, sandbox_id)  # kubelet retries the removal
+    assert listed(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
+
+
+def test_cached_sandbox_survives_kill9_and_is_claimed_without_second_add(
+    make_daemon, test_network: CniTestNetwork  # type: ignore[no-untyped-def]
+) -> None:
+    daemon: Daemon = make_daemon()
+    daemon.start()
+    test_network.delay_file.write_text("2")
+    with pytest.raises(grpc.RpcError):
+        run_pod(daemon, "cached", timeout=0.5)
+    wait_until(lambda: daemon.rows("sandboxes", "phase = 'cached'"), timeout=15)
+    daemon.kill9()
+    daemon.start()
+    assert listed(daemon) == []  # still invisible after restore
+    sandbox_id = run_pod(daemon, "cached", timeout=5)
+    assert test_network.adds() == 1
+    status = daemon.runtime().PodSandboxStatus(
+        api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5
+    ).status
+    assert status.state == api_pb2.SANDBOX_READY and status.network.ip
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}
+
+
+def test_orphans_under_the_roots_are_removed_at_start(daemon: Daemon) -> None:
+    sandbox_id = run_pod(daemon)
+    daemon.kill9()
+    # the database forgets the sandbox (as if lost); its pins and directory remain
+    subprocess.run(["sqlite3", str(daemon.root / "state.db"),
+                    "DELETE FROM sandboxes; DELETE FROM names; DELETE FROM journal; "
+                    "DELETE FROM allocations;"], check=True)
+    assert (daemon.run_root / "netns" / sandbox_id).exists()
+    daemon.start()
+    leaks = daemon.leaks()
+    # pins, mounts and directories are ours to clean; the CNI attachment is not ours to guess
+    assert not {"netns", "utsns", "ipcns", "mounts", "sandbox_dirs"} & set(leaks), leaks
+    assert "orphan" in daemon.log()
+
+
+# ---- containers -------------------------------------------------------------------
+
+
+def _import(daemon: Daemon, layout: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "cri_shim.cli", "images", "import", "--config",
+         str(daemon.config_path), str(layout), "--name", IMAGE],
+        check=True, cwd=REPO, capture_output=True,
+    )
+
+
+def _create_container(daemon: Daemon, sandbox_id: str) -> str:
+    return daemon.runtime().CreateContainer(
+        api_pb2.CreateContainerRequest(
+            pod_sandbox_id=sandbox_id,
+            config=api_pb2.ContainerConfig(
+                metadata=api_pb2.ContainerMetadata(name="c"),
+                image=api_pb2.ImageSpec(image=IMAGE),
+                command=["sleep", "300"],
+            ),
+            sandbox_config=pod_config("crash"),
+        ),
+        timeout=60,
+    ).container_id
+
+
+def _containers(daemon: Daemon) -> list[str]:
+    return [c.id for c in daemon.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=5).containers]
+
+
+def _runc_containers(daemon: Daemon) -> list[str]:
+    out = subprocess.run(
+        ["runc", "--root", str(daemon.run_root / "runtime" / "runc"), "list", "-q"],
+        capture_output=True, text=True, check=False,
+    ).stdout
+    return out.split()
+
+
+@pytest.mark.parametrize("fault", faults.CONTAINER_CREATE)
+def test_crash_during_container_creation(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
+    _import(daemon, busybox_layout)
+    sandbox_id = run_pod(daemon)
+    crash_and_restart(daemon, fault, lambda: _create_container(daemon, sandbox_id))
+    assert _containers(daemon) == []
+    assert daemon.rows("containers") == []
+    assert _runc_containers(daemon) == []
+    container_id = _create_container(daemon, sandbox_id)  # the name is free again
+    assert _containers(daemon) == [container_id]
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert _runc_containers(daemon) == []
+
+
+@pytest.mark.parametrize("fault", CONTAINER_TEARDOWN)
+def test_crash_during_container_removal(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
+    _import(daemon, busybox_layout)
+    sandbox_id = run_pod(daemon)
+    container_id = _create_container(daemon, sandbox_id)
+    daemon.runtime().StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=30)
+    crash_and_restart(
+        daemon, fault,
+        lambda: daemon.runtime().RemoveContainer(
+            api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
+        ),
+    )
+    daemon.runtime().RemoveContainer(api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60)
+    assert _containers(daemon) == []
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert _runc_containers(daemon) == []
