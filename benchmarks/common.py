@@ -49,4 +49,6 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 def row(name: str, samples: list[float]) -> str:
     median, p95 = percentiles(samples)
-    return f"{name:<22} median {median * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   (n={len(samples)})"
+    return (
+        f"{name:<22} median {median * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   (n={len(samples)})"
+    )

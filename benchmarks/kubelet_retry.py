@@ -34,7 +34,9 @@ class PodOutcome:
     sandbox_id: str = ""
 
 
-def drive_pod(daemon: Daemon, index: int, deadline: float, max_requests: int, out: PodOutcome) -> None:
+def drive_pod(
+    daemon: Daemon, index: int, deadline: float, max_requests: int, out: PodOutcome
+) -> None:
     rt = daemon.runtime()
     started = time.monotonic()
     for _ in range(max_requests):
@@ -51,13 +53,17 @@ def drive_pod(daemon: Daemon, index: int, deadline: float, max_requests: int, ou
 
 
 def run_mode(keep: bool, deadline: float, pods: int, max_requests: int) -> dict[str, object]:
-    settings = {"creation": {"keep_on_timeout": keep, "claim_grace": f"{int(max(2, deadline * 3))}s"}}
+    settings = {
+        "creation": {"keep_on_timeout": keep, "claim_grace": f"{int(max(2, deadline * 3))}s"}
+    }
     with bench_daemon(settings) as daemon:
         assert daemon.network is not None
         daemon.network.delay_file.write_text(str(1.5 * deadline))
         outcomes = [PodOutcome() for _ in range(pods)]
         threads = [
-            threading.Thread(target=drive_pod, args=(daemon, i, deadline, max_requests, outcomes[i]))
+            threading.Thread(
+                target=drive_pod, args=(daemon, i, deadline, max_requests, outcomes[i])
+            )
             for i in range(pods)
         ]
         for t in threads:
@@ -79,8 +85,12 @@ def run_mode(keep: bool, deadline: float, pods: int, max_requests: int) -> dict[
     return {
         "mode": "keep_on_timeout=true" if keep else "keep_on_timeout=false",
         "ready": f"{len(ready)}/{pods}",
-        "requests until ready (median)": statistics.median(o.requests for o in ready) if ready else "never",
-        "time until ready (median, s)": round(statistics.median(o.ready_after for o in ready), 2) if ready else "never",
+        "requests until ready (median)": statistics.median(o.requests for o in ready)
+        if ready
+        else "never",
+        "time until ready (median, s)": round(statistics.median(o.ready_after for o in ready), 2)
+        if ready
+        else "never",
         "CNI ADDs per pod": round(adds / pods, 2),
         "leaked objects": leaks,
     }
@@ -92,11 +102,15 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=20)
     parser.add_argument("--max-requests", type=int, default=8)
     args = parser.parse_args()
-    results = [run_mode(keep, args.deadline, args.pods, args.max_requests) for keep in (True, False)]
+    results = [
+        run_mode(keep, args.deadline, args.pods, args.max_requests) for keep in (True, False)
+    ]
     keys = list(results[0])
     width = max(len(k) for k in keys)
-    print(f"deadline {args.deadline}s, CNI {1.5 * args.deadline}s, {args.pods} pods, "
-          f"at most {args.max_requests} requests each")
+    print(
+        f"deadline {args.deadline}s, CNI {1.5 * args.deadline}s, {args.pods} pods, "
+        f"at most {args.max_requests} requests each"
+    )
     for key in keys:
         print(f"{key:<{width}}  " + "  ".join(f"{str(r[key]):<22}" for r in results))
 

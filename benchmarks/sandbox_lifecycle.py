@@ -26,7 +26,9 @@ def main() -> None:
         idle = rss_mib(daemon.proc.pid)
         for i in range(args.cycles):
             t0 = time.perf_counter()
-            sid = rt.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod_config(f"b{i}", uid=f"u{i}")), timeout=60).pod_sandbox_id
+            sid = rt.RunPodSandbox(
+                api_pb2.RunPodSandboxRequest(config=pod_config(f"b{i}", uid=f"u{i}")), timeout=60
+            ).pod_sandbox_id
             t1 = time.perf_counter()
             rt.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
             t2 = time.perf_counter()
@@ -36,7 +38,9 @@ def main() -> None:
             stop.append(t2 - t1)
             remove.append(t3 - t2)
         ids = [
-            rt.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod_config(f"h{i}", uid=f"h{i}")), timeout=60).pod_sandbox_id
+            rt.RunPodSandbox(
+                api_pb2.RunPodSandboxRequest(config=pod_config(f"h{i}", uid=f"h{i}")), timeout=60
+            ).pod_sandbox_id
             for i in range(50)
         ]
         with_50 = rss_mib(daemon.proc.pid)

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
 from cri_shim import __version__
-from cri_shim.config import Config, ConfigError, apply_overrides, config_to_toml, load_config
+from cri_shim.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_reference_markdown,
+    config_reference_toml,
+    config_to_toml,
+    load_config,
+)
+from cri_shim.logsetup import setup_logging
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -20,14 +28,7 @@ def _load(args: argparse.Namespace) -> Config:
         root=getattr(args, "root", None),
         run_root=getattr(args, "run_root", None),
         log_level=getattr(args, "log_level", None),
-    )
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        log_format=getattr(args, "log_format", None),
     )
 
 
@@ -40,12 +41,24 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--root", help="state root directory")
     serve.add_argument("--run-root", dest="run_root", help="runtime state directory")
     serve.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    serve.add_argument("--log-format", dest="log_format", help="logfmt, json or text")
     config = sub.add_parser("config", help="print the effective configuration as TOML")
     config.add_argument("--config")
     config.add_argument("--listen")
     config.add_argument("--root")
     config.add_argument("--run-root", dest="run_root")
     config.add_argument("--log-level", dest="log_level")
+    config.add_argument("--log-format", dest="log_format")
+    config.add_argument(
+        "--reference",
+        action="store_true",
+        help="print the reference of every key as Markdown (docs/configuration.md)",
+    )
+    config.add_argument(
+        "--toml",
+        action="store_true",
+        help="with --reference: the defaults as commented TOML (contrib/config.toml)",
+    )
     sub.add_parser("version", help="print the version")
     images = sub.add_parser("images", help="manage local images")
     images.add_argument("rest", nargs=argparse.REMAINDER)
@@ -58,12 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         from cri_shim.images.importer import main_import
 
         if argv[1:2] != ["import"]:
-            print("usage: cri-shim images import --config CONFIG PATH [--name REF]", file=sys.stderr)
+            print(
+                "usage: cri-shim images import --config CONFIG PATH [--name REF]", file=sys.stderr
+            )
             return 2
         return main_import(argv[2:])
     args = _parser().parse_args(argv)
     if args.command == "version":
         print(f"cri-shim {__version__} (CRI v1)")
+        return 0
+    if args.command == "config" and args.reference:
+        # The reference describes the code, not a file: no config is read for it.
+        sys.stdout.write(config_reference_toml() if args.toml else config_reference_markdown())
         return 0
     try:
         cfg = _load(args)
@@ -73,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(config_to_toml(cfg))
         return 0
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     from cri_shim.daemon import serve
 
     try:

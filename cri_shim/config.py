@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import textwrap
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,13 +33,13 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 def parse_duration(value: object, key: str) -> float:
     """Seconds from `"90s"`, `"5m"`, `"1h"`, `"250ms"` or a plain number of seconds."""
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a duration such as \"90s\" or \"5m\", got {value!r}")
+        raise ConfigError(f'{key}: expected a duration such as "90s" or "5m", got {value!r}')
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:
-        raise ConfigError(f"{key}: expected a duration such as \"90s\" or \"5m\", got {value!r}")
+        raise ConfigError(f'{key}: expected a duration such as "90s" or "5m", got {value!r}')
     if seconds < 0:
         raise ConfigError(f"{key}: a duration cannot be negative, got {value!r}")
     return seconds
@@ -50,13 +52,15 @@ def format_duration(seconds: float) -> str:
         return f"{int(seconds // 60)}m"
     if seconds == int(seconds):
         return f"{int(seconds)}s"
-    return f"{int(round(seconds * 1000))}ms"
+    return f"{round(seconds * 1000)}ms"
 
 
 @dataclass
 class NetworkConfig:
     config_dir: Path = Path("/etc/cni/net.d")
-    bin_dirs: list[Path] = field(default_factory=lambda: [Path("/usr/lib/cni"), Path("/opt/cni/bin")])
+    bin_dirs: list[Path] = field(
+        default_factory=lambda: [Path("/usr/lib/cni"), Path("/opt/cni/bin")]
+    )
     # A minute more than kubelet's longest request, so a slow plugin's work can be reused.
     setup_timeout: float = 300.0
     teardown_timeout: float = 120.0
@@ -92,6 +96,14 @@ class ImagesConfig:
 
 
 @dataclass
+class StreamingSection:
+    # Loopback on a free port: kubelet proxies exec/attach/port-forward from the node.
+    address: str = "127.0.0.1:0"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+
+@dataclass
 class MetricsConfig:
     listen: str = ""
 
@@ -102,12 +114,14 @@ class Config:
     root: Path = Path("/var/lib/cri-shim")
     run_root: Path = Path("/run/cri-shim")
     log_level: str = "info"
+    log_format: str = "logfmt"
     cgroup_manager: str = "cgroupfs"
     network: NetworkConfig = field(default_factory=NetworkConfig)
     creation: CreationConfig = field(default_factory=CreationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    streaming: StreamingSection = field(default_factory=StreamingSection)
 
     @property
     def socket_path(self) -> Path:
@@ -119,6 +133,7 @@ class Config:
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMATS = ("logfmt", "json", "text")
 _CGROUP_MANAGERS = ("cgroupfs", "systemd")
 
 
@@ -188,7 +203,9 @@ def _load_runtime(table: dict[str, Any]) -> RuntimeConfig:
         prefix = f"runtime.handlers.{name}"
         spec = _expect(spec, dict, prefix, "a table")
         _unknown(spec, {"path", "root"}, prefix + ".")
-        handler = RuntimeHandler(path=Path(_expect(spec.get("path", name), str, prefix + ".path", "a path")))
+        handler = RuntimeHandler(
+            path=Path(_expect(spec.get("path", name), str, prefix + ".path", "a path"))
+        )
         if "root" in spec:
             handler.root = Path(_expect(spec["root"], str, prefix + ".root", "a path"))
         runtime.handlers[name] = handler
@@ -217,14 +234,32 @@ def _load_metrics(table: dict[str, Any]) -> MetricsConfig:
     _unknown(table, {"listen"}, "metrics.")
     metrics = MetricsConfig()
     if "listen" in table:
-        metrics.listen = _expect(table["listen"], str, "metrics.listen", "host:port")
+        metrics.listen = _check_host_port(
+            _expect(table["listen"], str, "metrics.listen", "host:port"), "metrics.listen"
+        )
     return metrics
 
 
+def _load_streaming(table: dict[str, Any]) -> StreamingSection:
+    _unknown(table, {"address", "tls_cert", "tls_key"}, "streaming.")
+    streaming = StreamingSection()
+    if "address" in table:
+        address = _expect(table["address"], str, "streaming.address", "host:port")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"streaming.address: expected host:port, got {address!r}")
+        streaming.address = address
+    for key in ("tls_cert", "tls_key"):
+        if key in table:
+            setattr(streaming, key, Path(_expect(table[key], str, f"streaming.{key}", "a path")))
+    if (streaming.tls_cert is None) != (streaming.tls_key is None):
+        raise ConfigError("streaming.tls_cert: tls_cert and tls_key must be given together")
+    return streaming
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
-    top = {"listen", "root", "run_root", "log_level", "cgroup_manager", "network", "creation",
-           "runtime", "images", "metrics"}
-    _unknown(data, top, "")
+    # The known keys are the fields: a section added to Config cannot be forgotten here.
+    _unknown(data, {f.name for f in dataclasses.fields(Config)}, "")
     cfg = Config()
     if "listen" in data:
         cfg.listen = _check_listen(_expect(data["listen"], str, "listen", "a unix:// URL"))
@@ -236,14 +271,19 @@ def config_from_dict(data: dict[str, Any]) -> Config:
             setattr(cfg, key, path)
     if "log_level" in data:
         cfg.log_level = _check_choice(data["log_level"], _LOG_LEVELS, "log_level")
+    if "log_format" in data:
+        cfg.log_format = _check_choice(data["log_format"], _LOG_FORMATS, "log_format")
     if "cgroup_manager" in data:
-        cfg.cgroup_manager = _check_choice(data["cgroup_manager"], _CGROUP_MANAGERS, "cgroup_manager")
+        cfg.cgroup_manager = _check_choice(
+            data["cgroup_manager"], _CGROUP_MANAGERS, "cgroup_manager"
+        )
     sections = {
         "network": _load_network,
         "creation": _load_creation,
         "runtime": _load_runtime,
         "images": _load_images,
         "metrics": _load_metrics,
+        "streaming": _load_streaming,
     }
     for name, loader in sections.items():
         if name in data:
@@ -260,6 +300,21 @@ def _check_choice(value: object, choices: tuple[str, ...], key: str) -> str:
 def _check_listen(value: str) -> str:
     if not value.startswith("unix://") or not value.removeprefix("unix://").startswith("/"):
         raise ConfigError(f"listen: expected unix:///absolute/path, got {value!r}")
+    return value
+
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]*):(?P<port>\d{1,5})$")
+
+
+def _check_host_port(value: str, key: str) -> str:
+    """ "" (off), or host:port; an IPv6 host in brackets, an empty host for every address."""
+    if value == "":
+        return value
+    match = _HOST_PORT.match(value)
+    if match is None or int(match.group("port")) > 65535:
+        raise ConfigError(
+            f"{key}: expected host:port such as 127.0.0.1:9090 or [::1]:9090, got {value!r}"
+        )
     return value
 
 
@@ -299,14 +354,19 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name))
-                for f in dataclasses.fields(value) if getattr(value, f.name) is not None}
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None
+        }
     return value
 
 
 _DURATION_KEYS = {
-    ("network", "setup_timeout"), ("network", "teardown_timeout"),
-    ("creation", "claim_grace"), ("creation", "cleanup_timeout"),
+    ("network", "setup_timeout"),
+    ("network", "teardown_timeout"),
+    ("creation", "claim_grace"),
+    ("creation", "cleanup_timeout"),
     ("runtime", "stop_timeout_grace"),
 }
 
@@ -316,3 +376,195 @@ def config_to_toml(cfg: Config) -> str:
     for section, key in _DURATION_KEYS:
         data[section][key] = format_duration(getattr(getattr(cfg, section), key))
     return tomli_w.dumps(data)
+
+
+# ---- the reference: every key documented, generated into docs/ and contrib/ ----------
+
+# What each key means, keyed by its dotted path (NAME stands for any handler name). A test
+# fails when a key has no entry here, or an entry names no key, or the generated files
+# (docs/configuration.md, contrib/config.toml) are stale: the reference cannot drift.
+KEY_DOCS: dict[str, str] = {
+    "listen": "the CRI socket kubelet and crictl connect to (created mode 0660)",
+    "root": "state: `state.db`, sandbox directories, images",
+    "run_root": "runtime files: namespace pins, conmon sockets, runtime state",
+    "log_level": "`debug`, `info`, `warning` or `error` (the `--log-level` flag wins)",
+    "log_format": "`logfmt` (key=value), `json` (one object per line) or `text` (for humans)",
+    "cgroup_manager": "`cgroupfs` or `systemd`; must match kubelet's `--cgroup-driver`",
+    "network.config_dir": "CNI configurations; the lexically first one is used, re-read on "
+    "SIGHUP and when the directory changes",
+    "network.bin_dirs": "where CNI plugin binaries are looked up",
+    "network.setup_timeout": "budget of a sandbox's CNI ADD, independent of the request's deadline",
+    "network.teardown_timeout": "budget of a CNI DEL",
+    "creation.claim_grace": "how long a finished but unclaimed object is kept after the last "
+    "waiting request's deadline",
+    "creation.keep_on_timeout": "`false` throws timed-out work away and refuses duplicates at once "
+    "(containerd's behaviour, for comparison)",
+    "creation.cleanup_timeout": "budget of one object's cleanup (each step retried with backoff)",
+    "runtime.default_handler": "the handler used when a request names none",
+    "runtime.conmon": "the conmon binary",
+    "runtime.stop_timeout_grace": "extra time after SIGKILL before a stop is reported failed",
+    "runtime.handlers.NAME.path": "the OCI runtime binary (runc, crun) of handler NAME",
+    "runtime.handlers.NAME.root": "that runtime's `--root` state directory",
+    "images.insecure_registries": "registries reached over plain HTTP",
+    "images.mirrors": "registry → mirror endpoints tried in order before it, e.g. "
+    '`{ "docker.io" = ["http://127.0.0.1:5000"] }`',
+    "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
+    "streaming.address": "host:port of the exec/attach/port-forward server whose URLs the "
+    "streaming RPCs return; port 0 picks a free port, loopback suffices as kubelet proxies",
+    "streaming.tls_cert": "PEM certificate to serve the streaming URLs over HTTPS (with `tls_key`)",
+    "streaming.tls_key": "PEM private key of `tls_cert`; both or neither",
+}
+
+# Defaults that are computed rather than fixed, as the reference shows them.
+_COMPUTED_DEFAULTS = {
+    "runtime.handlers.NAME.path": "NAME",
+    "runtime.handlers.NAME.root": "`<run_root>/runtime/NAME`",
+}
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One key of the configuration file, as the reference lists it."""
+
+    section: str  # "" at the top level; "runtime.handlers.NAME" for per-name tables
+    name: str
+    kind: str  # what value it takes, for the reference
+    default: str | None  # the default as a TOML literal; None when it is computed
+    example_section: str  # `section` with NAME replaced by the default name ("runc")
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+
+def config_keys() -> list[ConfigKey]:
+    """Every key the file accepts, read from the dataclasses: a table's keys before its
+    sub-tables, as TOML needs them."""
+    keys: list[ConfigKey] = []
+    _walk_keys(Config, Config(), "", "", keys)
+    return keys
+
+
+def _walk_keys(
+    cls: type, instance: object, section: str, example: str, out: list[ConfigKey]
+) -> None:
+    hints = typing.get_type_hints(cls)
+    tables: list[tuple[Any, object, str, str]] = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        value = getattr(instance, f.name) if instance is not None else None
+        args = typing.get_args(hint)
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            tables.append((hint, value, _join(section, f.name), _join(example, f.name)))
+        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]):
+            # A table per name ([runtime.handlers.NAME]); the default entry is the example.
+            first = next(iter(value.items()), None) if isinstance(value, dict) else None
+            name, item = first if first is not None else ("NAME", None)
+            tables.append(
+                (
+                    args[1],
+                    item,
+                    _join(section, f.name) + ".NAME",
+                    _join(example, f"{f.name}.{name}"),
+                )
+            )
+        else:
+            default = None if value is None else _toml_literal(value, (section, f.name))
+            out.append(ConfigKey(section, f.name, _kind(hint, (section, f.name)), default, example))
+    for table in tables:
+        _walk_keys(*table, out)
+
+
+def _join(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
+def _kind(hint: object, where: tuple[str, str]) -> str:
+    if where in _DURATION_KEYS:
+        return "duration"
+    simple = {str: "string", bool: "boolean", Path: "path", float: "number", int: "integer"}
+    if hint in simple:
+        return simple[hint]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return f"list of {_kind(args[0], where)}s"
+    if origin is dict:
+        return f"table of {_kind(args[1], where)}"
+    if type(None) in args:  # Optional[X]
+        return _kind(next(a for a in args if a is not type(None)), where)
+    raise TypeError(f"config reference: no name for the type {hint!r} of {'.'.join(where)}")
+
+
+def _toml_literal(value: object, where: tuple[str, str]) -> str:
+    if where in _DURATION_KEYS:
+        assert isinstance(value, float | int)
+        value = format_duration(value)
+    return _literal(_plain(value))
+
+
+def _literal(value: object) -> str:
+    """One line of TOML for a plain value (tomli_w would spread arrays over lines)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{_literal(k)} = {_literal(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    return tomli_w.dumps({"v": value}).removeprefix("v = ").strip()
+
+
+def config_reference_markdown() -> str:
+    """docs/configuration.md: every key, its type, default and meaning."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by `cri-shim config --reference` from cri_shim/config.py; do not edit. -->",
+        "",
+        "TOML, default `/etc/cri-shim/config.toml` (optional; `--config PATH` names another).",
+        "Every key is optional; an unknown key or a bad value stops the start with a message",
+        'that names the key. Durations are strings such as `"90s"`, `"5m"`, `"250ms"` or',
+        "integer seconds. The flags `--listen`, `--root`, `--run-root`, `--log-level` and",
+        "`--log-format` win over the file. `contrib/config.toml` lists the same keys with",
+        "their defaults, commented out. `cri-shim config` prints the effective configuration.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for key in config_keys():
+        shown = f"[{key.section}] {key.name}" if key.section else key.name
+        default = _COMPUTED_DEFAULTS.get(key.path) or (
+            f"`{key.default}`" if key.default is not None else "unset"
+        )
+        meaning = KEY_DOCS.get(key.path, "**undocumented**").replace("|", "\\|")
+        lines.append(f"| `{shown}` | {key.kind} | {default} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def config_reference_toml() -> str:
+    """contrib/config.toml: every key with its meaning, the default commented out."""
+    out = [
+        "# cri-shim configuration (/etc/cri-shim/config.toml).",
+        "# Generated by `cri-shim config --reference --toml`; the reference is",
+        "# docs/configuration.md. Every key is optional: each commented-out value below is",
+        "# the built-in default. Uncomment a line to change it.",
+    ]
+    section = None
+    for key in config_keys():
+        if key.example_section != section:
+            section = key.example_section
+            out += ["", f"[{section}]"] if section else []
+        # The per-name table is shown for the default name: NAME means that name there.
+        name = key.example_section.rsplit(".", 1)[-1] if key.section.endswith(".NAME") else "NAME"
+        meaning = re.sub(r"`([^`]*)`", r"\1", KEY_DOCS.get(key.path, "undocumented"))
+        if key.default is None:
+            computed = _COMPUTED_DEFAULTS.get(key.path, "unset").strip("`")
+            meaning += f" (default: {computed})"
+        out.append("")
+        out += textwrap.wrap(
+            f"{key.name}: {meaning}".replace("NAME", name),
+            width=88,
+            initial_indent="# ",
+            subsequent_indent="# ",
+        )
+        if key.default is not None:
+            out.append(f"#{key.name} = {key.default}")
+    return "\n".join(out) + "\n"

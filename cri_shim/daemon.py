@@ -24,17 +24,20 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.images.store import ImageStore
-from cri_shim.metrics import Metrics
+from cri_shim.lifecycle.containers import ContainerService
+from cri_shim.lifecycle.reconcile import reconcile_host
+from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.metrics import Metrics, MetricsExporter
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
+from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
-from cri_shim.lifecycle.containers import ContainerService
-from cri_shim.lifecycle.reconcile import reconcile_host
-from cri_shim.lifecycle.sandboxes import SandboxService
-from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.streaming.runc_backend import RuncStreamingBackend
+from cri_shim.streaming.server import StreamingConfig, StreamingServer
 
 log = logging.getLogger("cri_shim.daemon")
 
@@ -53,6 +56,7 @@ class Services:
     sandboxes: SandboxService
     containers: ContainerService
     images: ImageStore
+    streaming: StreamingServer
     metrics: Metrics
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -103,12 +107,25 @@ def build_services(config: Config) -> Services:
         return set(chains) & containers.chain_ids_in_use() if containers else set()
 
     images = ImageStore(config.root, db, in_use=layers_in_use)
-    containers = ContainerService(
-        config, db, journal, sandboxes, images, build_backends(config)
+    containers = ContainerService(config, db, journal, sandboxes, images, build_backends(config))
+    streaming = StreamingServer(
+        StreamingConfig(
+            address=config.streaming.address,
+            tls_cert=config.streaming.tls_cert,
+            tls_key=config.streaming.tls_key,
+        ),
+        RuncStreamingBackend(containers.streaming_endpoint, sandboxes.netns_of),
     )
     return Services(
-        config=config, db=db, journal=journal, ledger=ledger, sandboxes=sandboxes,
-        containers=containers, images=images, metrics=Metrics(),
+        config=config,
+        db=db,
+        journal=journal,
+        ledger=ledger,
+        sandboxes=sandboxes,
+        containers=containers,
+        images=images,
+        streaming=streaming,
+        metrics=Metrics(),
     )
 
 
@@ -130,7 +147,10 @@ async def restore(services: Services) -> None:
     await services.sandboxes.restore()
     await services.containers.restore()
     orphans = await reconcile_host(
-        services.db, services.sandboxes, services.containers, services.sandboxes.pinner,
+        services.db,
+        services.sandboxes,
+        services.containers,
+        services.sandboxes.pinner,
         services.config.root,
     )
     if orphans:
@@ -138,8 +158,12 @@ async def restore(services: Services) -> None:
     queued = await services.journal.collect_garbage()
     if queued:
         log.warning("%d cleanup step(s) still queued for garbage collection", queued)
-    log.info("state restored in %.3fs: %d sandboxes, %d containers", time.monotonic() - started,
-             len(services.sandboxes.list()), len(services.containers.list()))
+    log.info(
+        "state restored in %.3fs: %d sandboxes, %d containers",
+        time.monotonic() - started,
+        len(services.sandboxes.list()),
+        len(services.containers.list()),
+    )
 
 
 class Daemon:
@@ -150,14 +174,24 @@ class Daemon:
         self.services: Services | None = None
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
+        self._metrics: MetricsExporter | None = None
 
     async def start(self) -> None:
         become_subreaper()
         services = build_services(self.config)
         await restore(services)
+        await services.streaming.start()
+        # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
+        # container's PID namespace keeps `runc delete` failing.
+        self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
         self.services = services
         self.runtime_service.services = services
         self.image_service.services = services
+        # Metrics (issue 7): collectors read the services at scrape time; the HTTP endpoint
+        # runs only when [metrics] listen is set, and is closed in stop().
+        self._metrics = MetricsExporter(services, self.config.metrics.listen)
+        await self._metrics.start()
         await self._bind()
         log.info("serving CRI on %s", self.config.listen)
         notify_systemd("READY=1\nSTATUS=serving")
@@ -191,11 +225,29 @@ class Daemon:
         notify_systemd("STOPPING=1")
         if self._server is not None:
             await self._server.stop(grace=5)
+        if self._metrics is not None:
+            await self._metrics.aclose()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self.services is not None:
+            await self.services.streaming.stop()
+            puller = self.services.extra.get("image_puller")
+            if puller is not None:
+                await puller.aclose()
             await self.services.sandboxes.coordinator.aclose()
             await self.services.containers.coordinator.aclose()
             self.services.db.close()
         log.info("stopped")
+
+
+def reload_network(daemon: Daemon) -> None:
+    """SIGHUP (`systemctl reload`, issue 7): re-read the CNI configuration in place."""
+    if daemon.services is None:
+        log.info("SIGHUP while restoring: ignored, the configuration is read at start")
+        return
+    log.info("SIGHUP: re-reading the CNI configuration")
+    daemon.services.sandboxes.reload_network()
 
 
 async def serve(config: Config) -> None:
@@ -203,9 +255,10 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
+    # Registered before start(): SIGHUP's default action would kill a restoring daemon.
+    loop.add_signal_handler(signal.SIGHUP, reload_network, daemon)
     await daemon.start()
     try:
         await daemon.wait()
     finally:
         await daemon.stop()
-

@@ -9,8 +9,13 @@ import os
 from pathlib import Path
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 MS_RDONLY = 1
@@ -25,9 +30,16 @@ MNT_DETACH = 2
 
 
 def mount(source: str, target: Path, fstype: str | None, flags: int = 0, data: str = "") -> None:
-    if _libc.mount(source.encode(), str(target).encode(),
-                   fstype.encode() if fstype else None, flags,
-                   data.encode() if data else None) != 0:
+    if (
+        _libc.mount(
+            source.encode(),
+            str(target).encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        )
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} on {target} ({fstype or 'bind'}): {os.strerror(err)}")
 

@@ -62,7 +62,9 @@ class CniTestNetwork:
     def veths(self) -> list[str]:
         out = subprocess.run(
             ["ip", "-o", "link", "show", "master", self.bridge],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout
         return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line]
 
@@ -166,7 +168,10 @@ class Daemon:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cri_shim.cli", "serve", "--config", str(self.config_path)],
-            stdout=log, stderr=log, env=env, cwd=REPO,
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=REPO,
         )
         log.close()
         if wait:
@@ -279,7 +284,9 @@ def pod_config(
     **kwargs: Any,
 ) -> api_pb2.PodSandboxConfig:
     return api_pb2.PodSandboxConfig(
-        metadata=api_pb2.PodSandboxMetadata(name=name, namespace=namespace, uid=uid, attempt=attempt),
+        metadata=api_pb2.PodSandboxMetadata(
+            name=name, namespace=namespace, uid=uid, attempt=attempt
+        ),
         hostname=kwargs.pop("hostname", name),
         log_directory=kwargs.pop("log_directory", ""),
         labels=kwargs.pop("labels", {"app": name}),
@@ -301,6 +308,9 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) ->
 
 
 def ping(ip: str) -> bool:
-    return subprocess.run(
-        ["ping", "-c", "1", "-W", "2", ip], capture_output=True, check=False
-    ).returncode == 0
+    return (
+        subprocess.run(
+            ["ping", "-c", "1", "-W", "2", ip], capture_output=True, check=False
+        ).returncode
+        == 0
+    )

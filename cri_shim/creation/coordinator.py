@@ -316,7 +316,7 @@ class CreationCoordinator:
         # Publish first: if persisting fails, the object stays cached and claimable.
         self._hooks.publish(entry.object_id)
         if entry.expiry_task is not None:
-            pass
+            entry.expiry_task.cancel()
             entry.expiry_task = None
         entry.phase = Phase.VISIBLE
         entry.expires_at = None
@@ -336,8 +336,6 @@ class CreationCoordinator:
             # containerd-like: no cache to hand the object to later, so waiting buys nothing.
             self._refuse(entry)
         entry.watchers += 1
-        if deadline is not None:
-            entry.note_deadline(deadline)
         self._count("waiting", entry, f"duplicate request waits (stage: {entry.stage})")
         try:
             await self._wait(entry.settled, deadline)

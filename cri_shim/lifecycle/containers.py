@@ -8,12 +8,12 @@ in the undo journal before the next step starts.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,9 @@ from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import container_name
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from cri_shim.faults import fault_point
 from cri_shim.images import overlay
 from cri_shim.images.store import ImageRecord, ImageStore
-from cri_shim.faults import fault_point
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.runtime.conmon import RuntimeBackend
@@ -35,6 +35,7 @@ from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, r
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.records import ContainerRecord, SandboxRecord
+from cri_shim.streaming.runc_backend import ContainerEndpoint
 
 log = logging.getLogger("cri_shim.container")
 
@@ -102,8 +103,9 @@ class ContainerService(PersistedCreationHooks):
         if image is None:
             raise NotFound(f"image {config.image.image!r} not found: pull or import it first")
         pod = sandbox.config.metadata
-        name = container_name(config.metadata.name, pod.name, pod.namespace, pod.uid,
-                              config.metadata.attempt)
+        name = container_name(
+            config.metadata.name, pod.name, pod.namespace, pod.uid, config.metadata.attempt
+        )
         log_path = self._log_path(sandbox, config)
 
         async def run(container_id: str, stage: Stage) -> None:
@@ -144,11 +146,23 @@ class ContainerService(PersistedCreationHooks):
         with self._db.transaction() as conn:
             conn.execute(
                 "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
-                "image_id, image_ref, config, log_path, bundle_dir, rootfs) "
-                "VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (container_id, name, sandbox.id, STAGE_STORAGE, CREATED, _now_ns(), image.id,
-                 config.image.image, config.SerializeToString(), log_path, str(bundle),
-                 str(rootfs)),
+                "image_id, image_ref, config, log_path, bundle_dir, rootfs, layers) "
+                "VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    container_id,
+                    name,
+                    sandbox.id,
+                    STAGE_STORAGE,
+                    CREATED,
+                    _now_ns(),
+                    image.id,
+                    config.image.image,
+                    config.SerializeToString(),
+                    log_path,
+                    str(bundle),
+                    str(rootfs),
+                    json.dumps(image.layers),
+                ),
             )
         fault_point("container:row")
         self._journal.record(container_id, "container_dir", path=str(bundle))
@@ -174,12 +188,18 @@ class ContainerService(PersistedCreationHooks):
 
         stage.set(STAGE_RUNTIME)
         backend = self._backend(sandbox.runtime_handler)
-        self._journal.record(container_id, "runtime_delete", handler=sandbox.runtime_handler,
-                             id=container_id)
+        self._journal.record(
+            container_id, "runtime_delete", handler=sandbox.runtime_handler, id=container_id
+        )
         fault_point("container:runtime-journaled")
         pid = await backend.create(
-            container_id, bundle, spec, Path(log_path or bundle / "container.log"),
-            tty=config.tty, stdin=config.stdin,
+            container_id,
+            bundle,
+            spec,
+            Path(log_path or bundle / "container.log"),
+            tty=config.tty,
+            stdin=config.stdin,
+            stdin_once=config.stdin_once,
         )
         fault_point("container:runtime-created")
         self._db.execute(
@@ -298,13 +318,21 @@ class ContainerService(PersistedCreationHooks):
         return container
 
     def mark_lost(self, container: ContainerRecord) -> None:
-        log.warning("container %s (%s): its process is gone and no exit was recorded",
-                    container.id, container.name)
+        log.warning(
+            "container %s (%s): its process is gone and no exit was recorded",
+            container.id,
+            container.name,
+        )
         self._db.execute(
             "UPDATE containers SET state = ?, exit_code = 255, finished_at = ?, reason = ?, "
             "message = ? WHERE id = ?",
-            (EXITED, _now_ns(), "Unknown", "the container's process disappeared without an "
-             "exit record (host reboot?)", container.id),
+            (
+                EXITED,
+                _now_ns(),
+                "Unknown",
+                "the container's process disappeared without an exit record (host reboot?)",
+                container.id,
+            ),
         )
 
     def refresh(self, container: ContainerRecord) -> ContainerRecord:
@@ -324,11 +352,14 @@ class ContainerService(PersistedCreationHooks):
         try:
             await self._journal.undo(container.id, budget=self._config.creation.cleanup_timeout)
         except UndoFailed as exc:
-            log.error("container %s (%s): removal left work for GC: %s",
-                      container.id, container.name, exc)
+            log.error(
+                "container %s (%s): removal left work for GC: %s", container.id, container.name, exc
+            )
         self.forget(container.id)
         self.coordinator.release(container.name)
         log.info("container %s (%s) removed", container.id, container.name)
+        # Layers of an image removed while this container used them can go now.
+        await asyncio.to_thread(self._images.gc_layers)
 
     async def stop_all_in(self, sandbox_id: str) -> None:
         await asyncio.gather(*(self._stop(c, 0) for c in self.list(sandbox_id=sandbox_id)))
@@ -360,6 +391,18 @@ class ContainerService(PersistedCreationHooks):
         if container.state == EXITED:
             raise FailedPrecondition(f"container {container.id} has exited")
         await self.backend_of(container).update_resources(container.id, resources)
+
+    def streaming_endpoint(self, ref: str) -> ContainerEndpoint:
+        """Where the streaming server reaches a container (exec, attach)."""
+        container = self.get(ref)
+        backend = self.backend_of(container)
+        return ContainerEndpoint(
+            runtime_path=backend.runtime_path,
+            runtime_root=backend.oci.root,
+            attach_socket=backend.attach_socket(container.id),
+            control_fifo=container.bundle_dir / "ctl",
+            running=container.state == RUNNING,
+        )
 
     def _handler_of(self, container: ContainerRecord) -> str:
         row = self._db.query_one(
@@ -402,12 +445,11 @@ class ContainerService(PersistedCreationHooks):
         return [self.refresh(ContainerRecord.from_row(r)) for r in rows]
 
     def chain_ids_in_use(self) -> set[str]:
-        rows = self._db.query("SELECT DISTINCT image_id FROM containers")
+        """Layers under some container's root filesystem (recorded at creation: the image
+        itself may already be gone when the store asks)."""
         used: set[str] = set()
-        for row in rows:
-            image = self._images.get(row[0])
-            if image is not None:
-                used.update(image.layers)
+        for row in self._db.query("SELECT DISTINCT layers FROM containers"):
+            used.update(json.loads(row[0]))
         return used
 
     # ---- restore -------------------------------------------------------------------
@@ -416,10 +458,15 @@ class ContainerService(PersistedCreationHooks):
         rows = self._db.query("SELECT id, name, phase FROM containers")
         for row in rows:
             if row["phase"] == "creating":
-                log.warning("container %s (%s): creation was interrupted; rolling it back",
-                            row["id"], row["name"])
+                log.warning(
+                    "container %s (%s): creation was interrupted; rolling it back",
+                    row["id"],
+                    row["name"],
+                )
                 try:
-                    await self._journal.undo(row["id"], budget=self._config.creation.cleanup_timeout)
+                    await self._journal.undo(
+                        row["id"], budget=self._config.creation.cleanup_timeout
+                    )
                 except UndoFailed as exc:
                     log.error("container %s: rollback left work for GC: %s", row["id"], exc)
                 self.forget(row["id"])
@@ -445,5 +492,3 @@ def _image_view(image: ImageRecord) -> ImageConfigView:
         user=image.user,
         stop_signal=image.stop_signal,
     )
-
-

@@ -63,8 +63,7 @@ class PersistedCreationHooks:
             raise InvalidArgument(f"{self.kind} ID must not be empty")
         escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         rows = self._db.query(
-            f"SELECT * FROM {self.table} WHERE phase = 'visible' AND id LIKE ? ESCAPE '\\' "
-            "LIMIT 2",
+            f"SELECT * FROM {self.table} WHERE phase = 'visible' AND id LIKE ? ESCAPE '\\' LIMIT 2",
             (escaped + "%",),
         )
         if len(rows) > 1:

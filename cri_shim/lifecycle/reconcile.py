@@ -45,7 +45,10 @@ async def reconcile_host(
             await pinner.unpin(pin)
             found += 1
 
-    for table, directory in (("sandboxes", root / "sandboxes"), ("containers", root / "containers")):
+    for table, directory in (
+        ("sandboxes", root / "sandboxes"),
+        ("containers", root / "containers"),
+    ):
         known = {row[0] for row in db.query(f"SELECT id FROM {table}")}
         if not directory.is_dir():
             continue
@@ -77,11 +80,16 @@ async def reconcile_host(
             found += 1
 
     for sandbox in sandboxes.list():
-        if sandbox.ready and sandbox.netns_path is not None and not mounts.is_mounted(
-            sandbox.netns_path
+        if (
+            sandbox.ready
+            and sandbox.netns_path is not None
+            and not mounts.is_mounted(sandbox.netns_path)
         ):
-            log.warning("sandbox %s (%s): its network namespace is gone; marking it not ready",
-                        sandbox.id, sandbox.name)
+            log.warning(
+                "sandbox %s (%s): its network namespace is gone; marking it not ready",
+                sandbox.id,
+                sandbox.name,
+            )
             sandboxes.mark_not_ready(sandbox.id)
             found += 1
     return found

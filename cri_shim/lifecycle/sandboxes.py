@@ -20,11 +20,11 @@ from typing import Any
 
 from cri_api.v1 import api_pb2
 
+from cri_shim import mounts
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import sandbox_name
 from cri_shim.errors import FailedPrecondition, InvalidArgument, NotFound
-from cri_shim import mounts
 from cri_shim.faults import fault_point
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
@@ -125,8 +125,15 @@ class SandboxService(PersistedCreationHooks):
                 "INSERT INTO sandboxes (id, name, phase, stage, state, created_at, "
                 "runtime_handler, config, sandbox_dir) VALUES (?, ?, 'creating', ?, 'notready', "
                 "?, ?, ?, ?)",
-                (sandbox_id, name, STAGE_STORAGE, _now_ns(), handler,
-                 config.SerializeToString(), str(sandbox_dir)),
+                (
+                    sandbox_id,
+                    name,
+                    STAGE_STORAGE,
+                    _now_ns(),
+                    handler,
+                    config.SerializeToString(),
+                    str(sandbox_dir),
+                ),
             )
         fault_point("sandbox:row")
         self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
@@ -145,8 +152,11 @@ class SandboxService(PersistedCreationHooks):
         options = config.linux.security_context.namespace_options
         hostnet = host_network(config)
         pins = self.pinner
-        for kind, wanted in (("netns", not hostnet), ("utsns", not hostnet),
-                             ("ipcns", options.ipc != api_pb2.NODE)):
+        for kind, wanted in (
+            ("netns", not hostnet),
+            ("utsns", not hostnet),
+            ("ipcns", options.ipc != api_pb2.NODE),
+        ):
             if wanted:
                 path = self._config.run_root / kind / sandbox_id
                 self._ledger.allocate("path", str(path), sandbox_id)
@@ -295,9 +305,7 @@ class SandboxService(PersistedCreationHooks):
         except UndoFailed as exc:
             # The steps are queued for garbage collection; the pod is stopped all the same.
             log.error("sandbox %s (%s): stop left work for GC: %s", sandbox.id, sandbox.name, exc)
-        self._db.execute(
-            "UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox.id,)
-        )
+        self._db.execute("UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox.id,))
         log.info("sandbox %s (%s) stopped", sandbox.id, sandbox.name)
 
     async def remove(self, sandbox_ref: str) -> None:
@@ -309,7 +317,9 @@ class SandboxService(PersistedCreationHooks):
         try:
             await self._journal.undo(sandbox.id, budget=self._config.creation.cleanup_timeout)
         except UndoFailed as exc:
-            log.error("sandbox %s (%s): removal left work for GC: %s", sandbox.id, sandbox.name, exc)
+            log.error(
+                "sandbox %s (%s): removal left work for GC: %s", sandbox.id, sandbox.name, exc
+            )
         self.forget(sandbox.id)
         self.coordinator.release(sandbox.name)
         log.info("sandbox %s (%s) removed", sandbox.id, sandbox.name)
@@ -333,9 +343,7 @@ class SandboxService(PersistedCreationHooks):
         return sandbox
 
     def list(self) -> list[SandboxRecord]:
-        rows = self._db.query(
-            "SELECT * FROM sandboxes WHERE phase = 'visible' ORDER BY created_at"
-        )
+        rows = self._db.query("SELECT * FROM sandboxes WHERE phase = 'visible' ORDER BY created_at")
         return [SandboxRecord.from_row(r) for r in rows]
 
     # ---- restore -------------------------------------------------------------------
@@ -345,10 +353,15 @@ class SandboxService(PersistedCreationHooks):
         rows = self._db.query("SELECT id, name, phase FROM sandboxes")
         for row in rows:
             if row["phase"] == "creating":
-                log.warning("sandbox %s (%s): creation was interrupted; rolling it back",
-                            row["id"], row["name"])
+                log.warning(
+                    "sandbox %s (%s): creation was interrupted; rolling it back",
+                    row["id"],
+                    row["name"],
+                )
                 try:
-                    await self._journal.undo(row["id"], budget=self._config.creation.cleanup_timeout)
+                    await self._journal.undo(
+                        row["id"], budget=self._config.creation.cleanup_timeout
+                    )
                 except UndoFailed as exc:
                     log.error("sandbox %s: rollback left work for GC: %s", row["id"], exc)
                 self.forget(row["id"])
@@ -362,18 +375,34 @@ class SandboxService(PersistedCreationHooks):
         )
         # Journal rows of objects whose row is gone (crash between undo and forget).
         for object_id in self._journal.objects():
-            if self._db.query_one("SELECT 1 FROM sandboxes WHERE id = ?", (object_id,)) is None and \
-                    self._db.query_one("SELECT 1 FROM containers WHERE id = ?", (object_id,)) is None:
+            if (
+                self._db.query_one("SELECT 1 FROM sandboxes WHERE id = ?", (object_id,)) is None
+                and self._db.query_one("SELECT 1 FROM containers WHERE id = ?", (object_id,))
+                is None
+            ):
                 try:
-                    await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
+                    await self._journal.undo(
+                        object_id, budget=self._config.creation.cleanup_timeout
+                    )
                 except UndoFailed as exc:
                     log.error("orphan journal of %s left work for GC: %s", object_id, exc)
+
+    def netns_of(self, ref: str) -> Path:
+        """The pinned network namespace of a ready pod (port-forward dials into it)."""
+        sandbox = self.get_ready(ref)
+        if sandbox.netns_path is None:
+            raise FailedPrecondition(f"pod sandbox {sandbox.id} uses the host network")
+        return sandbox.netns_path
 
     def mark_not_ready(self, sandbox_id: str) -> None:
         self._db.execute("UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox_id,))
 
     def network_status(self) -> tuple[bool, str, str]:
         return self._cni.status()
+
+    def reload_network(self) -> None:
+        """Re-read the CNI configuration now (SIGHUP, `systemctl reload`)."""
+        self._cni.reload()
 
 
 def _request_args(request: PodNetworkRequest) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from cri_shim.errors import (
     InvalidArgument,
     Unavailable,
 )
+from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
 
@@ -540,6 +541,10 @@ class CniNetwork:
             # Cancelled: the plugin must not outlive the request that started it.
             await _kill(proc)
             raise
+        finally:
+            # Latency and result per plugin and command, timeouts included (metrics).
+            ok = proc.returncode == 0
+            observe_call("cni", f"{command} {kind}", time.monotonic() - started, ok)
         elapsed = (time.monotonic() - started) * 1000
         log.debug("%s: exit %s in %.1f ms", what, proc.returncode, elapsed)
 

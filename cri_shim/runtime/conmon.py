@@ -121,6 +121,7 @@ class RuntimeBackend:
         log_path: Path,
         tty: bool,
         stdin: bool,
+        stdin_once: bool = True,
     ) -> int:
         """Write config.json, start conmon (which runs `runc create`), and return the
         container's pid once conmon reports it. On any failure, including cancellation,
@@ -139,7 +140,9 @@ class RuntimeBackend:
         started = time.monotonic()
         try:
             (cdir / "persist").mkdir()
-            pid = await self._create(container_id, cdir, bundle, spec, log_path, tty, stdin)
+            pid = await self._create(
+                container_id, cdir, bundle, spec, log_path, tty, stdin, stdin_once
+            )
         except BaseException:
             await self._discard(container_id)
             raise
@@ -157,6 +160,7 @@ class RuntimeBackend:
         log_path: Path,
         tty: bool,
         stdin: bool,
+        stdin_once: bool,
     ) -> int:
         meta = self._prepare(container_id, cdir, bundle, spec, log_path, tty)
 
@@ -195,6 +199,9 @@ class RuntimeBackend:
             args.append("--terminal")
         if stdin:
             args.append("--stdin")
+            if not stdin_once:
+                # kubelet's stdinOnce=false: stdin stays open across attach sessions.
+                args.append("--leave-stdin-open")
 
         deadline = time.monotonic() + self.create_timeout
         sync_read, sync_write = os.pipe()
@@ -210,6 +217,8 @@ class RuntimeBackend:
                 stderr=diagnostics,
                 pass_fds=(sync_write,),
                 env={**os.environ, "_OCI_SYNCPIPE": str(sync_write)},
+                # conmon writes some files (an `oom` marker) relative to its working dir.
+                cwd=cdir,
             )
         except BaseException:
             os.close(sync_read)
@@ -473,6 +482,10 @@ class RuntimeBackend:
         return read_cgroup_stats(
             meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
         )
+
+    def attach_socket(self, container_id: str) -> Path:
+        """conmon's attach socket for the container (under --socket-dir-path)."""
+        return self._sockets / container_id / "attach"
 
     # ---- exec, logs, resources ------------------------------------------------------
 

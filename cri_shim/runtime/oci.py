@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,8 @@ class OciRuntime:
                 if proc.returncode is None:  # cancelled by the caller: leave no runc behind
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
+                ok = proc.returncode == 0
+                observe_call(self.path.name, args[0], time.monotonic() - started, ok)
             log.debug(
                 "%s %s: rc=%s in %.1f ms",
                 self.path.name,

@@ -91,7 +91,9 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
     return method
 
 
-def unimplemented(name: str, issue: str) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+def unimplemented(
+    name: str, issue: str
+) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented by cri-shim yet ({issue})"

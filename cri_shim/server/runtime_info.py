@@ -65,10 +65,10 @@ async def status(
 async def runtime_config(
     services: Services, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RuntimeConfigResponse:
-    driver = (
-        api_pb2.SYSTEMD if services.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
+    driver = api_pb2.SYSTEMD if services.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
+    return api_pb2.RuntimeConfigResponse(
+        linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver)
     )
-    return api_pb2.RuntimeConfigResponse(linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver))
 
 
 async def update_runtime_config(

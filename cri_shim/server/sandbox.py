@@ -58,9 +58,7 @@ async def pod_sandbox_status(
         created_at=sandbox.created_at,
         network=network,
         linux=api_pb2.LinuxPodSandboxStatus(
-            namespaces=api_pb2.Namespace(
-                options=config.linux.security_context.namespace_options
-            )
+            namespaces=api_pb2.Namespace(options=config.linux.security_context.namespace_options)
         ),
         labels=config.labels,
         annotations=config.annotations,

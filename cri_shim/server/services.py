@@ -6,25 +6,18 @@ from typing import TYPE_CHECKING
 
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from cri_shim.server import runtime_info, sandbox
+from cri_shim.server import container, image, runtime_info, sandbox, stats, streaming
 from cri_shim.server.rpc import rpc, unimplemented
 
 if TYPE_CHECKING:
     from cri_shim.daemon import Services
 
 _PENDING = {
-    "CreateContainer": "containers", "StartContainer": "containers",
-    "StopContainer": "containers", "RemoveContainer": "containers",
-    "ListContainers": "containers", "ContainerStatus": "containers",
-    "UpdateContainerResources": "containers", "ReopenContainerLog": "containers",
-    "ExecSync": "containers", "Exec": "streaming", "Attach": "streaming",
-    "PortForward": "streaming", "ContainerStats": "containers",
-    "ListContainerStats": "containers", "PodSandboxStats": "containers",
-    "ListPodSandboxStats": "containers",    "CheckpointContainer": "checkpointing", "GetContainerEvents": "container events",
-    "ListMetricDescriptors": "CRI metrics", "ListPodSandboxMetrics": "CRI metrics",
+    "CheckpointContainer": "checkpointing",
+    "GetContainerEvents": "container events",
+    "ListMetricDescriptors": "CRI metrics",
+    "ListPodSandboxMetrics": "CRI metrics",
     "UpdatePodSandboxResources": "pod resources",
-    "ListImages": "images", "ImageStatus": "images", "PullImage": "image pulls",
-    "RemoveImage": "images", "ImageFsInfo": "images",
 }
 
 
@@ -44,10 +37,30 @@ class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):
     RemovePodSandbox = rpc(sandbox.remove_pod_sandbox)
     PodSandboxStatus = rpc(sandbox.pod_sandbox_status)
     ListPodSandbox = rpc(sandbox.list_pod_sandbox)
+    CreateContainer = rpc(container.create_container)
+    StartContainer = rpc(container.start_container)
+    StopContainer = rpc(container.stop_container)
+    RemoveContainer = rpc(container.remove_container)
+    ListContainers = rpc(container.list_containers)
+    ContainerStatus = rpc(container.container_status)
+    ExecSync = rpc(container.exec_sync)
+    ReopenContainerLog = rpc(container.reopen_container_log)
+    UpdateContainerResources = rpc(container.update_container_resources)
+    Exec = rpc(streaming.exec_)
+    Attach = rpc(streaming.attach)
+    PortForward = rpc(streaming.port_forward)
+    ContainerStats = rpc(stats.container_stats)
+    ListContainerStats = rpc(stats.list_container_stats)
+    PodSandboxStats = rpc(stats.pod_sandbox_stats)
+    ListPodSandboxStats = rpc(stats.list_pod_sandbox_stats)
 
 
 class ImageService(_Servicer, api_pb2_grpc.ImageServiceServicer):
-    pass
+    ListImages = rpc(image.list_images)
+    ImageStatus = rpc(image.image_status)
+    PullImage = rpc(image.pull_image)
+    RemoveImage = rpc(image.remove_image)
+    ImageFsInfo = rpc(image.image_fs_info)
 
 
 def _fill_unimplemented() -> None:

@@ -144,7 +144,11 @@ class Journal:
                 error = str(exc) or type(exc).__name__
                 log.warning(
                     "undo %s of %s failed (attempt %d/%d): %s",
-                    step.action, step.object_id, attempt, self._attempts, error,
+                    step.action,
+                    step.object_id,
+                    attempt,
+                    self._attempts,
+                    error,
                 )
             if attempt < self._attempts:
                 await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
@@ -152,10 +156,18 @@ class Journal:
         return error
 
     def _queue_for_gc(self, step: UndoStep, error: str) -> None:
-        log.error("undo %s of %s queued for garbage collection: %s", step.action, step.object_id, error)
+        log.error(
+            "undo %s of %s queued for garbage collection: %s", step.action, step.object_id, error
+        )
         self._db.execute(
             "INSERT INTO gc_queue (object_id, action, args, error, queued_at) VALUES (?, ?, ?, ?, ?)",
-            (step.object_id, step.action, json.dumps(step.args, sort_keys=True), error, time.time()),
+            (
+                step.object_id,
+                step.action,
+                json.dumps(step.args, sort_keys=True),
+                error,
+                time.time(),
+            ),
         )
 
     async def collect_garbage(self) -> int:

@@ -101,4 +101,9 @@ MIGRATIONS: list[str] = [
         queued_at REAL NOT NULL
     )
     """,
+    # 2: containers remember their image's layers, so that removing the image cannot
+    # delete layer directories under a live overlay.
+    """
+    ALTER TABLE containers ADD COLUMN layers TEXT NOT NULL DEFAULT '[]'
+    """,
 ]

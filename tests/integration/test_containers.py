@@ -23,21 +23,39 @@ IMAGE = "docker.io/library/busybox:latest"
 
 def import_image(daemon: Daemon, layout: Path, name: str = IMAGE) -> None:
     subprocess.run(
-        [sys.executable, "-m", "cri_shim.cli", "images", "import", "--config",
-         str(daemon.config_path), str(layout), "--name", name],
-        check=True, cwd=REPO, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "cri_shim.cli",
+            "images",
+            "import",
+            "--config",
+            str(daemon.config_path),
+            str(layout),
+            "--name",
+            name,
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
     )
 
 
 @pytest.fixture
-def pod(daemon: Daemon, busybox_layout: Path, short_tmp: Path) -> Iterator[tuple[str, api_pb2.PodSandboxConfig]]:
+def pod(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> Iterator[tuple[str, api_pb2.PodSandboxConfig]]:
     import_image(daemon, busybox_layout)
     config = pod_config("ctr-pod", log_directory=str(short_tmp / "logs"))
-    sandbox_id = daemon.runtime().RunPodSandbox(
-        api_pb2.RunPodSandboxRequest(config=config), timeout=30
-    ).pod_sandbox_id
+    sandbox_id = (
+        daemon.runtime()
+        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30)
+        .pod_sandbox_id
+    )
     yield sandbox_id, config
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
 
 
 def container_config(name: str, args: list[str], **kwargs: object) -> api_pb2.ContainerConfig:
@@ -51,27 +69,41 @@ def container_config(name: str, args: list[str], **kwargs: object) -> api_pb2.Co
     )
 
 
-def create(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig) -> str:
+def create(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
+) -> str:
     sandbox_id, sandbox_config = pod
-    return daemon.runtime().CreateContainer(
-        api_pb2.CreateContainerRequest(
-            pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox_config
-        ),
-        timeout=60,
-    ).container_id
+    return (
+        daemon.runtime()
+        .CreateContainer(
+            api_pb2.CreateContainerRequest(
+                pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox_config
+            ),
+            timeout=60,
+        )
+        .container_id
+    )
 
 
 def start(daemon: Daemon, container_id: str) -> None:
-    daemon.runtime().StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=30)
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+    )
 
 
 def status(daemon: Daemon, container_id: str, verbose: bool = False) -> api_pb2.ContainerStatus:
-    return daemon.runtime().ContainerStatus(
-        api_pb2.ContainerStatusRequest(container_id=container_id, verbose=verbose), timeout=10
-    ).status
+    return (
+        daemon.runtime()
+        .ContainerStatus(
+            api_pb2.ContainerStatusRequest(container_id=container_id, verbose=verbose), timeout=10
+        )
+        .status
+    )
 
 
-def run_to_exit(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig) -> api_pb2.ContainerStatus:
+def run_to_exit(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
+) -> api_pb2.ContainerStatus:
     container_id = create(daemon, pod, config)
     start(daemon, container_id)
     return wait_until(
@@ -82,13 +114,13 @@ def run_to_exit(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], confi
 
 def log_lines(path: str, stream: str | None = None) -> list[str]:
     return [
-        r.content.decode()
-        for r in read_records(Path(path))
-        if stream is None or r.stream == stream
+        r.content.decode() for r in read_records(Path(path)) if stream is None or r.stream == stream
     ]
 
 
-def exec_sync(daemon: Daemon, container_id: str, cmd: list[str], timeout: int = 0) -> api_pb2.ExecSyncResponse:
+def exec_sync(
+    daemon: Daemon, container_id: str, cmd: list[str], timeout: int = 0
+) -> api_pb2.ExecSyncResponse:
     return daemon.runtime().ExecSync(
         api_pb2.ExecSyncRequest(container_id=container_id, cmd=cmd, timeout=timeout), timeout=60
     )
@@ -106,11 +138,15 @@ def test_exit_code_and_cri_log(daemon: Daemon, pod: tuple[str, api_pb2.PodSandbo
     assert ok.exit_code == 0 and ok.reason == "Completed"
 
 
-def test_env_workdir_and_image_user(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]) -> None:
+def test_env_workdir_and_image_user(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
     st = run_to_exit(
-        daemon, pod,
+        daemon,
+        pod,
         container_config(
-            "env", ["echo $GREETING; pwd; id -u; id -un"],
+            "env",
+            ["echo $GREETING; pwd; id -u; id -un"],
             envs=[api_pb2.KeyValue(key="GREETING", value="hello")],
             working_dir="/tmp",
             linux=api_pb2.LinuxContainerConfig(
@@ -129,11 +165,14 @@ def test_read_only_rootfs_and_host_mounts(
     ro.mkdir()
     (ro / "data").write_text("from host\n")
     st = run_to_exit(
-        daemon, pod,
+        daemon,
+        pod,
         container_config(
             "mounts",
-            ["cat /ro/data; echo written > /rw/out; touch /ro/x || echo ro-refused; "
-             "touch /newfile || echo rootfs-refused"],
+            [
+                "cat /ro/data; echo written > /rw/out; touch /ro/x || echo ro-refused; "
+                "touch /newfile || echo rootfs-refused"
+            ],
             mounts=[
                 api_pb2.Mount(container_path="/rw", host_path=str(rw)),
                 api_pb2.Mount(container_path="/ro", host_path=str(ro), readonly=True),
@@ -147,11 +186,15 @@ def test_read_only_rootfs_and_host_mounts(
     assert (rw / "out").read_text() == "written\n"
 
 
-def _cap_eff(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], name: str, caps: api_pb2.Capability) -> int:
+def _cap_eff(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], name: str, caps: api_pb2.Capability
+) -> int:
     st = run_to_exit(
-        daemon, pod,
+        daemon,
+        pod,
         container_config(
-            name, ["grep CapEff /proc/self/status"],
+            name,
+            ["grep CapEff /proc/self/status"],
             linux=api_pb2.LinuxContainerConfig(
                 security_context=api_pb2.LinuxContainerSecurityContext(capabilities=caps)
             ),
@@ -160,18 +203,24 @@ def _cap_eff(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], name: st
     return int(log_lines(st.log_path)[0].split()[1], 16)
 
 
-def test_capabilities_added_and_dropped(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]) -> None:
+def test_capabilities_added_and_dropped(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
     cap_net_admin, cap_chown = 1 << 12, 1 << 0
     default = _cap_eff(daemon, pod, "caps-default", api_pb2.Capability())
     assert default & cap_chown and not default & cap_net_admin
     changed = _cap_eff(
-        daemon, pod, "caps-changed",
+        daemon,
+        pod,
+        "caps-changed",
         api_pb2.Capability(add_capabilities=["NET_ADMIN"], drop_capabilities=["CHOWN"]),
     )
     assert changed & cap_net_admin and not changed & cap_chown
 
 
-def test_exec_sync_and_its_timeout(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]) -> None:
+def test_exec_sync_and_its_timeout(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
     container_id = create(daemon, pod, container_config("sleeper", ["sleep 300"]))
     start(daemon, container_id)
     result = exec_sync(daemon, container_id, ["sh", "-c", "echo hi; echo oops >&2; exit 7"])
@@ -184,29 +233,43 @@ def test_exec_sync_and_its_timeout(daemon: Daemon, pod: tuple[str, api_pb2.PodSa
     # the timed-out process is gone
     ps = exec_sync(daemon, container_id, ["ps", "-o", "args"])
     assert b"sleep 60" not in ps.stdout
-    daemon.runtime().RemoveContainer(api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60)
+    daemon.runtime().RemoveContainer(
+        api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
+    )
 
 
-def test_stop_escalates_to_sigkill(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]) -> None:
-    container_id = create(daemon, pod, container_config("stubborn", ["trap '' TERM; while true; do sleep 1; done"]))
+def test_stop_escalates_to_sigkill(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
+    container_id = create(
+        daemon, pod, container_config("stubborn", ["trap '' TERM; while true; do sleep 1; done"])
+    )
     start(daemon, container_id)
     time.sleep(0.5)
     t0 = time.monotonic()
-    daemon.runtime().StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=2), timeout=60)
+    daemon.runtime().StopContainer(
+        api_pb2.StopContainerRequest(container_id=container_id, timeout=2), timeout=60
+    )
     took = time.monotonic() - t0
     st = status(daemon, container_id)
     assert st.state == api_pb2.CONTAINER_EXITED
     assert st.exit_code == 137
     assert 1.5 < took < 15
     # idempotent
-    daemon.runtime().StopContainer(api_pb2.StopContainerRequest(container_id=container_id, timeout=2), timeout=60)
+    daemon.runtime().StopContainer(
+        api_pb2.StopContainerRequest(container_id=container_id, timeout=2), timeout=60
+    )
 
 
-def test_memory_limit_reports_oomkilled(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]) -> None:
+def test_memory_limit_reports_oomkilled(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
     st = run_to_exit(
-        daemon, pod,
+        daemon,
+        pod,
         container_config(
-            "hog", ["dd if=/dev/zero of=/dev/shm/fill bs=1M count=200; tail /dev/zero"],
+            "hog",
+            ["dd if=/dev/zero of=/dev/shm/fill bs=1M count=200; tail /dev/zero"],
             linux=api_pb2.LinuxContainerConfig(
                 resources=api_pb2.LinuxContainerResources(memory_limit_in_bytes=32 * 1024 * 1024)
             ),
@@ -222,7 +285,12 @@ def test_list_and_filters(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConf
     start(daemon, a)
 
     def ids(f: api_pb2.ContainerFilter) -> list[str]:
-        return [c.id for c in daemon.runtime().ListContainers(api_pb2.ListContainersRequest(filter=f), timeout=5).containers]
+        return [
+            c.id
+            for c in daemon.runtime()
+            .ListContainers(api_pb2.ListContainersRequest(filter=f), timeout=5)
+            .containers
+        ]
 
     running = api_pb2.ContainerStateValue(state=api_pb2.CONTAINER_RUNNING)
     assert ids(api_pb2.ContainerFilter(state=running)) == [a]
@@ -240,30 +308,46 @@ def test_stopping_the_pod_stops_its_containers_and_removal_leaves_nothing(
 ) -> None:
     import_image(daemon, busybox_layout)
     config = pod_config("doomed", log_directory=str(short_tmp / "logs"))
-    sandbox_id = daemon.runtime().RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30).pod_sandbox_id
+    sandbox_id = (
+        daemon.runtime()
+        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30)
+        .pod_sandbox_id
+    )
     pod = (sandbox_id, config)
     container_id = create(daemon, pod, container_config("main", ["sleep 300"]))
     start(daemon, container_id)
-    info = daemon.runtime().ContainerStatus(
-        api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=5
-    ).info["info"]
+    info = (
+        daemon.runtime()
+        .ContainerStatus(
+            api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=5
+        )
+        .info["info"]
+    )
     pid = int(json.loads(info)["pid"])
     assert Path(f"/proc/{pid}").exists()
-    daemon.runtime().StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+    daemon.runtime().StopPodSandbox(
+        api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
     assert status(daemon, container_id).state == api_pb2.CONTAINER_EXITED
     wait_until(lambda: not Path(f"/proc/{pid}").exists(), timeout=10)
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
     leaks = daemon.leaks()
     assert leaks == {}
     runc_list = subprocess.run(
         ["runc", "--root", str(daemon.run_root / "runtime" / "runc"), "list", "-q"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout.split()
     assert runc_list == []
     assert not list((daemon.root / "containers").glob("*"))
 
 
-def test_bad_input(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path) -> None:
+def test_bad_input(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+) -> None:
     def code(config: api_pb2.ContainerConfig, sandbox: str | None = None) -> grpc.StatusCode:
         with pytest.raises(grpc.RpcError) as info:
             create(daemon, (sandbox or pod[0], pod[1]), config)
@@ -271,22 +355,44 @@ def test_bad_input(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], sh
 
     assert code(container_config("x", ["true"]), sandbox="0" * 64) == grpc.StatusCode.NOT_FOUND
     assert code(container_config("x", ["true"], image="nope:latest")) == grpc.StatusCode.NOT_FOUND
-    assert code(container_config("x", ["true"], mounts=[api_pb2.Mount(container_path="/m", host_path="relative/p")])) == grpc.StatusCode.INVALID_ARGUMENT
-    assert code(container_config("x", ["true"], mounts=[api_pb2.Mount(container_path="/m", host_path=str(short_tmp / "missing"))])) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        code(
+            container_config(
+                "x", ["true"], mounts=[api_pb2.Mount(container_path="/m", host_path="relative/p")]
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        code(
+            container_config(
+                "x",
+                ["true"],
+                mounts=[api_pb2.Mount(container_path="/m", host_path=str(short_tmp / "missing"))],
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert code(container_config("", ["true"])) == grpc.StatusCode.INVALID_ARGUMENT
     # nothing half-made: no container listed, no container directory, no reservation
-    assert daemon.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=5).containers == []
+    assert (
+        daemon.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=5).containers == []
+    )
     assert daemon.rows("containers") == []
     assert daemon.rows("names", "kind = 'container'") == []
     with pytest.raises(grpc.RpcError) as info:
         status(daemon, "f" * 64)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     # a stopped sandbox refuses new containers
-    daemon.runtime().StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=pod[0]), timeout=60)
+    daemon.runtime().StopPodSandbox(
+        api_pb2.StopPodSandboxRequest(pod_sandbox_id=pod[0]), timeout=60
+    )
     assert code(container_config("late", ["true"])) == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_image_service_sees_imported_image(daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]) -> None:
+def test_image_service_sees_imported_image(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
     images = daemon.images().ListImages(api_pb2.ListImagesRequest(), timeout=5).images
     assert any(IMAGE in i.repo_tags for i in images)
 
@@ -297,9 +403,13 @@ def test_restart_keeps_running_container_and_picks_up_exit(
     flag = short_tmp / "flag"
     flag.mkdir()
     container_id = create(
-        daemon, pod,
-        container_config("survivor", ["while [ ! -e /flag/go ]; do sleep 0.2; done; exit 5"],
-                         mounts=[api_pb2.Mount(container_path="/flag", host_path=str(flag))]),
+        daemon,
+        pod,
+        container_config(
+            "survivor",
+            ["while [ ! -e /flag/go ]; do sleep 0.2; done; exit 5"],
+            mounts=[api_pb2.Mount(container_path="/flag", host_path=str(flag))],
+        ),
     )
     start(daemon, container_id)
     daemon.kill9()

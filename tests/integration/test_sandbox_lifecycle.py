@@ -26,7 +26,9 @@ def run_pod(daemon: Daemon, config: api_pb2.PodSandboxConfig, timeout: float = 3
     return response.pod_sandbox_id
 
 
-def status(daemon: Daemon, sandbox_id: str, verbose: bool = False) -> api_pb2.PodSandboxStatusResponse:
+def status(
+    daemon: Daemon, sandbox_id: str, verbose: bool = False
+) -> api_pb2.PodSandboxStatusResponse:
     return daemon.runtime().PodSandboxStatus(
         api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=verbose), timeout=10
     )
@@ -38,7 +40,8 @@ def test_version_and_status(daemon: Daemon) -> None:
     assert version.runtime_api_version == "v1"
     assert version.version and version.runtime_version
     conditions = {
-        c.type: c for c in daemon.runtime().Status(api_pb2.StatusRequest(), timeout=5).status.conditions
+        c.type: c
+        for c in daemon.runtime().Status(api_pb2.StatusRequest(), timeout=5).status.conditions
     }
     assert conditions["RuntimeReady"].status
     assert conditions["NetworkReady"].status
@@ -51,18 +54,25 @@ def test_network_not_ready_without_cni_config(daemon: Daemon, test_network: CniT
         f.unlink()
     (test_network.config_dir / "broken.conflist").write_text("{not json")
     conditions = {
-        c.type: c for c in daemon.runtime().Status(api_pb2.StatusRequest(), timeout=5).status.conditions
+        c.type: c
+        for c in daemon.runtime().Status(api_pb2.StatusRequest(), timeout=5).status.conditions
     }
     assert not conditions["NetworkReady"].status
     assert conditions["NetworkReady"].reason
     assert conditions["NetworkReady"].message
 
 
-def test_pod_lifecycle_like_crictl(daemon: Daemon, test_network: CniTestNetwork, short_tmp: Path) -> None:
+def test_pod_lifecycle_like_crictl(
+    daemon: Daemon, test_network: CniTestNetwork, short_tmp: Path
+) -> None:
     log_dir = short_tmp / "pod-logs"
     config = pod_config(
-        "web", hostname="web-host", log_directory=str(log_dir),
-        dns_config=api_pb2.DNSConfig(servers=["10.0.0.10"], searches=["svc.local"], options=["ndots:5"]),
+        "web",
+        hostname="web-host",
+        log_directory=str(log_dir),
+        dns_config=api_pb2.DNSConfig(
+            servers=["10.0.0.10"], searches=["svc.local"], options=["ndots:5"]
+        ),
     )
     sandbox_id = run_pod(daemon, config)
     assert len(sandbox_id) == 64
@@ -80,7 +90,10 @@ def test_pod_lifecycle_like_crictl(daemon: Daemon, test_network: CniTestNetwork,
     assert ping(ip), f"pod IP {ip} does not answer"
     # The pinned UTS namespace carries the pod's hostname.
     hostname = subprocess.run(
-        ["nsenter", f"--uts={info['utsns']}", "hostname"], capture_output=True, text=True, check=True
+        ["nsenter", f"--uts={info['utsns']}", "hostname"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     assert hostname == "web-host"
     sandbox_dir = Path(info["sandboxDir"])
@@ -98,26 +111,38 @@ def test_pod_lifecycle_like_crictl(daemon: Daemon, test_network: CniTestNetwork,
     assert [i.id for i in items] == [sandbox_id]
 
     # stopp: network gone, still listed as not ready
-    daemon.runtime().StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().StopPodSandbox(
+        api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
     st = status(daemon, sandbox_id)
     assert st.status.state == api_pb2.SANDBOX_NOTREADY
     assert not ping(ip)
     assert test_network.allocations() == []
-    daemon.runtime().StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().StopPodSandbox(
+        api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
 
     # rmp: nothing left
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
     assert daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items == []
     assert daemon.leaks() == {}
     assert not sandbox_dir.exists()
     # idempotent
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
-    daemon.runtime().StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id="f" * 64), timeout=30)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
+    daemon.runtime().StopPodSandbox(
+        api_pb2.StopPodSandboxRequest(pod_sandbox_id="f" * 64), timeout=30
+    )
 
 
 def test_remove_without_stop_tears_everything_down(daemon: Daemon) -> None:
     sandbox_id = run_pod(daemon, pod_config("quick"))
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
     assert daemon.leaks() == {}
 
 
@@ -127,8 +152,12 @@ def test_list_filters(daemon: Daemon) -> None:
     daemon.runtime().StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=b), timeout=30)
 
     def ids(f: api_pb2.PodSandboxFilter) -> list[str]:
-        return [i.id for i in daemon.runtime().ListPodSandbox(
-            api_pb2.ListPodSandboxRequest(filter=f), timeout=5).items]
+        return [
+            i.id
+            for i in daemon.runtime()
+            .ListPodSandbox(api_pb2.ListPodSandboxRequest(filter=f), timeout=5)
+            .items
+        ]
 
     assert ids(api_pb2.PodSandboxFilter(id=a)) == [a]
     assert ids(api_pb2.PodSandboxFilter(id=a[:10])) == [a]
@@ -137,7 +166,9 @@ def test_list_filters(daemon: Daemon) -> None:
     assert ids(api_pb2.PodSandboxFilter(label_selector={"tier": "back"})) == [b]
     assert ids(api_pb2.PodSandboxFilter(label_selector={"tier": "none"})) == []
     for sandbox_id in (a, b):
-        daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+        daemon.runtime().RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+        )
     assert daemon.leaks() == {}
 
 
@@ -153,7 +184,9 @@ def test_host_network_pod_skips_netns_and_cni(daemon: Daemon, test_network: CniT
     assert json.loads(st.info["info"])["netns"] == ""
     assert test_network.adds() == 0
     assert st.status.linux.namespaces.options.network == api_pb2.NODE
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
     assert daemon.leaks() == {}
 
 
@@ -167,7 +200,9 @@ def test_restart_keeps_sandbox_with_its_ip(daemon: Daemon) -> None:
     assert ping(ip)
     # the same request again returns the same sandbox (no second attachment)
     assert run_pod(daemon, pod_config("keeper")) == sandbox_id
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
     assert daemon.leaks() == {}
 
 
@@ -208,7 +243,9 @@ def test_cni_failure_returns_plugin_message_and_leaves_nothing(
     # the name is free again: the next attempt succeeds
     test_network.fail_file.unlink()
     sandbox_id = run_pod(daemon, pod_config("broken"))
-    daemon.runtime().RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30)
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
     assert daemon.leaks() == {}
 
 
@@ -223,7 +260,9 @@ def test_update_runtime_config_is_accepted(daemon: Daemon) -> None:
     # kubelet sends the pod CIDR at start; the CNI configuration owns addressing here.
     daemon.runtime().UpdateRuntimeConfig(
         api_pb2.UpdateRuntimeConfigRequest(
-            runtime_config=api_pb2.RuntimeConfig(network_config=api_pb2.NetworkConfig(pod_cidr="10.1.0.0/16"))
+            runtime_config=api_pb2.RuntimeConfig(
+                network_config=api_pb2.NetworkConfig(pod_cidr="10.1.0.0/16")
+            )
         ),
         timeout=5,
     )

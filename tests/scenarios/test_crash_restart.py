@@ -26,9 +26,11 @@ CONTAINER_TEARDOWN = ("undo:runtime_delete", "undo:rootfs_unmount", "undo:contai
 
 
 def run_pod(daemon: Daemon, name: str = "crash", timeout: float = 30) -> str:
-    return daemon.runtime().RunPodSandbox(
-        api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout
-    ).pod_sandbox_id
+    return (
+        daemon.runtime()
+        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout)
+        .pod_sandbox_id
+    )
 
 
 def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
@@ -38,7 +40,10 @@ def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
 
 
 def listed(daemon: Daemon) -> list[str]:
-    return [i.id for i in daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items]
+    return [
+        i.id
+        for i in daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items
+    ]
 
 
 def crash_and_restart(daemon: Daemon, fault: str, call) -> None:  # type: ignore[no-untyped-def]
@@ -48,8 +53,12 @@ def crash_and_restart(daemon: Daemon, fault: str, call) -> None:  # type: ignore
     daemon.start()
     with pytest.raises(grpc.RpcError) as info:
         call()
-    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), info.value
+    assert info.value.code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    ), info.value
     assert daemon.proc is not None
     assert daemon.proc.wait(10) == faults.EXIT_CODE, daemon.log()
     daemon.proc = None
@@ -58,7 +67,9 @@ def crash_and_restart(daemon: Daemon, fault: str, call) -> None:  # type: ignore
 
 
 @pytest.mark.parametrize("fault", faults.SANDBOX_CREATE)
-def test_crash_during_sandbox_creation(daemon: Daemon, test_network: CniTestNetwork, fault: str) -> None:
+def test_crash_during_sandbox_creation(
+    daemon: Daemon, test_network: CniTestNetwork, fault: str
+) -> None:
     crash_and_restart(daemon, fault, lambda: run_pod(daemon))
     assert listed(daemon) == []
     assert daemon.leaks() == {}, daemon.log()
@@ -78,7 +89,8 @@ def test_crash_during_sandbox_removal(daemon: Daemon, fault: str) -> None:
 
 
 def test_cached_sandbox_survives_kill9_and_is_claimed_without_second_add(
-    make_daemon, test_network: CniTestNetwork  # type: ignore[no-untyped-def]
+    make_daemon,
+    test_network: CniTestNetwork,  # type: ignore[no-untyped-def]
 ) -> None:
     daemon: Daemon = make_daemon()
     daemon.start()
@@ -91,9 +103,11 @@ def test_cached_sandbox_survives_kill9_and_is_claimed_without_second_add(
     assert listed(daemon) == []  # still invisible after restore
     sandbox_id = run_pod(daemon, "cached", timeout=5)
     assert test_network.adds() == 1
-    status = daemon.runtime().PodSandboxStatus(
-        api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5
-    ).status
+    status = (
+        daemon.runtime()
+        .PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5)
+        .status
+    )
     assert status.state == api_pb2.SANDBOX_READY and status.network.ip
     remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}
@@ -103,9 +117,15 @@ def test_orphans_under_the_roots_are_removed_at_start(daemon: Daemon) -> None:
     sandbox_id = run_pod(daemon)
     daemon.kill9()
     # the database forgets the sandbox (as if lost); its pins and directory remain
-    subprocess.run(["sqlite3", str(daemon.root / "state.db"),
-                    "DELETE FROM sandboxes; DELETE FROM names; DELETE FROM journal; "
-                    "DELETE FROM allocations;"], check=True)
+    subprocess.run(
+        [
+            "sqlite3",
+            str(daemon.root / "state.db"),
+            "DELETE FROM sandboxes; DELETE FROM names; DELETE FROM journal; "
+            "DELETE FROM allocations;",
+        ],
+        check=True,
+    )
     assert (daemon.run_root / "netns" / sandbox_id).exists()
     daemon.start()
     leaks = daemon.leaks()
@@ -119,35 +139,58 @@ def test_orphans_under_the_roots_are_removed_at_start(daemon: Daemon) -> None:
 
 def _import(daemon: Daemon, layout: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "cri_shim.cli", "images", "import", "--config",
-         str(daemon.config_path), str(layout), "--name", IMAGE],
-        check=True, cwd=REPO, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "cri_shim.cli",
+            "images",
+            "import",
+            "--config",
+            str(daemon.config_path),
+            str(layout),
+            "--name",
+            IMAGE,
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
     )
 
 
 def _create_container(daemon: Daemon, sandbox_id: str) -> str:
-    return daemon.runtime().CreateContainer(
-        api_pb2.CreateContainerRequest(
-            pod_sandbox_id=sandbox_id,
-            config=api_pb2.ContainerConfig(
-                metadata=api_pb2.ContainerMetadata(name="c"),
-                image=api_pb2.ImageSpec(image=IMAGE),
-                command=["sleep", "300"],
+    return (
+        daemon.runtime()
+        .CreateContainer(
+            api_pb2.CreateContainerRequest(
+                pod_sandbox_id=sandbox_id,
+                config=api_pb2.ContainerConfig(
+                    metadata=api_pb2.ContainerMetadata(name="c"),
+                    image=api_pb2.ImageSpec(image=IMAGE),
+                    command=["sleep", "300"],
+                ),
+                sandbox_config=pod_config("crash"),
             ),
-            sandbox_config=pod_config("crash"),
-        ),
-        timeout=60,
-    ).container_id
+            timeout=60,
+        )
+        .container_id
+    )
 
 
 def _containers(daemon: Daemon) -> list[str]:
-    return [c.id for c in daemon.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=5).containers]
+    return [
+        c.id
+        for c in daemon.runtime()
+        .ListContainers(api_pb2.ListContainersRequest(), timeout=5)
+        .containers
+    ]
 
 
 def _runc_containers(daemon: Daemon) -> list[str]:
     out = subprocess.run(
         ["runc", "--root", str(daemon.run_root / "runtime" / "runc"), "list", "-q"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
     return out.split()
 
@@ -172,14 +215,19 @@ def test_crash_during_container_removal(daemon: Daemon, busybox_layout: Path, fa
     _import(daemon, busybox_layout)
     sandbox_id = run_pod(daemon)
     container_id = _create_container(daemon, sandbox_id)
-    daemon.runtime().StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=30)
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+    )
     crash_and_restart(
-        daemon, fault,
+        daemon,
+        fault,
         lambda: daemon.runtime().RemoveContainer(
             api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
         ),
     )
-    daemon.runtime().RemoveContainer(api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60)
+    daemon.runtime().RemoveContainer(
+        api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
+    )
     assert _containers(daemon) == []
     remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()

@@ -19,13 +19,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
 
 def run_pod(daemon: Daemon, name: str, timeout: float) -> str:
-    return daemon.runtime().RunPodSandbox(
-        api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout
-    ).pod_sandbox_id
+    return (
+        daemon.runtime()
+        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout)
+        .pod_sandbox_id
+    )
 
 
 def listed(daemon: Daemon) -> list[str]:
-    return [i.id for i in daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items]
+    return [
+        i.id
+        for i in daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=5).items
+    ]
 
 
 def remove_all(daemon: Daemon) -> None:
@@ -56,9 +61,11 @@ def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: CniTes
     sandbox_id = run_pod(daemon, "slow", timeout=10)
     claim_time = time.monotonic() - t0
     assert claim_time < 1.0, f"claiming the cached sandbox took {claim_time:.2f}s"
-    status = daemon.runtime().PodSandboxStatus(
-        api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5
-    ).status
+    status = (
+        daemon.runtime()
+        .PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5)
+        .status
+    )
     assert status.state == api_pb2.SANDBOX_READY
     assert status.network.ip
     assert test_network.adds() == 1
@@ -70,7 +77,9 @@ def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: CniTes
     assert daemon.leaks() == {}
 
 
-def test_twenty_concurrent_requests_create_one_sandbox(daemon: Daemon, test_network: CniTestNetwork) -> None:
+def test_twenty_concurrent_requests_create_one_sandbox(
+    daemon: Daemon, test_network: CniTestNetwork
+) -> None:
     test_network.delay_file.write_text("1")
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         futures = [pool.submit(run_pod, daemon, "crowd", 30) for _ in range(20)]
@@ -90,7 +99,9 @@ def test_twenty_concurrent_requests_create_one_sandbox(daemon: Daemon, test_netw
     assert daemon.leaks() == {}
 
 
-def test_failing_plugin_wakes_the_waiter_at_once(daemon: Daemon, test_network: CniTestNetwork) -> None:
+def test_failing_plugin_wakes_the_waiter_at_once(
+    daemon: Daemon, test_network: CniTestNetwork
+) -> None:
     test_network.delay_file.write_text("2")
     test_network.fail_file.write_text("network exploded")
     with pytest.raises(grpc.RpcError):
@@ -105,7 +116,8 @@ def test_failing_plugin_wakes_the_waiter_at_once(daemon: Daemon, test_network: C
 
 
 def test_unclaimed_sandbox_expires_and_leaves_nothing(
-    make_daemon, test_network: CniTestNetwork  # type: ignore[no-untyped-def]
+    make_daemon,
+    test_network: CniTestNetwork,  # type: ignore[no-untyped-def]
 ) -> None:
     daemon: Daemon = make_daemon(settings={"creation": {"claim_grace": "1s"}})
     daemon.start()
@@ -126,7 +138,8 @@ def test_unclaimed_sandbox_expires_and_leaves_nothing(
 
 
 def test_without_keep_on_timeout_the_pod_never_becomes_ready(
-    make_daemon, test_network: CniTestNetwork  # type: ignore[no-untyped-def]
+    make_daemon,
+    test_network: CniTestNetwork,  # type: ignore[no-untyped-def]
 ) -> None:
     daemon: Daemon = make_daemon(settings={"creation": {"keep_on_timeout": False}})
     daemon.start()
@@ -134,7 +147,10 @@ def test_without_keep_on_timeout_the_pod_never_becomes_ready(
     for _ in range(3):
         with pytest.raises(grpc.RpcError) as info:
             run_pod(daemon, "thrown-away", timeout=1.0)
-        assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS)
+        assert info.value.code() in (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.ALREADY_EXISTS,
+        )
         time.sleep(2.0)
     assert listed(daemon) == []
     wait_until(lambda: daemon.leaks() == {}, timeout=20)

@@ -98,7 +98,9 @@ def test_errors_name_the_key(data: dict[str, object], key: str) -> None:
 
 
 def test_printed_config_loads_back_to_the_same(tmp_path: Path) -> None:
-    cfg = config_from_dict({"creation": {"claim_grace": "90s"}, "images": {"mirrors": {"a": ["b"]}}})
+    cfg = config_from_dict(
+        {"creation": {"claim_grace": "90s"}, "images": {"mirrors": {"a": ["b"]}}}
+    )
     text = config_to_toml(cfg)
     path = tmp_path / "c.toml"
     path.write_text(text)
@@ -132,3 +134,34 @@ def test_cli_config_prints_toml_and_refuses_bad_keys(
     bad.write_text("[network]\nsetup_timout = '1m'\n")
     assert main(["config", "--config", str(bad)]) == 2
     assert "network.setup_timout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["logfmt", "json", "text", "JSON"])
+def test_log_format_is_read(value: str) -> None:
+    assert Config().log_format == "logfmt"
+    assert config_from_dict({"log_format": value}).log_format == value.lower()
+
+
+@pytest.mark.parametrize("value", ["xml", "", 1, True])
+def test_bad_log_format_names_the_key_and_the_choices(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^log_format: expected one of logfmt, json, text"):
+        config_from_dict({"log_format": value})
+
+
+def test_log_format_flag_wins_over_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('log_format = "text"\n')
+    assert apply_overrides(load_config(path), log_format="json").log_format == "json"
+    with pytest.raises(ConfigError, match="log_format"):
+        apply_overrides(load_config(path), log_format="yaml")
+
+
+@pytest.mark.parametrize("value", ["", "127.0.0.1:9090", "[::1]:9090", ":9090", "node1:0"])
+def test_metrics_listen_accepts_host_port(value: str) -> None:
+    assert config_from_dict({"metrics": {"listen": value}}).metrics.listen == value
+
+
+@pytest.mark.parametrize("value", ["9090", "127.0.0.1", "127.0.0.1:99999", "http://x:1", "a b:1"])
+def test_metrics_listen_rejects_what_is_not_host_port(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^metrics.listen: expected host:port"):
+        config_from_dict({"metrics": {"listen": value}})

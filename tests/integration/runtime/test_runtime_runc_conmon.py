@@ -23,6 +23,7 @@ from cri_shim.logs.crilog import Stream
 from cri_shim.runtime.capabilities import capabilities_from_mask, capability_mask
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
+from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
@@ -286,6 +287,11 @@ def _runc_list(runtime: Runtime) -> list[object]:
     return json.loads(out) or []
 
 
+def _parent_of(pid: int) -> int:
+    raw = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(raw.rsplit(b")", 1)[1].split()[1])
+
+
 def _zombie_children() -> list[str]:
     """Command names of zombies whose parent is this test process."""
     names = []
@@ -346,3 +352,40 @@ asyncio.run(main())
     assert restarted.exit_status("survivor")[0] == 42  # type: ignore[index]
     await restarted.delete("survivor")
     assert processes_with("-c survivor") == []
+
+
+async def test_an_orphan_on_the_subreaper_does_not_block_delete(runtime: Runtime) -> None:
+    """`runc exec` dies before its process: the process is re-parented to us (the
+    subreaper). Unreaped, its zombie keeps the container's PID namespace from dying and
+    `runc delete` fails with "container init still running"; the reaper prevents it."""
+    cid = await runtime.create(shell("exec sleep 1000"))
+    await runtime.backend.start(cid)
+    pid_file = runtime.base / "exec.pid"
+    runc_exec = await asyncio.create_subprocess_exec(
+        "runc",
+        "--root",
+        str(runtime.backend.oci.root),
+        "exec",
+        "--pid-file",
+        str(pid_file),
+        cid,
+        "sleep",
+        "4343",
+        start_new_session=True,
+    )
+    for _ in range(250):  # runc writes the pid file once the process runs
+        if pid_file.exists() and pid_file.read_text():
+            break
+        await asyncio.sleep(0.02)
+    orphan = int(pid_file.read_text())
+    runc_exec.kill()
+    await runc_exec.wait()
+    await asyncio.sleep(0.1)
+    assert _parent_of(orphan) == os.getpid()  # re-parented to us, the subreaper
+    reaper = asyncio.create_task(OrphanReaper().run(interval=0.1))
+    try:
+        await runtime.backend.delete(cid)
+    finally:
+        reaper.cancel()
+    assert _runc_list(runtime) == []
+    assert "sleep" not in _zombie_children()

@@ -1,0 +1,70 @@
+"""Reaping orphans that a child-subreaper daemon inherits.
+
+With PR_SET_CHILD_SUBREAPER, every orphan below the daemon becomes its child: conmon
+monitors (conmon.py reaps those itself, by pid and start time), and anything whose parent
+died first, such as a process exec'd into a container whose `runc exec` was killed, or a
+container process whose conmon died. Such a zombie is not just a table entry: while it sits
+in a container's PID namespace, that namespace cannot finish dying, and `runc delete`
+fails with "container init still running" until someone reaps it.
+
+The daemon's own subprocesses must not be reaped here, or asyncio would lose their exit
+status. asyncio's watcher reaps a child as soon as it exits (a thread blocked in
+waitpid() per child on Python 3.11), so a zombie child still there at the next scan,
+with the same start time, has nobody else to reap it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL = 1.0
+
+
+class OrphanReaper:
+    """Call scan() periodically (run() does so); it reaps zombies that outlived a scan."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int]] = set()
+
+    def scan(self) -> list[int]:
+        """Reap the zombie children seen at the previous scan too; return their pids."""
+        current = set(_zombie_children())
+        reaped = []
+        # The start time is part of the key: a reused pid is a different process.
+        for pid, _start_time in current & self._seen:
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done == pid:
+                    reaped.append(pid)
+                    log.debug("reaped orphan %d (status %d)", pid, status)
+        self._seen = current - {ref for ref in current if ref[0] in reaped}
+        return reaped
+
+    async def run(self, interval: float = DEFAULT_INTERVAL) -> None:
+        """Scan for ever; cancel to stop. Own it in the daemon's task group."""
+        while True:
+            self.scan()
+            await asyncio.sleep(interval)
+
+
+def _zombie_children() -> list[tuple[int, int]]:
+    """(pid, start time) of this process's zombie children."""
+    me = os.getpid()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                raw = handle.read()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        if fields[0] == b"Z" and int(fields[1]) == me:
+            found.append((int(entry.name), int(fields[19])))
+    return found

@@ -1,0 +1,136 @@
+"""ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats (cgroup files).
+
+Pod-level figures are the sum of the pod's containers: there is no infra container, so a
+pod uses exactly what its containers use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from cri_shim.errors import CriError
+from cri_shim.runtime.stats import writable_layer_usage
+from cri_shim.state.records import ContainerRecord
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+
+def _u64(value: int | None) -> api_pb2.UInt64Value | None:
+    return api_pb2.UInt64Value(value=value) if value is not None else None
+
+
+async def _container_stats(
+    services: Services, container: ContainerRecord
+) -> api_pb2.ContainerStats:
+    attributes = api_pb2.ContainerAttributes(
+        id=container.id,
+        metadata=container.config.metadata,
+        labels=container.config.labels,
+        annotations=container.config.annotations,
+    )
+    stats = api_pb2.ContainerStats(attributes=attributes)
+    if container.state == "running":
+        try:
+            cg = services.containers.backend_of(container).cgroup_stats(container.id)
+        except CriError:
+            cg = None
+        if cg is not None:
+            stats.cpu.CopyFrom(
+                api_pb2.CpuUsage(
+                    timestamp=cg.timestamp_ns, usage_core_nano_seconds=_u64(cg.cpu_usage_ns)
+                )
+            )
+            stats.memory.CopyFrom(
+                api_pb2.MemoryUsage(
+                    timestamp=cg.timestamp_ns,
+                    working_set_bytes=_u64(cg.memory_working_set_bytes),
+                    usage_bytes=_u64(cg.memory_usage_bytes),
+                    rss_bytes=_u64(cg.memory_rss_bytes),
+                    page_faults=_u64(cg.page_faults),
+                    major_page_faults=_u64(cg.major_page_faults),
+                )
+            )
+    # The walk costs with the number of files, so it runs off the event loop.
+    usage = await asyncio.to_thread(writable_layer_usage, container.bundle_dir / "upper")
+    stats.writable_layer.CopyFrom(
+        api_pb2.FilesystemUsage(
+            fs_id=api_pb2.FilesystemIdentifier(mountpoint=str(services.config.root)),
+            used_bytes=_u64(usage.used_bytes),
+            inodes_used=_u64(usage.inodes_used),
+        )
+    )
+    return stats
+
+
+async def container_stats(
+    services: Services, request: api_pb2.ContainerStatsRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ContainerStatsResponse:
+    container = services.containers.get(request.container_id)
+    return api_pb2.ContainerStatsResponse(stats=await _container_stats(services, container))
+
+
+async def list_container_stats(
+    services: Services,
+    request: api_pb2.ListContainerStatsRequest,
+    context: grpc.aio.ServicerContext,
+) -> api_pb2.ListContainerStatsResponse:
+    f = request.filter
+    selected = [
+        c
+        for c in services.containers.list(sandbox_id=f.pod_sandbox_id or None)
+        if (not f.id or c.id.startswith(f.id))
+        and all(c.config.labels.get(k) == v for k, v in f.label_selector.items())
+    ]
+    stats = [await _container_stats(services, c) for c in selected]
+    return api_pb2.ListContainerStatsResponse(stats=stats)
+
+
+async def _sandbox_stats(services: Services, sandbox_id: str) -> api_pb2.PodSandboxStats:
+    sandbox = services.sandboxes.get(sandbox_id)
+    containers = [
+        await _container_stats(services, c) for c in services.containers.list(sandbox_id=sandbox.id)
+    ]
+    cpu = sum(c.cpu.usage_core_nano_seconds.value for c in containers)
+    memory = sum(c.memory.working_set_bytes.value for c in containers)
+    timestamp = max((c.cpu.timestamp for c in containers), default=0)
+    return api_pb2.PodSandboxStats(
+        attributes=api_pb2.PodSandboxAttributes(
+            id=sandbox.id,
+            metadata=sandbox.config.metadata,
+            labels=sandbox.config.labels,
+            annotations=sandbox.config.annotations,
+        ),
+        linux=api_pb2.LinuxPodSandboxStats(
+            cpu=api_pb2.CpuUsage(timestamp=timestamp, usage_core_nano_seconds=_u64(cpu)),
+            memory=api_pb2.MemoryUsage(timestamp=timestamp, working_set_bytes=_u64(memory)),
+            containers=containers,
+        ),
+    )
+
+
+async def pod_sandbox_stats(
+    services: Services, request: api_pb2.PodSandboxStatsRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.PodSandboxStatsResponse:
+    return api_pb2.PodSandboxStatsResponse(
+        stats=await _sandbox_stats(services, request.pod_sandbox_id)
+    )
+
+
+async def list_pod_sandbox_stats(
+    services: Services,
+    request: api_pb2.ListPodSandboxStatsRequest,
+    context: grpc.aio.ServicerContext,
+) -> api_pb2.ListPodSandboxStatsResponse:
+    f = request.filter
+    stats = [
+        await _sandbox_stats(services, s.id)
+        for s in services.sandboxes.list()
+        if (not f.id or s.id.startswith(f.id))
+        and all(s.config.labels.get(k) == v for k, v in f.label_selector.items())
+    ]
+    return api_pb2.ListPodSandboxStatsResponse(stats=stats)

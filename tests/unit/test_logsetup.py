@@ -1,0 +1,295 @@
+"""Structured log lines: the three formats, object fields on every line, secrets redacted."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from cri_shim.logsetup import (
+    REDACTED,
+    ObjectLogger,
+    infer_object_fields,
+    logfmt_value,
+    object_fields,
+    redact,
+    setup_logging,
+)
+
+SANDBOX_ID = "4f1c" * 16
+CONTAINER_ID = "9a0b" * 16
+POD = "k8s_POD_web_default_uid-1_0"
+CTR = "k8s_app_web_default_uid-1_0"
+
+
+@pytest.fixture
+def root_logger() -> Iterator[logging.Logger]:
+    """The root logger, put back as it was (pytest's own handlers included)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield root
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def emit(
+    fmt: str, root_logger: logging.Logger, level: str = "debug"
+) -> tuple[io.StringIO, logging.Logger]:
+    stream = io.StringIO()
+    setup_logging(level, fmt, stream)
+    return stream, logging.getLogger("cri_shim.test")
+
+
+def lines(stream: io.StringIO) -> list[str]:
+    return stream.getvalue().splitlines()
+
+
+def parse_logfmt(line: str) -> dict[str, str]:
+    """A small logfmt reader, enough to check what the formatter writes."""
+    fields: dict[str, str] = {}
+    i = 0
+    while i < len(line):
+        eq = line.index("=", i)
+        key = line[i:eq]
+        i = eq + 1
+        if line[i] == '"':
+            i += 1
+            value = []
+            while line[i] != '"':
+                if line[i] == "\\":
+                    i += 1
+                    value.append({"n": "\n", "r": "\r"}.get(line[i], line[i]))
+                else:
+                    value.append(line[i])
+                i += 1
+            fields[key] = "".join(value)
+            i += 2
+        else:
+            end = line.find(" ", i)
+            end = len(line) if end == -1 else end
+            fields[key] = line[i:end]
+            i = end + 1
+    return fields
+
+
+# ---- formats ------------------------------------------------------------------------
+
+
+def test_logfmt_line_has_time_level_logger_message_and_fields(root_logger: logging.Logger) -> None:
+    stream, log = emit("logfmt", root_logger)
+    log.info("pulled %s in %.1fs", "busybox", 1.25, extra={"image": "busybox", "bytes": 42})
+    [line] = lines(stream)
+    fields = parse_logfmt(line)
+    assert fields["level"] == "info"
+    assert fields["logger"] == "cri_shim.test"
+    assert fields["msg"] == "pulled busybox in 1.2s"
+    assert fields["image"] == "busybox"
+    assert fields["bytes"] == "42"
+    assert fields["ts"].endswith("Z") and "T" in fields["ts"]
+    assert list(fields)[:4] == ["ts", "level", "logger", "msg"]
+
+
+def test_logfmt_quotes_what_needs_it_and_stays_on_one_line(root_logger: logging.Logger) -> None:
+    stream, log = emit("logfmt", root_logger)
+    try:
+        raise ValueError('bad "value"\nsecond line')
+    except ValueError:
+        log.exception("it failed = badly")
+    [line] = lines(stream)
+    fields = parse_logfmt(line)
+    assert fields["msg"] == "it failed = badly"
+    assert fields["level"] == "error"
+    assert "Traceback" in fields["exc"] and 'ValueError: bad "value"\nsecond line' in fields["exc"]
+
+
+@pytest.mark.parametrize(
+    ("value", "written"),
+    [
+        ("plain", "plain"),
+        ("two words", '"two words"'),
+        ("", '""'),
+        ('a"b', '"a\\"b"'),
+        ("k=v", '"k=v"'),
+        (3, "3"),
+        (True, "true"),
+        (None, "null"),
+    ],
+)
+def test_logfmt_values(value: object, written: str) -> None:
+    assert logfmt_value(value) == written
+
+
+def test_json_lines_are_objects_with_the_same_keys(root_logger: logging.Logger) -> None:
+    stream, log = emit("json", root_logger)
+    log.warning("sandbox %s (%s) stopped", SANDBOX_ID, POD)
+    log.debug('ünïcode and "quotes"', extra={"count": 3})
+    first, second = (json.loads(line) for line in lines(stream))
+    assert first["level"] == "warning"
+    assert first["msg"] == f"sandbox {SANDBOX_ID} ({POD}) stopped"
+    assert first["sandbox_id"] == SANDBOX_ID and first["sandbox_name"] == POD
+    assert first["logger"] == "cri_shim.test"
+    assert second["msg"] == 'ünïcode and "quotes"' and second["count"] == 3
+
+
+def test_text_lines_keep_the_classic_form_with_fields_after(root_logger: logging.Logger) -> None:
+    stream, log = emit("text", root_logger)
+    log.info("container %s (%s) started", CONTAINER_ID, CTR)
+    [line] = lines(stream)
+    assert f"INFO cri_shim.test: container {CONTAINER_ID} ({CTR}) started" in line
+    assert line.endswith(f"[container_id={CONTAINER_ID} container_name={CTR}]")
+
+
+def test_log_level_changes_what_is_written(root_logger: logging.Logger) -> None:
+    stream, log = emit("logfmt", root_logger, level="warning")
+    log.info("not shown")
+    log.warning("shown")
+    assert [parse_logfmt(line)["msg"] for line in lines(stream)] == ["shown"]
+    stream, log = emit("logfmt", root_logger, level="debug")
+    log.debug("now shown")
+    assert [parse_logfmt(line)["msg"] for line in lines(stream)] == ["now shown"]
+    # A chatty library's per-socket debug lines stay out even at debug.
+    logging.getLogger("httpcore.connection").debug("connect_tcp.started")
+    assert len(lines(stream)) == 1
+
+
+def test_setting_up_again_replaces_the_handler(root_logger: logging.Logger) -> None:
+    first, _ = emit("logfmt", root_logger)
+    second, log = emit("json", root_logger)
+    log.info("once")
+    assert first.getvalue() == ""
+    assert json.loads(second.getvalue())["msg"] == "once"
+
+
+# ---- object fields ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "fields"),
+    [
+        # the creation coordinator
+        (
+            f"sandbox '{POD}' ({SANDBOX_ID}): stage sandbox network",
+            {"sandbox_id": SANDBOX_ID, "sandbox_name": POD},
+        ),
+        (
+            f"container '{CTR}' ({CONTAINER_ID}): claimed from the cache, now visible",
+            {"container_id": CONTAINER_ID, "container_name": CTR},
+        ),
+        (f"sandbox '{POD}': duplicate request gets the creation's error", {"sandbox_name": POD}),
+        # the lifecycle
+        (f"sandbox {SANDBOX_ID} ({POD}) removed", {"sandbox_id": SANDBOX_ID, "sandbox_name": POD}),
+        (f"container {CONTAINER_ID}: rollback left work for GC: x", {"container_id": CONTAINER_ID}),
+        # the gRPC edge answering a duplicate
+        (
+            f"RunPodSandbox: ALREADY_EXISTS: name '{POD}' is reserved for {SANDBOX_ID}: creation "
+            "in progress (stage: sandbox network)",
+            {"sandbox_id": SANDBOX_ID, "sandbox_name": POD},
+        ),
+        ("serving CRI on unix:///run/cri-shim/cri-shim.sock", {}),
+        ("sandbox network not ready", {}),
+    ],
+)
+def test_object_fields_are_inferred_from_the_daemons_messages(
+    message: str, fields: dict[str, str]
+) -> None:
+    assert infer_object_fields(message) == fields
+
+
+def test_every_line_about_an_object_carries_its_id_and_name(root_logger: logging.Logger) -> None:
+    stream, log = emit("logfmt", root_logger)
+    log.info("%s %r (%s): %s", "sandbox", POD, SANDBOX_ID, "cached for 120s")
+    log.info("sandbox %s (%s) stopped", SANDBOX_ID, POD)
+    for line in lines(stream):
+        fields = parse_logfmt(line)
+        assert fields["sandbox_id"] == SANDBOX_ID
+        assert fields["sandbox_name"] == POD
+        assert fields["logger"] == "cri_shim.test"
+
+
+def test_explicit_fields_win_over_inferred_ones(root_logger: logging.Logger) -> None:
+    stream, log = emit("logfmt", root_logger)
+    log.info(
+        f"sandbox {SANDBOX_ID} ({POD}) is mentioned", extra=object_fields("container", "c1", "n1")
+    )
+    fields = parse_logfmt(lines(stream)[0])
+    assert fields["container_id"] == "c1" and fields["container_name"] == "n1"
+    assert "sandbox_id" not in fields
+
+
+def test_object_logger_puts_the_fields_on_every_line(root_logger: logging.Logger) -> None:
+    stream, log = emit("json", root_logger)
+    olog = ObjectLogger(log, "container", CONTAINER_ID, CTR)
+    olog.info("started")
+    olog.warning("exited", extra={"exit_code": 1})
+    for line in lines(stream):
+        event = json.loads(line)
+        assert event["container_id"] == CONTAINER_ID and event["container_name"] == CTR
+    assert json.loads(lines(stream)[1])["exit_code"] == 1
+
+
+# ---- redaction ----------------------------------------------------------------------
+
+PASSWORD = "s3cr3t-Pa55"
+TOKEN = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJhbGljZSJ9.c2lnbmF0dXJl"
+BASIC = "YWxpY2U6czNjcjN0LVBhNTU="
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"login with password={PASSWORD} failed",
+        f"login with password: {PASSWORD}",
+        f'{{"username": "alice", "password": "{PASSWORD} with spaces"}}',
+        f"{{'password': '{PASSWORD}'}}",
+        f'auth {{ username: "alice" password: "{PASSWORD}" }}',
+        f'auth: "{BASIC}"',
+        f"Authorization: Bearer {TOKEN}",
+        f"headers={{'authorization': 'Basic {BASIC}'}}",
+        f"sent Bearer {TOKEN} to the registry",
+        f"identity_token={TOKEN}",
+        f'"identitytoken": "{TOKEN}"',
+        f"registry_token: {TOKEN}",
+        f"refresh_token={TOKEN}&scope=repository:x:pull",
+        f'{{"token": "{TOKEN}", "expires_in": 300}}',
+        f"GET https://alice:{PASSWORD}@registry.example/v2/",
+    ],
+)
+def test_credentials_are_redacted(text: str) -> None:
+    cleaned = redact(text)
+    for secret in (PASSWORD, TOKEN, BASIC):
+        assert secret not in cleaned
+    assert REDACTED in cleaned
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "pulled docker.io/library/busybox:latest (sha256:" + "ab" * 32 + ")",
+        "username=alice",
+        "registry requires Basic authentication",
+        "auth config: 'auth' is not base64 of 'username:password'",
+        f"sandbox '{POD}' ({SANDBOX_ID}): stage sandbox network",
+        "token realm https://auth.example/token service=registry",
+    ],
+)
+def test_what_is_not_a_secret_is_left_alone(text: str) -> None:
+    assert redact(text) == text
+
+
+def test_nothing_secret_reaches_the_output(root_logger: logging.Logger) -> None:
+    for fmt in ("logfmt", "json", "text"):
+        stream, log = emit(fmt, root_logger)
+        log.info("pull with %s", {"username": "alice", "password": PASSWORD})
+        log.info("header", extra={"password": PASSWORD, "note": f"Bearer {TOKEN}"})
+        try:
+            raise RuntimeError(f"registry said no to Authorization: Basic {BASIC}")
+        except RuntimeError:
+            log.exception("pull failed")
+        log.info("stack", stack_info=True, extra={"detail": f"password={PASSWORD}"})
+        out = stream.getvalue()
+        for secret in (PASSWORD, TOKEN, BASIC):
+            assert secret not in out, (fmt, out)
+        assert "alice" in out and "pull failed" in out and "RuntimeError" in out
