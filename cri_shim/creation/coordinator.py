@@ -336,6 +336,8 @@ class CreationCoordinator:
             # containerd-like: no cache to hand the object to later, so waiting buys nothing.
             self._refuse(entry)
         entry.watchers += 1
+        if deadline is not None:
+            entry.note_deadline(deadline)
         self._count("waiting", entry, f"duplicate request waits (stage: {entry.stage})")
         try:
             await self._wait(entry.settled, deadline)

@@ -47,6 +47,11 @@ class PersistedCreationHooks:
             (object_id,),
         )
 
+    def mark_cleaning(self, object_id: str) -> None:
+        """Before a cleanup's first await: a crash from here on must roll the object
+        back at restart, never restore a half-undone object as claimable."""
+        self._db.execute(f"UPDATE {self.table} SET phase = 'cleaning' WHERE id = ?", (object_id,))
+
     def released(self, name: str, object_id: str) -> None:
         self._db.execute("DELETE FROM names WHERE name = ? AND object_id = ?", (name, object_id))
 
