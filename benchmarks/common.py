@@ -14,7 +14,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import Daemon, make_test_network  # noqa: E402
+from tests.harness import Daemon, make_test_network
 
 
 @contextmanager

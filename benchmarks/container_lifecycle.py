@@ -29,13 +29,27 @@ def main() -> None:
     with bench_daemon(slow_cni=False) as daemon, tempfile.TemporaryDirectory() as scratch:
         layout = cached_oci_layout(Path(scratch))
         subprocess.run(
-            [sys.executable, "-m", "cri_shim.cli", "images", "import", "--config",
-             str(daemon.config_path), str(layout), "--name", IMAGE],
-            check=True, cwd=REPO, capture_output=True,
+            [
+                sys.executable,
+                "-m",
+                "cri_shim.cli",
+                "images",
+                "import",
+                "--config",
+                str(daemon.config_path),
+                str(layout),
+                "--name",
+                IMAGE,
+            ],
+            check=True,
+            cwd=REPO,
+            capture_output=True,
         )
         rt = daemon.runtime()
         config = pod_config("bench")
-        sandbox_id = rt.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=60).pod_sandbox_id
+        sandbox_id = rt.RunPodSandbox(
+            api_pb2.RunPodSandboxRequest(config=config), timeout=60
+        ).pod_sandbox_id
         ids = []
         for i in range(args.containers):
             cfg = api_pb2.ContainerConfig(
@@ -45,8 +59,12 @@ def main() -> None:
                 command=["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
             )
             t0 = time.perf_counter()
-            cid = rt.CreateContainer(api_pb2.CreateContainerRequest(
-                pod_sandbox_id=sandbox_id, config=cfg, sandbox_config=config), timeout=60).container_id
+            cid = rt.CreateContainer(
+                api_pb2.CreateContainerRequest(
+                    pod_sandbox_id=sandbox_id, config=cfg, sandbox_config=config
+                ),
+                timeout=60,
+            ).container_id
             t1 = time.perf_counter()
             rt.StartContainer(api_pb2.StartContainerRequest(container_id=cid), timeout=60)
             t2 = time.perf_counter()

@@ -112,7 +112,7 @@ def main() -> None:
         f"at most {args.max_requests} requests each"
     )
     for key in keys:
-        print(f"{key:<{width}}  " + "  ".join(f"{str(r[key]):<22}" for r in results))
+        print(f"{key:<{width}}  " + "  ".join(f"{r[key]!s:<22}" for r in results))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(cfg))
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # found only when serving, e.g. an unsafe socket directory
+        print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -45,6 +45,37 @@ def parse_duration(value: object, key: str) -> float:
     return seconds
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+_SIZE_UNITS = {"TiB": 1 << 40, "GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1, None: 1}
+
+
+def parse_size(value: object, key: str, minimum: int = 1) -> int:
+    """Bytes from an integer or a string such as `"16MiB"`, `"64GiB"`, `"512KiB"`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)):
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    else:
+        raise ConfigError(f'{key}: expected a size such as "16MiB" or "64GiB", got {value!r}')
+    if size < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum} bytes, got {value!r}")
+    return size
+
+
+def format_size(size: int) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if size and size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return f"{size}B"
+
+
+def _positive_int(value: object, key: str) -> int:
+    number = _expect(value, int, key, "a positive integer")
+    if number < 1:
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    return int(number)
+
+
 def format_duration(seconds: float) -> str:
     if seconds and seconds % 3600 == 0:
         return f"{int(seconds // 3600)}h"
@@ -93,6 +124,25 @@ class RuntimeConfig:
 class ImagesConfig:
     insecure_registries: list[str] = field(default_factory=list)
     mirrors: dict[str, list[str]] = field(default_factory=dict)
+    # Limits on one layer as it is unpacked (issue 9): a decompression bomb stops here,
+    # with a message naming the key. Generous: real layers reach tens of GiB.
+    max_layer_bytes: int = 64 << 30
+    max_layer_entries: int = 1_000_000
+    # Device nodes in a layer can open host devices to whoever may use the image's
+    # files; overlay whiteouts (0/0 character devices) are always kept.
+    allow_device_nodes: bool = False
+
+
+@dataclass
+class RequestsConfig:
+    """Admission of CRI calls (issue 9): a flood is queued or refused, never unbounded."""
+
+    # Calls that do host work (create, stop, remove, exec, pull) running at once...
+    max_in_flight: int = 32
+    # ...and waiting for a slot; a call beyond both is refused with RESOURCE_EXHAUSTED.
+    max_queued: int = 256
+    # Calls answered from memory and the database (list, status, stats, version).
+    max_reads_in_flight: int = 1024
 
 
 @dataclass
@@ -116,12 +166,17 @@ class Config:
     log_level: str = "info"
     log_format: str = "logfmt"
     cgroup_manager: str = "cgroupfs"
+    # gRPC refuses bigger requests with RESOURCE_EXHAUSTED before any handler sees them.
+    max_message_bytes: int = 16 << 20
+    # The socket is created 0660; this group (name or number) may connect. "" keeps root's.
+    socket_group: str = ""
     network: NetworkConfig = field(default_factory=NetworkConfig)
     creation: CreationConfig = field(default_factory=CreationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     streaming: StreamingSection = field(default_factory=StreamingSection)
+    requests: RequestsConfig = field(default_factory=RequestsConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -218,8 +273,28 @@ def _load_runtime(table: dict[str, Any]) -> RuntimeConfig:
 
 
 def _load_images(table: dict[str, Any]) -> ImagesConfig:
-    _unknown(table, {"insecure_registries", "mirrors"}, "images.")
+    _unknown(
+        table,
+        {
+            "insecure_registries",
+            "mirrors",
+            "max_layer_bytes",
+            "max_layer_entries",
+            "allow_device_nodes",
+        },
+        "images.",
+    )
     images = ImagesConfig()
+    if "max_layer_bytes" in table:
+        images.max_layer_bytes = parse_size(table["max_layer_bytes"], "images.max_layer_bytes")
+    if "max_layer_entries" in table:
+        images.max_layer_entries = _positive_int(
+            table["max_layer_entries"], "images.max_layer_entries"
+        )
+    if "allow_device_nodes" in table:
+        images.allow_device_nodes = _expect(
+            table["allow_device_nodes"], bool, "images.allow_device_nodes", "true or false"
+        )
     if "insecure_registries" in table:
         images.insecure_registries = _str_list(
             table["insecure_registries"], "images.insecure_registries"
@@ -228,6 +303,16 @@ def _load_images(table: dict[str, Any]) -> ImagesConfig:
     for registry, endpoints in mirrors.items():
         images.mirrors[registry] = _str_list(endpoints, f"images.mirrors.{registry}")
     return images
+
+
+def _load_requests(table: dict[str, Any]) -> RequestsConfig:
+    keys = {f.name for f in dataclasses.fields(RequestsConfig)}
+    _unknown(table, keys, "requests.")
+    requests = RequestsConfig()
+    for key in sorted(keys):
+        if key in table:
+            setattr(requests, key, _positive_int(table[key], f"requests.{key}"))
+    return requests
 
 
 def _load_metrics(table: dict[str, Any]) -> MetricsConfig:
@@ -277,6 +362,15 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         cfg.cgroup_manager = _check_choice(
             data["cgroup_manager"], _CGROUP_MANAGERS, "cgroup_manager"
         )
+    if "max_message_bytes" in data:
+        # Below 64KiB even a normal CreateContainer (env, mounts, annotations) is refused.
+        cfg.max_message_bytes = parse_size(
+            data["max_message_bytes"], "max_message_bytes", minimum=64 << 10
+        )
+    if "socket_group" in data:
+        cfg.socket_group = _check_group(
+            _expect(data["socket_group"], (str, int), "socket_group", "a group name or number")
+        )
     sections = {
         "network": _load_network,
         "creation": _load_creation,
@@ -284,6 +378,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "images": _load_images,
         "metrics": _load_metrics,
         "streaming": _load_streaming,
+        "requests": _load_requests,
     }
     for name, loader in sections.items():
         if name in data:
@@ -295,6 +390,24 @@ def _check_choice(value: object, choices: tuple[str, ...], key: str) -> str:
     if not isinstance(value, str) or value.lower() not in choices:
         raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
     return value.lower()
+
+
+def _check_group(value: str | int) -> str:
+    """A group that exists here, by name or number: an unknown one would leave the socket
+    reachable by nobody but root, which is worse to discover at the first kubelet call."""
+    import grp
+
+    text = str(value).strip()
+    if text == "":
+        return ""
+    try:
+        if text.isdigit():
+            grp.getgrgid(int(text))
+        else:
+            grp.getgrnam(text)
+    except KeyError:
+        raise ConfigError(f"socket_group: no group {text!r} on this host") from None
+    return text
 
 
 def _check_listen(value: str) -> str:
@@ -371,10 +484,17 @@ _DURATION_KEYS = {
 }
 
 
+# Byte counts, printed as sizes ("16MiB"); "" is the top level.
+_SIZE_KEYS = {("", "max_message_bytes"), ("images", "max_layer_bytes")}
+
+
 def config_to_toml(cfg: Config) -> str:
     data = _plain(cfg)
     for section, key in _DURATION_KEYS:
         data[section][key] = format_duration(getattr(getattr(cfg, section), key))
+    for section, key in _SIZE_KEYS:
+        table = data[section] if section else data
+        table[key] = format_size(getattr(getattr(cfg, section) if section else cfg, key))
     return tomli_w.dumps(data)
 
 
@@ -390,6 +510,10 @@ KEY_DOCS: dict[str, str] = {
     "log_level": "`debug`, `info`, `warning` or `error` (the `--log-level` flag wins)",
     "log_format": "`logfmt` (key=value), `json` (one object per line) or `text` (for humans)",
     "cgroup_manager": "`cgroupfs` or `systemd`; must match kubelet's `--cgroup-driver`",
+    "max_message_bytes": "largest gRPC request accepted; a bigger one is refused with "
+    "RESOURCE_EXHAUSTED before any handler reads it",
+    "socket_group": "group (name or number) that owns the 0660 socket and so may connect; "
+    '`""` leaves it root\'s',
     "network.config_dir": "CNI configurations; the lexically first one is used, re-read on "
     "SIGHUP and when the directory changes",
     "network.bin_dirs": "where CNI plugin binaries are looked up",
@@ -408,6 +532,18 @@ KEY_DOCS: dict[str, str] = {
     "images.insecure_registries": "registries reached over plain HTTP",
     "images.mirrors": "registry → mirror endpoints tried in order before it, e.g. "
     '`{ "docker.io" = ["http://127.0.0.1:5000"] }`',
+    "images.max_layer_bytes": "largest uncompressed layer (stream and file content); a bigger "
+    "one (a decompression bomb) fails the pull or import naming this key",
+    "images.max_layer_entries": "most entries (files, directories, links) in one layer; more "
+    "fail the pull or import naming this key",
+    "images.allow_device_nodes": "`true` keeps character and block devices found in layers; "
+    "`false` refuses such a layer (overlay whiteouts, 0/0 character devices, are always kept)",
+    "requests.max_in_flight": "CRI calls that do host work (create, start, stop, remove, exec, "
+    "pull) running at once, and sandbox or container creations still running detached",
+    "requests.max_queued": "such calls waiting for a slot; a call beyond both limits is refused "
+    "with RESOURCE_EXHAUSTED",
+    "requests.max_reads_in_flight": "calls answered from the state (list, status, stats, "
+    "version) running at once; more are refused with RESOURCE_EXHAUSTED",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
     "streaming.address": "host:port of the exec/attach/port-forward server whose URLs the "
     "streaming RPCs return; port 0 picks a free port, loopback suffices as kubelet proxies",
@@ -482,6 +618,8 @@ def _join(section: str, name: str) -> str:
 def _kind(hint: object, where: tuple[str, str]) -> str:
     if where in _DURATION_KEYS:
         return "duration"
+    if where in _SIZE_KEYS:
+        return "size"
     simple = {str: "string", bool: "boolean", Path: "path", float: "number", int: "integer"}
     if hint in simple:
         return simple[hint]
@@ -499,6 +637,9 @@ def _toml_literal(value: object, where: tuple[str, str]) -> str:
     if where in _DURATION_KEYS:
         assert isinstance(value, float | int)
         value = format_duration(value)
+    if where in _SIZE_KEYS:
+        assert isinstance(value, int)
+        value = format_size(value)
     return _literal(_plain(value))
 
 

@@ -24,15 +24,21 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.images.store import ImageStore
+from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.lifecycle.containers import ContainerService
+from cri_shim.lifecycle.events import ExitWatcher
+from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.reconcile import reconcile_host
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.metrics import Metrics, MetricsExporter
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
+from cri_shim.server.events import install_renderer
 from cri_shim.server.services import ImageService, RuntimeService
+from cri_shim.server.unix_socket import bind_unix_socket
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
@@ -43,6 +49,8 @@ log = logging.getLogger("cri_shim.daemon")
 
 PR_SET_CHILD_SUBREAPER = 36
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Event streams (GetContainerEvents) take no admission slot; room for that many.
+STREAM_HEADROOM = 64
 
 
 @dataclass
@@ -99,15 +107,23 @@ def build_services(config: Config) -> Services:
     ledger = Ledger(db)
     pinner = NamespacePinner(config.run_root)
     cni = CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR)
-    sandboxes = SandboxService(config, db, journal, ledger, pinner, cni)
+    backends = build_backends(config)
+    sandboxes = SandboxService(
+        config, db, journal, ledger, pinner, cni, pause=PauseProcesses(journal, backends)
+    )
     containers: ContainerService | None = None
 
     def layers_in_use(chains: Collection[str]) -> Collection[str]:
         # Layers under a container's root filesystem must outlive their image's removal.
         return set(chains) & containers.chain_ids_in_use() if containers else set()
 
-    images = ImageStore(config.root, db, in_use=layers_in_use)
-    containers = ContainerService(config, db, journal, sandboxes, images, build_backends(config))
+    images = ImageStore(
+        config.root,
+        db,
+        in_use=layers_in_use,
+        unpack_policy=UnpackPolicy.from_config(config.images),
+    )
+    containers = ContainerService(config, db, journal, sandboxes, images, backends)
     streaming = StreamingServer(
         StreamingConfig(
             address=config.streaming.address,
@@ -181,10 +197,31 @@ class Daemon:
         become_subreaper()
         services = build_services(self.config)
         await restore(services)
+        # What each runtime handler supports, probed once off the event loop (Status and
+        # CreateContainer read it from then on).
+        await asyncio.to_thread(
+            lambda: [
+                handler_features(b.runtime_path) for b in services.containers.backends.values()
+            ]
+        )
         await services.streaming.start()
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
+        # Container events (issue 10): rendered from now on; exits noticed as conmon
+        # writes them, so a stopped event does not wait for someone to ask.
+        install_renderer(services)
+
+        def exited(name: str | None) -> None:
+            services.containers.notice_exit(name)
+            services.sandboxes.notice_exit(name)  # a pod's pause process
+
+        watcher = ExitWatcher(
+            [backend.exits_dir for backend in services.containers.backends.values()], exited
+        )
+        self._background.add(asyncio.create_task(watcher.run(), name="exit-watcher"))
+        # An exit between restore and the watch being in place would go unnoticed.
+        exited(None)
         self.services = services
         self.runtime_service.services = services
         self.image_service.services = services
@@ -197,22 +234,28 @@ class Daemon:
         notify_systemd("READY=1\nSTATUS=serving")
 
     async def _bind(self) -> None:
-        path = self.config.socket_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A socket file left by a previous run would make bind fail.
-        if path.is_socket() or path.exists():
-            path.unlink()
+        limits = self.config.requests
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ]
+                # A bigger request is refused (RESOURCE_EXHAUSTED) before it is parsed.
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                (
+                    "grpc.max_send_message_length",
+                    max(MAX_MESSAGE_BYTES, self.config.max_message_bytes),
+                ),
+            ],
+            # A backstop behind the admission limits (server/limits.py), which refuse
+            # first and with a better message: no flood can hold unbounded memory.
+            maximum_concurrent_rpcs=limits.max_in_flight
+            + limits.max_queued
+            + limits.max_reads_in_flight
+            + STREAM_HEADROOM,
         )
-        api_pb2_grpc.add_RuntimeServiceServicer_to_server(self.runtime_service, server)
-        api_pb2_grpc.add_ImageServiceServicer_to_server(self.image_service, server)
-        server.add_insecure_port(f"unix:{path}")
+        api_pb2_grpc.add_RuntimeServiceServicer_to_server(self.runtime_service, server)  # type: ignore[no-untyped-call]
+        api_pb2_grpc.add_ImageServiceServicer_to_server(self.image_service, server)  # type: ignore[no-untyped-call]
+        # Mode 0660, group socket_group, in a directory only root writes (issue 9).
+        bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()
-        os.chmod(path, 0o660)
         self._server = server
 
     def request_stop(self) -> None:
@@ -223,8 +266,12 @@ class Daemon:
 
     async def stop(self) -> None:
         notify_systemd("STOPPING=1")
+        if self.services is not None:
+            self.services.sandboxes.events.close()
         if self._server is not None:
             await self._server.stop(grace=5)
+            # gRPC removes the path it bound, which was renamed into place (unix_socket.py).
+            self.config.socket_path.unlink(missing_ok=True)
         if self._metrics is not None:
             await self._metrics.aclose()
         for task in self._background:

@@ -25,7 +25,9 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal, TextIO
 
@@ -40,9 +42,10 @@ _STANDARD_ATTRS = frozenset(logging.LogRecord("", logging.INFO, "", 0, "", None,
     "taskName",
 }
 
-# Libraries whose debug output is one line per socket event: kept at INFO even when the
-# daemon runs at debug, so that `--log-level debug` shows cri-shim's own steps.
-_CHATTY_LIBRARIES = ("httpcore", "hpack")
+# Libraries whose debug output is one line per socket event or loop lookup (grpc): kept at
+# INFO even when the daemon runs at debug, so that `--log-level debug` shows cri-shim's
+# own steps.
+_CHATTY_LIBRARIES = ("httpcore", "hpack", "grpc")
 
 
 # ---- object fields ------------------------------------------------------------------
@@ -84,10 +87,15 @@ _OBJECT_PATTERNS = [
     re.compile(rf"\bname '(?P<name>k8s_[^']+)' is reserved for (?P<id>{_ID})\b"),
     re.compile(rf"\b{_KIND} '(?P<name>k8s_[^']+)'"),
 ]
+# The pod a line about a container belongs to: `... (pod 4f1c...)`, `pod 4f1c...`.
+_POD_ID = re.compile(rf"\bpod (?P<id>{_ID})\b")
+# How many objects' names the filter remembers (far more than live on one node).
+_NAMES_REMEMBERED = 4096
 
 
 def infer_object_fields(message: str) -> dict[str, str]:
     """The object a message is about, from the way the daemon names objects in messages."""
+    fields: dict[str, str] = {}
     for pattern in _OBJECT_PATTERNS:
         match = pattern.search(message)
         if match is None:
@@ -95,24 +103,54 @@ def infer_object_fields(message: str) -> dict[str, str]:
         found = match.groupdict()
         name = found.get("name") or ""
         kind = found.get("kind") or ("sandbox" if name.startswith("k8s_POD_") else "container")
-        return object_fields(kind, found.get("id") or "", name)
-    return {}
+        fields = object_fields(kind, found.get("id") or "", name)
+        break
+    if "sandbox_id" not in fields and (pod := _POD_ID.search(message)):
+        fields["sandbox_id"] = pod.group("id")
+    return fields
 
 
 class ObjectFieldsFilter(logging.Filter):
-    """Adds `<kind>_id` and `<kind>_name` to lines that name an object in their text."""
+    """Adds `<kind>_id` and `<kind>_name` to lines about an object.
+
+    Explicit fields (`extra=`) win; otherwise they are read from the message. A line that
+    gives only the ID gets the name from an earlier line that gave both (the creation's
+    first line always does), so that every line about an object can carry both.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._names: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()  # records arrive from worker threads too
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if any(hasattr(record, key) for key in _OBJECT_KEYS):
-            return True  # explicit fields win
-        try:
-            message = record.getMessage()
-        except Exception:  # a broken format string: the handler reports it, not us
-            return True
-        for key, value in infer_object_fields(message).items():
-            if not hasattr(record, key):
+        if not any(hasattr(record, key) for key in _OBJECT_KEYS):
+            try:
+                message = record.getMessage()
+            except Exception:  # a broken format string: the handler reports it, not us
+                return True
+            for key, value in infer_object_fields(message).items():
                 setattr(record, key, value)
+        for kind in ("sandbox", "container"):
+            object_id = getattr(record, f"{kind}_id", None)
+            if isinstance(object_id, str) and object_id:
+                name = getattr(record, f"{kind}_name", None)
+                if isinstance(name, str) and name:
+                    self._remember(object_id, name)
+                elif (known := self._recall(object_id)) is not None:
+                    setattr(record, f"{kind}_name", known)
         return True
+
+    def _remember(self, object_id: str, name: str) -> None:
+        with self._lock:
+            self._names[object_id] = name
+            self._names.move_to_end(object_id)
+            while len(self._names) > _NAMES_REMEMBERED:
+                self._names.popitem(last=False)
+
+    def _recall(self, object_id: str) -> str | None:
+        with self._lock:
+            return self._names.get(object_id)
 
 
 # ---- redaction ----------------------------------------------------------------------

@@ -11,7 +11,8 @@ Three sources, each counted once, where it happens:
 
 The endpoint is a small asyncio HTTP server on the daemon's event loop rather than
 prometheus_client's thread: collection then runs on the loop that owns the coordinators
-and the database connection, so a scrape never races a request.
+(whose stats() read the loop's clock) and the database connection, so a scrape never
+races a request.
 """
 
 from __future__ import annotations
@@ -89,12 +90,24 @@ class Metrics:
         )
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        method = cri_method_name(method)
         self.rpc_requests.labels(method, code).inc()
         self.rpc_latency.labels(method).observe(seconds)
 
     def observe_call(self, tool: str, op: str, seconds: float, ok: bool) -> None:
         self.host_calls.labels(tool, op, "ok" if ok else "error").inc()
         self.host_call_latency.labels(tool, op).observe(seconds)
+
+
+def cri_method_name(name: str) -> str:
+    """`run_pod_sandbox` → `RunPodSandbox`: the method as the CRI (and crictl) names it.
+
+    The gRPC edge reports its handlers' Python names; operators query by the CRI's.
+    """
+    if "_" not in name and not name.islower():
+        return name
+    # A trailing underscore dodges a keyword or builtin (`exec_`); it is not in the name.
+    return "".join(part[:1].upper() + part[1:] for part in name.rstrip("_").split("_"))
 
 
 # The Metrics that `observe_call` reports to. A process-wide sink rather than a reference

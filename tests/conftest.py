@@ -14,7 +14,7 @@ import pytest
 
 from cri_shim.images.store import ImageStore
 from cri_shim.state.db import Database
-from tests.harness import Daemon, CniTestNetwork, make_test_network
+from tests.harness import CniTestNetwork, Daemon, make_test_network
 from tests.imagebuild import cached_oci_layout
 
 _counter = itertools.count()

@@ -165,7 +165,7 @@ class Daemon:
     def start(self, wait: bool = True, timeout: float = 30.0) -> None:
         self.write_config()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cri_shim.cli", "serve", "--config", str(self.config_path)],
             stdout=log,

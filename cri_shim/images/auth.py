@@ -9,7 +9,6 @@ was sent to it.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import logging
 import re
@@ -28,6 +27,7 @@ _EXPIRY_MARGIN = 10.0
 _DEFAULT_TOKEN_LIFETIME = 60.0
 _MAX_TOKEN_RESPONSE = 1 << 20
 CLIENT_ID = "cri-shim"
+_BEARER_TOKEN = re.compile(r"^[\x21-\x7e]+$")
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,18 @@ class Credentials:
         if auth and not (username or password):
             try:
                 decoded = base64.b64decode(auth.strip(), validate=True).decode()
-            except (binascii.Error, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError):  # binascii.Error; non-ASCII text
                 raise InvalidArgument(
                     "auth config: 'auth' is not base64 of 'username:password'"
                 ) from None
             username, sep, password = decoded.partition(":")
             if not sep:
                 raise InvalidArgument("auth config: 'auth' decodes to no 'username:password'")
+        if registry_token and not _BEARER_TOKEN.match(registry_token):
+            # Sent as an HTTP header: anything else cannot be encoded, or would add headers.
+            raise InvalidArgument(
+                "auth config: 'registry_token' is not a bearer token (printable ASCII, no spaces)"
+            )
         return cls(username, password, identity_token, registry_token)
 
     @property

@@ -46,7 +46,7 @@ from cri_shim.images.manifest import (
 )
 from cri_shim.images.reference import parse_named, parse_reference
 from cri_shim.images.store import ImageRecord, ImageStore, LayerBlob, chain_ids
-from cri_shim.images.unpack import sniff_compression
+from cri_shim.images.unpack import UnpackPolicy, sniff_compression
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,8 @@ def main_import(argv: list[str]) -> int:
         return 2
     db = Database(cfg.state_db)
     try:
-        records = import_image(ImageStore(cfg.root, db), args.path, args.name)
+        store = ImageStore(cfg.root, db, unpack_policy=UnpackPolicy.from_config(cfg.images))
+        records = import_image(store, args.path, args.name)
     except CriError as exc:
         print(f"cri-shim images import: {exc}", file=sys.stderr)
         return 1

@@ -48,7 +48,7 @@ from cri_shim.images.reference import (
     parse_reference,
     validate_digest,
 )
-from cri_shim.images.unpack import unpack_layer
+from cri_shim.images.unpack import UnpackPolicy, unpack_layer
 from cri_shim.state.db import Database
 
 log = logging.getLogger(__name__)
@@ -185,11 +185,15 @@ class ImageStore:
         db: Database,
         in_use: InUseHook | None = None,
         keep_layer_blobs: bool = False,
+        unpack_policy: UnpackPolicy | None = None,
     ) -> None:
         self.root = root
         self.db = db
         self.in_use = in_use
         self.keep_layer_blobs = keep_layer_blobs
+        # What a layer may hold ([images] limits and device policy); pulls and imports
+        # both unpack through this store, so both obey it.
+        self.unpack_policy = unpack_policy or UnpackPolicy()
         self._images_dir = root / "images"
         for directory in (self.blob_dir("sha256"), self.layers_dir, self.tmp_dir):
             directory.mkdir(parents=True, exist_ok=True)
@@ -336,7 +340,7 @@ class ImageStore:
         temp = self.layers_dir / self._temp_name()
         try:
             with stream:
-                result = unpack_layer(stream, temp / "diff")
+                result = unpack_layer(stream, temp / "diff", self.unpack_policy)
             if result.diff_id != diff_id:
                 raise DigestMismatch(
                     f"layer {blob.digest} unpacks to diff ID {result.diff_id}, "

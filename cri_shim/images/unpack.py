@@ -10,6 +10,14 @@ OCI whiteouts become overlay whiteouts: `.wh.<name>` a 0/0 character device name
 Every path is resolved one component at a time from a directory fd with O_NOFOLLOW, so an
 entry can never be written outside the layer directory or through a symlink, whatever the
 archive contains; entries that try are refused with `InvalidArgument`.
+
+Hostile archives (issue 9) meet an `UnpackPolicy`: limits on the uncompressed bytes and on
+the number of entries (a decompression bomb stops at the limit, and the message names the
+config key), bounded tar metadata (PAX and GNU long-name headers, path length and depth),
+and character or block devices refused unless the configuration allows them (0/0
+character devices, overlay's own whiteouts, are always kept). Every refusal names the
+entry. Setuid, setgid and sticky bits are exactly the image's: directories this extractor
+creates on its own get a plain 0755, not bits inherited from a setgid parent.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import IO, Any, BinaryIO
 
 import zstandard
 
+from cri_shim.config import ImagesConfig, format_size
 from cri_shim.errors import InvalidArgument
 
 WHITEOUT_PREFIX = ".wh."
@@ -48,6 +57,31 @@ _NODE_TYPES = {
     tarfile.BLKTYPE: stat.S_IFBLK,
     tarfile.FIFOTYPE: stat.S_IFIFO,
 }
+
+# Tar metadata that tarfile reads into memory: one PAX or GNU long-name header, all of them
+# in one archive, and how many may precede one entry (tarfile recurses once per header).
+# Go's archive/tar allows 1MiB per header too; real layers need a few hundred bytes.
+_MAX_SPECIAL_HEADER = 1 << 20
+_MAX_SPECIAL_TOTAL = 64 << 20
+_MAX_HEADER_CHAIN = 8
+# PATH_MAX, and a depth no real image needs: a deeper tree would also overflow the
+# recursion of the rmtree that cleans up a refused layer.
+_MAX_NAME_BYTES = 4096
+_MAX_DEPTH = 256
+# Errors that say the host is unwell (disk full, read-only, not root), not the archive.
+_HOST_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EIO,
+        errno.ENOMEM,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.EACCES,
+        errno.EPERM,
+    }
+)
 
 _MAGIC = (
     (b"\x1f\x8b", "gzip"),
@@ -67,6 +101,61 @@ class LayerError(InvalidArgument):
     """The layer archive is malformed or tries to write where it must not."""
 
 
+@dataclass(frozen=True)
+class UnpackPolicy:
+    """What a layer may contain; the defaults are `[images]`'s."""
+
+    max_bytes: int = ImagesConfig.max_layer_bytes
+    max_entries: int = ImagesConfig.max_layer_entries
+    allow_device_nodes: bool = ImagesConfig.allow_device_nodes
+
+    @classmethod
+    def from_config(cls, images: ImagesConfig) -> UnpackPolicy:
+        return cls(images.max_layer_bytes, images.max_layer_entries, images.allow_device_nodes)
+
+
+class _TooLarge(LayerError):
+    """The uncompressed stream passed `max_bytes`; re-raised naming the entry."""
+
+
+_SPECIAL_TYPES = frozenset(
+    {
+        tarfile.GNUTYPE_LONGNAME,
+        tarfile.GNUTYPE_LONGLINK,
+        tarfile.XHDTYPE,
+        tarfile.XGLTYPE,
+        tarfile.SOLARIS_XHDTYPE,
+    }
+)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile reads a PAX or GNU long-name header whole into memory, and recurses once
+    per header before an entry: both are bounded here, before the read."""
+
+    def _proc_member(self, archive: tarfile.TarFile) -> Any:
+        if self.type not in _SPECIAL_TYPES:
+            return super()._proc_member(archive)  # type: ignore[misc]
+        chain = getattr(archive, "_cri_shim_chain", 0)
+        total = getattr(archive, "_cri_shim_special", 0) + self.size
+        if self.size > _MAX_SPECIAL_HEADER or total > _MAX_SPECIAL_TOTAL:
+            raise LayerError(
+                f"layer has a tar metadata header (PAX or long name) of {self.size} bytes "
+                f"at offset {self.offset}; at most {_MAX_SPECIAL_HEADER} are accepted"
+            )
+        if chain >= _MAX_HEADER_CHAIN:
+            raise LayerError(
+                f"layer has more than {_MAX_HEADER_CHAIN} tar metadata headers in a row "
+                f"at offset {self.offset}"
+            )
+        archive._cri_shim_chain = chain + 1  # type: ignore[attr-defined]
+        archive._cri_shim_special = total  # type: ignore[attr-defined]
+        try:
+            return super()._proc_member(archive)  # type: ignore[misc]
+        finally:
+            archive._cri_shim_chain = chain  # type: ignore[attr-defined]
+
+
 def sniff_compression(head: bytes) -> str:
     for magic, name in _MAGIC:
         if head.startswith(magic):
@@ -75,17 +164,29 @@ def sniff_compression(head: bytes) -> str:
 
 
 class _HashingReader:
-    """A read-only stream that hashes and counts everything read through it."""
+    """A read-only stream that hashes and counts everything read through it, and stops
+    at `limit` bytes: the decompressor never produces more than that for us."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], limit: int | None = None) -> None:
         self._raw = raw
         self.hash = hashlib.sha256()
         self.length = 0
+        self.limit = limit
 
     def read(self, size: int = -1) -> bytes:
+        if self.limit is not None:
+            # Never ask for more than one byte past the limit, so that a bomb is never
+            # decompressed into memory beyond it.
+            room = self.limit + 1 - self.length
+            size = room if size < 0 else min(size, room)
         data = self._raw.read(size)
         self.hash.update(data)
         self.length += len(data)
+        if self.limit is not None and self.length > self.limit:
+            raise _TooLarge(
+                f"layer is larger than {format_size(self.limit)} uncompressed "
+                "(images.max_layer_bytes): a decompression bomb, or raise the limit"
+            )
         return data
 
     def drain(self) -> None:
@@ -122,30 +223,39 @@ def _peek(stream: BinaryIO, size: int) -> bytes:
     return head
 
 
-def unpack_layer(blob: Path | BinaryIO, dest: Path) -> UnpackResult:
+def unpack_layer(
+    blob: Path | BinaryIO, dest: Path, policy: UnpackPolicy | None = None
+) -> UnpackResult:
     """Extract the layer `blob` (a path or a seekable binary stream) into the empty or
-    missing directory `dest`. On error `dest` is left partly written: unpack into a
-    temporary directory and rename it only on success."""
+    missing directory `dest`, refusing what `policy` does not allow. On error `dest` is
+    left partly written: unpack into a temporary directory and rename it only on success
+    (ImageStore does)."""
     dest.mkdir(mode=0o755, parents=True, exist_ok=True)
+    policy = policy or UnpackPolicy()
     if isinstance(blob, Path):
         with blob.open("rb") as stream:
-            return _unpack_stream(stream, dest)
-    return _unpack_stream(blob, dest)
+            return _unpack_stream(stream, dest, policy)
+    return _unpack_stream(blob, dest, policy)
 
 
-def _unpack_stream(stream: BinaryIO, dest: Path) -> UnpackResult:
+def _unpack_stream(stream: BinaryIO, dest: Path, policy: UnpackPolicy) -> UnpackResult:
+    extractor: _Extractor | None = None
     try:
         with _decompressed(stream) as plain:
-            reader = _HashingReader(plain)
-            extractor = _Extractor(dest)
+            reader = _HashingReader(plain, policy.max_bytes)
+            extractor = _Extractor(dest, policy)
             try:
-                with tarfile.open(fileobj=reader, mode="r|") as archive:  # type: ignore[call-overload]
+                with tarfile.open(  # type: ignore[call-overload]
+                    fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo
+                ) as archive:
                     for member in archive:
                         extractor.extract(archive, member)
                 reader.drain()
                 extractor.finish()
             finally:
                 extractor.close()
+    except _TooLarge as exc:
+        raise LayerError(f"{exc}{_where(extractor)}") from None
     except (
         tarfile.TarError,
         EOFError,
@@ -156,13 +266,24 @@ def _unpack_stream(stream: BinaryIO, dest: Path) -> UnpackResult:
     ) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
             raise  # a host problem (disk full, permissions), not a malformed archive
-        raise LayerError(f"layer is not a valid (compressed) tar archive: {exc}") from exc
+        raise LayerError(
+            f"layer is not a valid (compressed) tar archive{_where(extractor)}: {exc}"
+        ) from exc
     return UnpackResult(diff_id=f"sha256:{reader.hash.hexdigest()}", size=extractor.size)
+
+
+def _where(extractor: _Extractor | None) -> str:
+    """Where in the archive a stream-level error struck, for a person to find it."""
+    if extractor is None or extractor.current is None:
+        return ""
+    return f" (in or after entry {extractor.current!r})"
 
 
 def _split(name: str, what: str) -> list[str]:
     """Archive path → components; refuses absolute paths and `..` instead of clamping them,
     because an archive that needs clamping was made to attack or is broken."""
+    if len(name.encode("utf-8", "surrogateescape")) > _MAX_NAME_BYTES:
+        raise LayerError(f"{what} {name[:64]!r}... is longer than {_MAX_NAME_BYTES} bytes")
     if name.startswith("/"):
         raise LayerError(f"{what} {name!r} is an absolute path")
     parts = [p for p in name.split("/") if p not in ("", ".")]
@@ -170,14 +291,19 @@ def _split(name: str, what: str) -> list[str]:
         raise LayerError(f"{what} {name!r} contains '..'")
     if "\x00" in name:
         raise LayerError(f"{what} {name!r} contains a NUL byte")
+    if len(parts) > _MAX_DEPTH:
+        raise LayerError(f"{what} {name[:64]!r}... is more than {_MAX_DEPTH} directories deep")
     return parts
 
 
 class _Extractor:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, policy: UnpackPolicy | None = None) -> None:
         self.root = root
+        self.policy = policy or UnpackPolicy()
         self.root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         self.size = 0
+        self.entries = 0
+        self.current: str | None = None  # the entry being extracted, for error messages
         # Directory mtimes are set last: creating children would change them again.
         self._dir_times: list[tuple[tuple[str, ...], float]] = []
 
@@ -185,9 +311,10 @@ class _Extractor:
         os.close(self.root_fd)
 
     # --- path resolution -------------------------------------------------------------
-    def _open_dir(self, parts: list[str], create: bool, name: str) -> int:
+    def _open_dir(self, parts: list[str], create: bool, what: str) -> int:
         """An fd for the directory `parts` under the root, never following a symlink.
-        Missing directories are created (0755, root) when `create` is set."""
+        Missing directories are created (0755, root) when `create` is set. `what` names
+        the entry for the error ("entry 'a/b'")."""
         fd = os.dup(self.root_fd)
         try:
             for part in parts:
@@ -198,10 +325,13 @@ class _Extractor:
                         raise
                     os.mkdir(part, 0o755, dir_fd=fd)
                     child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    # Not in the archive, so 0755 exactly: mkdir would inherit a setgid
+                    # parent's bit and lose what the umask takes.
+                    os.chmod(child, 0o755)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise LayerError(
-                            f"entry {name!r} would be written through {part!r}, "
+                            f"{what} would go through {part!r}, "
                             "which is a symlink or not a directory"
                         ) from exc
                     raise
@@ -214,6 +344,24 @@ class _Extractor:
 
     # --- members -----------------------------------------------------------------------
     def extract(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        """One entry; an error the entry causes is a LayerError that names it."""
+        self.current = member.name
+        self.entries += 1
+        if self.entries > self.policy.max_entries:
+            raise LayerError(
+                f"layer has more than {self.policy.max_entries} entries "
+                f"(images.max_layer_entries); refused at entry {member.name!r}"
+            )
+        try:
+            self._extract(archive, member)
+        except OSError as exc:
+            if exc.errno is None or exc.errno in _HOST_ERRNOS:
+                raise
+            # The kernel refused what the entry asks for (a name too long, too many
+            # links, an xattr it cannot hold): the archive's fault, not the host's.
+            raise LayerError(f"entry {member.name!r} cannot be unpacked: {exc.strerror}") from exc
+
+    def _extract(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         parts = _split(member.name, "entry")
         if not parts:
             # "." or "./": the layer root itself; overlay shows the top layer's root mode.
@@ -227,20 +375,20 @@ class _Extractor:
         if base.startswith(WHITEOUT_PREFIX):
             self._whiteout(parent, base, member)
             return
-        parent_fd = self._open_dir(parent, create=True, name=member.name)
+        parent_fd = self._open_dir(parent, create=True, what=f"entry {member.name!r}")
         try:
             self._create(archive, member, parent_fd, parent, base)
         finally:
             os.close(parent_fd)
 
     def _whiteout(self, parent: list[str], base: str, member: tarfile.TarInfo) -> None:
-        parent_fd = self._open_dir(parent, create=True, name=member.name)
+        parent_fd = self._open_dir(parent, create=True, what=f"whiteout {member.name!r}")
         try:
             if base == OPAQUE_WHITEOUT:
                 os.setxattr(parent_fd, OPAQUE_XATTR, b"y")
                 return
             hidden = base[len(WHITEOUT_PREFIX) :]
-            if hidden in (".", ".."):
+            if hidden in ("", ".", ".."):
                 raise LayerError(f"whiteout {member.name!r} names {hidden!r}")
             self._remove_existing(parent_fd, hidden)
             os.mknod(hidden, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=parent_fd)
@@ -282,6 +430,13 @@ class _Extractor:
                 os.close(fd)
             self._dir_times.append(((*parent, base), member.mtime))
         elif member.isreg():
+            if self.size + member.size > self.policy.max_bytes:
+                # Counted apart from the stream: a sparse entry writes more than it reads.
+                raise LayerError(
+                    f"entry {member.name!r} takes the layer past "
+                    f"{format_size(self.policy.max_bytes)} of file content "
+                    "(images.max_layer_bytes): a decompression bomb, or raise the limit"
+                )
             fd = os.open(
                 base,
                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -307,6 +462,7 @@ class _Extractor:
         elif member.islnk():
             self._hardlink(member, parent_fd, base)
         elif member.type in _NODE_TYPES:
+            self._check_device(member)
             device = 0 if member.isfifo() else os.makedev(member.devmajor, member.devminor)
             os.mknod(base, _NODE_TYPES[member.type] | 0o600, device, dir_fd=parent_fd)
             self._apply_metadata(parent_fd, base, member)
@@ -314,13 +470,31 @@ class _Extractor:
         else:
             raise LayerError(f"entry {member.name!r} has unsupported tar type {member.type!r}")
 
+    def _check_device(self, member: tarfile.TarInfo) -> None:
+        """A device node lets whoever runs the image reach that device, were the device
+        cgroup ever open (a privileged container is): only by policy. A 0/0 character
+        device is overlay's whiteout, which some tools write instead of `.wh.` files."""
+        if member.isfifo() or self.policy.allow_device_nodes:
+            return
+        if member.ischr() and member.devmajor == 0 and member.devminor == 0:
+            return
+        kind = "character" if member.ischr() else "block"
+        raise LayerError(
+            f"entry {member.name!r} is a {kind} device ({member.devmajor}:{member.devminor}); "
+            "device nodes in layers are refused (images.allow_device_nodes = false)"
+        )
+
     def _hardlink(self, member: tarfile.TarInfo, parent_fd: int, base: str) -> None:
         target = _split(member.linkname, f"hardlink {member.name!r} target")
         if not target:
             raise LayerError(f"hardlink {member.name!r} points at the layer root")
         *target_parent, target_base = target
         try:
-            source_fd = self._open_dir(target_parent, create=False, name=member.linkname)
+            source_fd = self._open_dir(
+                target_parent,
+                create=False,
+                what=f"hardlink {member.name!r} to {member.linkname!r}",
+            )
         except FileNotFoundError:
             source_fd = -1
         try:
@@ -376,7 +550,7 @@ class _Extractor:
         # Deepest first, so that setting a child's time does not disturb its parent's.
         for parts, mtime in sorted(self._dir_times, key=lambda item: -len(item[0])):
             try:
-                fd = self._open_dir(list(parts), create=False, name="/".join(parts))
+                fd = self._open_dir(list(parts), create=False, what="/".join(parts))
             except (FileNotFoundError, LayerError):
                 continue  # replaced by a later entry
             try:

@@ -27,9 +27,18 @@ from cri_shim.errors import DeadlineExceeded, FailedPrecondition, InvalidArgumen
 from cri_shim.faults import fault_point
 from cri_shim.images import overlay
 from cri_shim.images.store import ImageRecord, ImageStore
+from cri_shim.lifecycle.events import (
+    CONTAINER_CREATED,
+    CONTAINER_DELETED,
+    CONTAINER_STARTED,
+    CONTAINER_STOPPED,
+)
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.features import handler_features, require_features
+from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
 from cri_shim.state.db import Database
@@ -72,6 +81,7 @@ class ContainerService(PersistedCreationHooks):
         self._sandboxes = sandboxes
         self._images = images
         self.backends = backends
+        self.events = sandboxes.events
         self._dir = config.root / "containers"
         self.coordinator = CreationCoordinator(
             "container",
@@ -102,6 +112,9 @@ class ContainerService(PersistedCreationHooks):
         image = self._images.get(config.image.image)
         if image is None:
             raise NotFound(f"image {config.image.image!r} not found: pull or import it first")
+        handler = sandbox.runtime_handler or self._config.runtime.default_handler
+        require_features(config, handler, handler_features(self._backend(handler).runtime_path))
+        config = resolve_image_volumes(self._images, config)
         pod = sandbox.config.metadata
         name = container_name(
             config.metadata.name, pod.name, pod.namespace, pod.uid, config.metadata.attempt
@@ -176,14 +189,22 @@ class ContainerService(PersistedCreationHooks):
             overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
         )
         fault_point("container:rootfs")
+        image_mounts = await mount_image_volumes(
+            self._journal, self._db, self._images, container_id, bundle, config
+        )
 
         stage.set(STAGE_SPEC)
+        context = self._sandbox_context(sandbox)
+        if self._sandboxes.pause is not None:
+            # A pod sharing one PID namespace: the container joins its pause process's.
+            context = await self._sandboxes.pause.join(sandbox, context)
         spec = build_spec(
             config,
-            self._sandbox_context(sandbox),
+            context,
             _image_view(image),
             rootfs,
             container_id=container_id,
+            image_mounts=image_mounts,
         )
 
         stage.set(STAGE_RUNTIME)
@@ -192,6 +213,9 @@ class ContainerService(PersistedCreationHooks):
             container_id, "runtime_delete", handler=sandbox.runtime_handler, id=container_id
         )
         fault_point("container:runtime-journaled")
+        # Host paths opened once and mounted by fd, so a swap cannot redirect runc's bind
+        # mounts (issue 9); staging mounts left by a failure go with the bundle directory.
+        pinned = pin_bind_sources(spec, config.mounts, bundle / "mounts")
         pid = await backend.create(
             container_id,
             bundle,
@@ -201,6 +225,7 @@ class ContainerService(PersistedCreationHooks):
             stdin=config.stdin,
             stdin_once=config.stdin_once,
         )
+        pinned.release()
         fault_point("container:runtime-created")
         self._db.execute(
             "UPDATE containers SET pid = ?, stage = ? WHERE id = ?",
@@ -226,6 +251,7 @@ class ContainerService(PersistedCreationHooks):
             privileged=sc.privileged,
             run_as_user=sc.run_as_user.value if sc.HasField("run_as_user") else None,
             supplemental_groups=tuple(sc.supplemental_groups),
+            supplemental_groups_policy=sc.supplemental_groups_policy,
             sysctls=dict(sandbox.config.linux.sysctls),
         )
 
@@ -250,7 +276,16 @@ class ContainerService(PersistedCreationHooks):
 
     # ---- CreationHooks (the rest are inherited) -----------------------------------
 
+    def publish(self, object_id: str) -> None:
+        super().publish(object_id)
+        # Visible now, so kubelet may hear of it: a cached creation is announced when a
+        # retry claims it, never before (kubelet must not see it until then).
+        row = self._db.query_one("SELECT sandbox_id FROM containers WHERE id = ?", (object_id,))
+        if row is not None:
+            self.events.emit(object_id, row[0], CONTAINER_CREATED)
+
     async def cleanup(self, object_id: str) -> None:
+        self.mark_cleaning(object_id)
         try:
             await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
         finally:
@@ -275,6 +310,10 @@ class ContainerService(PersistedCreationHooks):
             (RUNNING, started_at, container.id),
         )
         log.info("container %s (%s) started", container.id, container.name)
+        self.events.emit(container.id, container.sandbox_id, CONTAINER_STARTED)
+        # A process that exited at once wrote its exit file before the row said running;
+        # the exit watcher found nothing to do then, so look now.
+        self.notice_exit(container.id)
 
     async def stop(self, ref: str, timeout: float) -> None:
         container = self.find(ref)
@@ -308,13 +347,15 @@ class ContainerService(PersistedCreationHooks):
             reason = "Completed"
         else:
             reason = "Error"
-        self._db.execute(
+        changed = self._db.execute(
             "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ? "
-            "WHERE id = ?",
-            (EXITED, code, finished, reason, container.id),
+            "WHERE id = ? AND state != ?",
+            (EXITED, code, finished, reason, container.id, EXITED),
         )
         container.state, container.exit_code = EXITED, code
         container.finished_at, container.reason = finished, reason
+        if changed:  # a stop and the exit watcher may both notice it; one event
+            self.events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
         return container
 
     def mark_lost(self, container: ContainerRecord) -> None:
@@ -334,6 +375,7 @@ class ContainerService(PersistedCreationHooks):
                 container.id,
             ),
         )
+        self.events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
 
     def refresh(self, container: ContainerRecord) -> ContainerRecord:
         """Pick up an exit that conmon recorded since we last looked."""
@@ -356,8 +398,9 @@ class ContainerService(PersistedCreationHooks):
                 "container %s (%s): removal left work for GC: %s", container.id, container.name, exc
             )
         self.forget(container.id)
-        self.coordinator.release(container.name)
+        self.coordinator.release(container.name, object_id=container.id)
         log.info("container %s (%s) removed", container.id, container.name)
+        self.events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
         # Layers of an image removed while this container used them can go now.
         await asyncio.to_thread(self._images.gc_layers)
 
@@ -403,6 +446,19 @@ class ContainerService(PersistedCreationHooks):
             control_fifo=container.bundle_dir / "ctl",
             running=container.state == RUNNING,
         )
+
+    def notice_exit(self, container_id: str | None) -> None:
+        """conmon wrote an exit file (the exit watcher saw it): record the exit now, which
+        emits the stopped event. None (events were lost) looks at every container."""
+        if container_id is None:
+            self.list()  # refreshes each running container
+            return
+        row = self._db.query_one(
+            "SELECT * FROM containers WHERE id = ? AND phase = 'visible'", (container_id,)
+        )
+        if row is not None:
+            # Not visible (being created, or cached): its exit is read when it is claimed.
+            self.refresh(ContainerRecord.from_row(row))
 
     def _handler_of(self, container: ContainerRecord) -> str:
         row = self._db.query_one(
@@ -457,7 +513,7 @@ class ContainerService(PersistedCreationHooks):
     async def restore(self) -> None:
         rows = self._db.query("SELECT id, name, phase FROM containers")
         for row in rows:
-            if row["phase"] == "creating":
+            if row["phase"] not in ("cached", "visible"):
                 log.warning(
                     "container %s (%s): creation was interrupted; rolling it back",
                     row["id"],

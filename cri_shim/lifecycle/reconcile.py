@@ -60,6 +60,8 @@ async def reconcile_host(
                 found += 1
 
     known_containers = {row[0] for row in db.query("SELECT id FROM containers")}
+    # A pod sharing its PID namespace has a runc container of its own (its pause process).
+    known_containers |= {row[0] for row in db.query("SELECT id FROM sandboxes")}
     for backend in containers.backends.values():
         for state in await backend.oci.list():
             if state.id not in known_containers:

@@ -26,9 +26,19 @@ from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import sandbox_name
 from cri_shim.errors import FailedPrecondition, InvalidArgument, NotFound
 from cri_shim.faults import fault_point
+from cri_shim.lifecycle.events import (
+    CONTAINER_CREATED,
+    CONTAINER_DELETED,
+    CONTAINER_STARTED,
+    CONTAINER_STOPPED,
+    EventBus,
+)
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_namespace
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
-from cri_shim.network.netns import NamespacePinner
+from cri_shim.network.netns import NamespacePinner, PinnedNamespaces
+from cri_shim.runtime.features import require_pod_features
+from cri_shim.runtime.spec import SandboxContext
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
@@ -38,11 +48,12 @@ log = logging.getLogger("cri_shim.sandbox")
 
 STAGE_STORAGE = "sandbox storage"
 STAGE_NAMESPACES = "sandbox namespaces"
+STAGE_PID_NAMESPACE = "sandbox pid namespace"
 STAGE_NETWORK = "sandbox network"
 STAGE_READY = "sandbox ready"
 
 # Steps that StopPodSandbox undoes; the directory and the rows stay until RemovePodSandbox.
-_STOP_ACTIONS = ("cni_del", "unpin", "unmount")
+_STOP_ACTIONS = ("cni_del", "unpin", "unmount", PAUSE_ACTION)
 
 SHM_SIZE = 64 * 1024 * 1024
 
@@ -65,6 +76,8 @@ class SandboxService(PersistedCreationHooks):
         ledger: Ledger,
         pinner: NamespacePinner,
         cni: CniNetwork,
+        events: EventBus | None = None,
+        pause: PauseProcesses | None = None,
     ) -> None:
         super().__init__(db)
         self._config = config
@@ -72,6 +85,10 @@ class SandboxService(PersistedCreationHooks):
         self._ledger = ledger
         self.pinner = pinner
         self._cni = cni
+        # Shared with the container service: GetContainerEvents streams both.
+        self.events = events if events is not None else EventBus()
+        # The PID 1 of pods that share one PID namespace; None refuses such pods.
+        self.pause = pause
         self._dir = config.root / "sandboxes"
         self.coordinator = CreationCoordinator(
             "sandbox",
@@ -101,6 +118,7 @@ class SandboxService(PersistedCreationHooks):
         if handler not in self._config.runtime.handlers:
             known = ", ".join(sorted(self._config.runtime.handlers))
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
+        require_pod_features(config, handler)
         name = sandbox_name(meta.name, meta.namespace, meta.uid, meta.attempt)
 
         async def create(sandbox_id: str, stage: Stage) -> None:
@@ -174,6 +192,10 @@ class SandboxService(PersistedCreationHooks):
         )
         fault_point("sandbox:namespaces")
 
+        if shares_pid_namespace(config):
+            stage.set(STAGE_PID_NAMESPACE)
+            await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned)
+
         ips: list[str] = []
         result: dict[str, Any] | None = None
         if pinned.net is not None:
@@ -197,6 +219,28 @@ class SandboxService(PersistedCreationHooks):
         )
         stage.set(STAGE_READY)
         fault_point("sandbox:ready")
+
+    async def _start_pause(
+        self,
+        sandbox_id: str,
+        sandbox_dir: Path,
+        config: api_pb2.PodSandboxConfig,
+        handler: str,
+        pinned: PinnedNamespaces,
+    ) -> None:
+        if self.pause is None:
+            raise InvalidArgument(
+                "namespace_options.pid: POD (a shared PID namespace) is not available here"
+            )
+        context = SandboxContext(
+            pod_id=sandbox_id,
+            hostname=config.hostname or config.metadata.name,
+            netns_path=pinned.net,
+            ipc_ns_path=pinned.ipc,
+            uts_ns_path=pinned.uts,
+            cgroup_parent=config.linux.cgroup_parent,
+        )
+        await self.pause.start(sandbox_id, sandbox_dir, config, handler, context)
 
     def _network_request(
         self, sandbox_id: str, config: api_pb2.PodSandboxConfig, netns: Path
@@ -282,7 +326,15 @@ class SandboxService(PersistedCreationHooks):
 
     # ---- CreationHooks (the rest are inherited) -----------------------------------
 
+    def publish(self, object_id: str) -> None:
+        super().publish(object_id)
+        # kubelet's evented PLEG learns of a pod through its sandbox's own events, as
+        # containerd and CRI-O report their infra containers: created, then running.
+        self.events.emit(object_id, object_id, CONTAINER_CREATED)
+        self.events.emit(object_id, object_id, CONTAINER_STARTED)
+
     async def cleanup(self, object_id: str) -> None:
+        self.mark_cleaning(object_id)
         try:
             if self.remove_containers is not None:
                 await self.remove_containers(object_id)
@@ -305,7 +357,7 @@ class SandboxService(PersistedCreationHooks):
         except UndoFailed as exc:
             # The steps are queued for garbage collection; the pod is stopped all the same.
             log.error("sandbox %s (%s): stop left work for GC: %s", sandbox.id, sandbox.name, exc)
-        self._db.execute("UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox.id,))
+        self.mark_not_ready(sandbox.id)
         log.info("sandbox %s (%s) stopped", sandbox.id, sandbox.name)
 
     async def remove(self, sandbox_ref: str) -> None:
@@ -320,8 +372,10 @@ class SandboxService(PersistedCreationHooks):
             log.error(
                 "sandbox %s (%s): removal left work for GC: %s", sandbox.id, sandbox.name, exc
             )
+        # Before the rows go: the event carries the pod's last status.
+        self.events.emit(sandbox.id, sandbox.id, CONTAINER_DELETED)
         self.forget(sandbox.id)
-        self.coordinator.release(sandbox.name)
+        self.coordinator.release(sandbox.name, object_id=sandbox.id)
         log.info("sandbox %s (%s) removed", sandbox.id, sandbox.name)
 
     # ---- queries (visible sandboxes only) ------------------------------------------
@@ -352,7 +406,7 @@ class SandboxService(PersistedCreationHooks):
         """Before serving: roll back interrupted creations, re-register the rest."""
         rows = self._db.query("SELECT id, name, phase FROM sandboxes")
         for row in rows:
-            if row["phase"] == "creating":
+            if row["phase"] not in ("cached", "visible"):
                 log.warning(
                     "sandbox %s (%s): creation was interrupted; rolling it back",
                     row["id"],
@@ -394,8 +448,35 @@ class SandboxService(PersistedCreationHooks):
             raise FailedPrecondition(f"pod sandbox {sandbox.id} uses the host network")
         return sandbox.netns_path
 
+    def notice_exit(self, sandbox_id: str | None) -> None:
+        """An exit file appeared (None: some may have been missed). When it is the pause
+        process of a ready pod, the pod has lost its PID namespace and every process in
+        it: it is not ready any more, and kubelet will recreate it."""
+        if self.pause is None:
+            return
+        if sandbox_id is None:
+            sandboxes = self.list()
+        else:
+            row = self._db.query_one(
+                "SELECT * FROM sandboxes WHERE id = ? AND phase = 'visible'", (sandbox_id,)
+            )
+            sandboxes = [SandboxRecord.from_row(row)] if row is not None else []
+        for sandbox in sandboxes:
+            if sandbox.ready and self.pause.exited(sandbox):
+                log.warning(
+                    "sandbox %s (%s): its pause process exited; the pod is not ready",
+                    sandbox.id,
+                    sandbox.name,
+                )
+                self.mark_not_ready(sandbox.id)
+
     def mark_not_ready(self, sandbox_id: str) -> None:
-        self._db.execute("UPDATE sandboxes SET state = 'notready' WHERE id = ?", (sandbox_id,))
+        changed = self._db.execute(
+            "UPDATE sandboxes SET state = 'notready' WHERE id = ? AND state != 'notready'",
+            (sandbox_id,),
+        )
+        if changed:  # one event per transition, whoever noticed it first
+            self.events.emit(sandbox_id, sandbox_id, CONTAINER_STOPPED)
 
     def network_status(self) -> tuple[bool, str, str]:
         return self._cni.status()

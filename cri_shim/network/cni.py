@@ -387,7 +387,7 @@ class CniNetwork:
 
     # The budgets are parameters rather than the caller's asyncio.timeout: a timeout must kill
     # the plugin and name it, and the DEL after a failed ADD must still get to run.
-    async def add(self, req: PodNetworkRequest, timeout: float) -> CniResult:  # noqa: ASYNC109
+    async def add(self, req: PodNetworkRequest, timeout: float) -> CniResult:
         """Attach the pod to the network within `timeout` seconds and return its IPs.
 
         A failed ADD runs DEL for the whole list before raising, because any plugin,
@@ -421,7 +421,7 @@ class CniNetwork:
     async def delete(
         self,
         req: PodNetworkRequest,
-        timeout: float,  # noqa: ASYNC109 (see add)
+        timeout: float,
         prev_result: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
     ) -> None:
@@ -439,7 +439,7 @@ class CniNetwork:
     async def check(
         self,
         req: PodNetworkRequest,
-        timeout: float,  # noqa: ASYNC109 (see add)
+        timeout: float,
         prev_result: dict[str, Any],
         config: dict[str, Any] | None = None,
     ) -> None:

@@ -111,6 +111,11 @@ class RuntimeBackend:
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def exits_dir(self) -> Path:
+        """Where conmon writes `<id>` with the exit code when a container exits."""
+        return self._exits
+
     # ---- create / start -------------------------------------------------------------
 
     async def create(
@@ -306,7 +311,7 @@ class RuntimeBackend:
     async def stop(
         self,
         container_id: str,
-        timeout: float,  # noqa: ASYNC109 - StopContainerRequest.timeout, the grace period
+        timeout: float,
         stop_signal: int,
     ) -> None:
         """Send `stop_signal`, wait up to `timeout` seconds, then SIGKILL every process
@@ -411,7 +416,7 @@ class RuntimeBackend:
     async def wait_exit(
         self,
         container_id: str,
-        timeout: float | None,  # noqa: ASYNC109 - a budget, as everywhere in this API
+        timeout: float | None,
     ) -> tuple[int, int]:
         """Wait until the container has exited; return exit_status(). Raises
         DeadlineExceeded after `timeout` seconds (None waits for ever), and Internal when
@@ -435,7 +440,7 @@ class RuntimeBackend:
                 raise DeadlineExceeded(f"container {container_id} is still running")
             await _wait_process_exit(conmon, remaining)
 
-    async def _wait_monitor(self, container_id: str, timeout: float) -> bool:  # noqa: ASYNC109
+    async def _wait_monitor(self, container_id: str, timeout: float) -> bool:
         """True once the exit is recorded or conmon is gone; False on timeout."""
         try:
             await self.wait_exit(container_id, timeout)
@@ -483,6 +488,15 @@ class RuntimeBackend:
             meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
         )
 
+    def cgroups_path(self, container_id: str) -> str | None:
+        """The container's cgroup, relative to each hierarchy's root (as in its spec)."""
+        meta = self._read_meta(container_id)
+        return meta.cgroups_path if meta is not None and meta.cgroups_path else None
+
+    @property
+    def cgroup_v2(self) -> bool:
+        return self._host_limits().cgroup_v2
+
     def attach_socket(self, container_id: str) -> Path:
         """conmon's attach socket for the container (under --socket-dir-path)."""
         return self._sockets / container_id / "attach"
@@ -493,7 +507,7 @@ class RuntimeBackend:
         self,
         container_id: str,
         cmd: Sequence[str],
-        timeout: float | None,  # noqa: ASYNC109 - ExecSyncRequest.timeout
+        timeout: float | None,
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
         return await self.oci.exec_sync(container_id, cmd, timeout, env)
@@ -584,7 +598,7 @@ def _remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-async def _read_sync_line(fd: int, timeout: float) -> bytes:  # noqa: ASYNC109
+async def _read_sync_line(fd: int, timeout: float) -> bytes:
     """conmon writes one JSON line when runc create finished, and keeps the pipe open for
     the container's lifetime: read that line, never wait for EOF."""
     loop = asyncio.get_running_loop()
@@ -629,7 +643,7 @@ def _reap(ref: _ProcessRef) -> None:
         os.waitpid(ref.pid, os.WNOHANG)
 
 
-async def _wait_process_exit(ref: _ProcessRef, timeout: float | None) -> None:  # noqa: ASYNC109
+async def _wait_process_exit(ref: _ProcessRef, timeout: float | None) -> None:
     """Wait for any process (not only a child) to exit, through a pidfd."""
     try:
         pidfd = os.pidfd_open(ref.pid)

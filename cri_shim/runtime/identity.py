@@ -127,9 +127,15 @@ def resolve_identity(
     image_user: str,
     supplemental_groups: Iterable[int],
     read_etc: EtcReader,
+    strict_groups: bool = False,
 ) -> ProcessIdentity:
     """Follow kubelet's precedence: run_as_user, then run_as_username, then the image's
-    `User` ("name", "uid", "uid:gid", "name:group"). run_as_group overrides the group."""
+    `User` ("name", "uid", "uid:gid", "name:group"). run_as_group overrides the group.
+
+    The additional groups are the request's `supplemental_groups`, plus (the CRI's Merge
+    policy, the default) the groups the image's /etc/group lists the user in. With
+    `strict_groups` (the Strict policy) the image's /etc/group adds nothing: a group
+    membership an image smuggles in cannot reach files the pod never granted."""
     if run_as_user is not None:
         user_part, group_part = str(run_as_user), ""
         source = "run_as_user"
@@ -171,7 +177,7 @@ def resolve_identity(
         gid = entry.gid if entry is not None else 0
 
     additional: list[int] = []
-    if entry is not None:
+    if entry is not None and not strict_groups:
         additional.extend(g.gid for g in groups if entry.name in g.members)
     additional.extend(supplemental_groups)
     unique = tuple(dict.fromkeys(g for g in additional if g != gid))

@@ -118,16 +118,16 @@ class OciRuntime:
         self,
         container_id: str,
         *,
-        timeout: float | None = None,  # noqa: ASYNC109
+        timeout: float | None = None,
     ) -> ContainerState:
         out = await self._call(["state", container_id], container_id, timeout)
         return _parse_state(json.loads(out))
 
-    async def list(self, *, timeout: float | None = None) -> list[ContainerState]:  # noqa: ASYNC109
+    async def list(self, *, timeout: float | None = None) -> list[ContainerState]:
         out = await self._call(["list", "--format", "json"], "", timeout)
         return [_parse_state(entry) for entry in json.loads(out) or []]
 
-    async def start(self, container_id: str, *, timeout: float | None = None) -> None:  # noqa: ASYNC109
+    async def start(self, container_id: str, *, timeout: float | None = None) -> None:
         await self._call(["start", container_id], container_id, timeout)
 
     async def kill(
@@ -136,7 +136,7 @@ class OciRuntime:
         sig: int,
         *,
         all: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109
+        timeout: float | None = None,
     ) -> None:
         args = ["kill", *(["--all"] if all else []), container_id, str(int(sig))]
         await self._call(args, container_id, timeout)
@@ -146,7 +146,7 @@ class OciRuntime:
         container_id: str,
         *,
         force: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109
+        timeout: float | None = None,
     ) -> None:
         """With force, a missing container is not an error (runc's own behaviour)."""
         args = ["delete", *(["--force"] if force else []), container_id]
@@ -157,7 +157,7 @@ class OciRuntime:
         container_id: str,
         resources: Mapping[str, Any],
         *,
-        timeout: float | None = None,  # noqa: ASYNC109
+        timeout: float | None = None,
     ) -> None:
         payload = json.dumps(dict(resources)).encode()
         await self._call(
@@ -168,7 +168,7 @@ class OciRuntime:
         self,
         container_id: str,
         cmd: Sequence[str],
-        timeout: float | None,  # noqa: ASYNC109 - ExecSyncRequest.timeout
+        timeout: float | None,
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
         """Run `cmd` in the container and collect its output. On timeout the process and
@@ -253,7 +253,7 @@ class OciRuntime:
         self,
         args: builtins.list[str],
         container_id: str,
-        timeout: float | None,  # noqa: ASYNC109
+        timeout: float | None,
         *,
         stdin: bytes | None = None,
     ) -> bytes:

@@ -11,7 +11,9 @@ here would.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,24 @@ def default_profile(capabilities: Iterable[str], machine: str | None = None) -> 
     }
 
 
+# Real profiles are tens of KiB; the path comes from a request (issue 9).
+MAX_PROFILE_BYTES = 1 << 20
+
+
+def _read_profile(path: str) -> bytes:
+    """The file's bytes, if it is a regular file of a sane size: a request naming
+    /dev/zero or a FIFO must not make the daemon read forever or block."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as stream:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        data = stream.read(MAX_PROFILE_BYTES + 1)
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ValueError(f"larger than {MAX_PROFILE_BYTES} bytes")
+    return data
+
+
 def load_localhost_profile(path: str, capabilities: Iterable[str]) -> dict[str, Any]:
     """Load a profile file as kubelet names it (an absolute path on the node). Docker's
     profile format is accepted as well as the OCI one: `archMap` is flattened and entries
@@ -122,7 +142,7 @@ def load_localhost_profile(path: str, capabilities: Iterable[str]) -> dict[str, 
     if not path or not Path(path).is_absolute():
         raise InvalidArgument(f"{field}: the profile path must be absolute, got {path!r}")
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(_read_profile(path))
     except FileNotFoundError:
         raise InvalidArgument(f"{field}: seccomp profile {path} does not exist") from None
     except (OSError, ValueError) as err:

@@ -98,6 +98,8 @@ class SandboxContext:
     privileged: bool = False
     run_as_user: int | None = None
     supplemental_groups: tuple[int, ...] = ()
+    # The pod's SupplementalGroupsPolicy (api_pb2.Merge or api_pb2.Strict).
+    supplemental_groups_policy: int = 0
     sysctls: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -126,10 +128,12 @@ def build_spec(
     target_pid_ns_path: Path | None = None,
     host_dev: Path = Path("/dev"),
     mountinfo: Callable[[], str] | None = None,
+    image_mounts: Mapping[int, Path] | None = None,
 ) -> dict[str, Any]:
     """The config.json for `container_id`. Raises InvalidArgument, naming the field, for
     a request that cannot be run. `target_pid_ns_path` is the PID namespace of the target
-    container for NamespaceMode.TARGET (ephemeral debug containers)."""
+    container for NamespaceMode.TARGET (ephemeral debug containers). `image_mounts` are
+    the host directories of the request's image volumes (see container_mounts)."""
     host = host or current_host_limits()
     linux_cfg = cfg.linux if cfg.HasField("linux") else api_pb2.LinuxContainerConfig()
     sc = linux_cfg.security_context
@@ -148,6 +152,9 @@ def build_spec(
         bounding_set=host.capability_bounding_set,
         container=name,
     )
+    # kubelet copies the pod's policy into each container; either one saying Strict wins.
+    policies = (sc.supplemental_groups_policy, sandbox.supplemental_groups_policy)
+    strict_groups = api_pb2.Strict in policies
     identity = resolve_identity(
         run_as_user=sc.run_as_user.value if sc.HasField("run_as_user") else None,
         run_as_username=sc.run_as_username,
@@ -155,6 +162,7 @@ def build_spec(
         image_user=image.user,
         supplemental_groups=[*sandbox.supplemental_groups, *sc.supplemental_groups],
         read_etc=image.read_etc or read_in_root(rootfs),
+        strict_groups=strict_groups,
     )
     uts_private = sandbox.uts_ns_path is not None
     hostname = sandbox.hostname if uts_private else ""
@@ -206,10 +214,12 @@ def build_spec(
     seccomp = container_seccomp(sc, caps.granted)
     if seccomp is not None:
         linux["seccomp"] = seccomp
-    _check_apparmor(sc)
+    apparmor = container_apparmor(sc)
+    if apparmor is not None:
+        process["apparmorProfile"] = apparmor
 
     mounts, rootfs_propagation = container_mounts(
-        cfg, sandbox, privileged=privileged, mountinfo=mountinfo
+        cfg, sandbox, privileged=privileged, mountinfo=mountinfo, image_mounts=image_mounts
     )
     if rootfs_propagation:
         linux["rootfsPropagation"] = rootfs_propagation
@@ -386,14 +396,50 @@ def container_seccomp(
     raise InvalidArgument(f"security_context.seccomp_profile_path: unknown profile {legacy!r}")
 
 
-def _check_apparmor(sc: api_pb2.LinuxContainerSecurityContext) -> None:
-    # This runtime does not load AppArmor profiles. The default profile is treated as
-    # "none" (the host has no AppArmor), but a named one cannot be honoured silently.
-    wants_named = (
-        sc.HasField("apparmor") and sc.apparmor.profile_type == api_pb2.SecurityProfile.Localhost
-    ) or sc.apparmor_profile.startswith("localhost/")
-    if wants_named:
-        raise InvalidArgument("security_context.apparmor: AppArmor profiles are not supported")
+APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
+APPARMOR_PROFILES = Path("/sys/kernel/security/apparmor/profiles")
+
+
+def container_apparmor(
+    sc: api_pb2.LinuxContainerSecurityContext,
+    *,
+    enabled_file: Path = APPARMOR_ENABLED,
+    profiles_file: Path = APPARMOR_PROFILES,
+) -> str | None:
+    """The AppArmor profile for process.apparmorProfile, or None for runc's default.
+
+    This runtime loads no profile of its own: RuntimeDefault means the host's default
+    confinement. A named (Localhost) profile is applied only if the host has AppArmor and
+    the profile is loaded; otherwise the request is refused rather than silently run
+    unconfined. On a host without AppArmor only a named profile is an error."""
+    if sc.HasField("apparmor"):
+        kind = sc.apparmor.profile_type
+        name = sc.apparmor.localhost_ref if kind == api_pb2.SecurityProfile.Localhost else ""
+        unconfined = kind == api_pb2.SecurityProfile.Unconfined
+    else:  # the deprecated string field
+        legacy = sc.apparmor_profile
+        name = legacy.removeprefix("localhost/") if legacy.startswith("localhost/") else ""
+        unconfined = legacy == "unconfined"
+    try:
+        enabled = enabled_file.read_text().strip() == "Y"
+    except OSError:
+        enabled = False
+    if not name:
+        return "unconfined" if unconfined and enabled and not sc.privileged else None
+    field = "security_context.apparmor"
+    if not enabled:
+        raise InvalidArgument(
+            f"{field}: profile {name!r} requested, but AppArmor is not enabled on this host"
+        )
+    try:
+        loaded = {line.rsplit(" (", 1)[0] for line in profiles_file.read_text().splitlines()}
+    except OSError:
+        loaded = set()
+    if name not in loaded:
+        raise InvalidArgument(
+            f"{field}: AppArmor profile {name!r} is not loaded on this host (apparmor_parser)"
+        )
+    return name
 
 
 def container_devices(
@@ -477,10 +523,13 @@ def container_mounts(
     *,
     privileged: bool,
     mountinfo: Callable[[], str] | None = None,
+    image_mounts: Mapping[int, Path] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """The kernel filesystems every container needs, the pod's files, then the request's
     bind mounts. A request mount replaces a default one at the same destination (kubelet
-    mounts its own /etc/hosts). Returns the mounts and the rootfs propagation they need."""
+    mounts its own /etc/hosts). Returns the mounts and the rootfs propagation they need.
+    `image_mounts` maps the index of each image volume in `cfg.mounts` to the host
+    directory that holds it (the image mounted read-only, its sub path resolved)."""
     readonly_rootfs = cfg.linux.security_context.readonly_rootfs
     sys_options = ["nosuid", "noexec", "nodev"] + ([] if privileged else ["ro"])
     defaults: list[dict[str, Any]] = [
@@ -538,16 +587,15 @@ def container_mounts(
     propagation_needed = ""
     for index, mount in enumerate(cfg.mounts):
         field = f"mounts[{index}]"
-        if mount.HasField("image") and mount.image.image:
-            raise InvalidArgument(f"{field}.image: image volumes are not supported")
-        if mount.recursive_read_only:
-            raise InvalidArgument(
-                f"{field}.recursive_read_only: not supported by this runtime (runc 1.1)"
-            )
         if not mount.container_path.startswith("/"):
             raise InvalidArgument(
                 f"{field}.container_path: {mount.container_path!r} must be an absolute path"
             )
+        if mount.HasField("image") and mount.image.image:
+            requested.append(_image_mount(field, mount, (image_mounts or {}).get(index)))
+            continue
+        if mount.recursive_read_only:
+            _check_recursive_read_only(field, mount)
         if not mount.host_path.startswith("/"):
             raise InvalidArgument(
                 f"{field}.host_path: {mount.host_path!r} must be an absolute path"
@@ -563,6 +611,10 @@ def container_mounts(
             if propagation == "rshared" or not propagation_needed:
                 propagation_needed = propagation
         options = ["rbind", propagation] + (["ro"] if mount.readonly else [])
+        if mount.recursive_read_only:
+            # runc applies it with mount_setattr(AT_RECURSIVE): sub-mounts become
+            # read-only too, where "ro" alone leaves them writable.
+            options.append("rro")
         requested.append(
             {
                 "destination": mount.container_path,
@@ -578,6 +630,41 @@ def container_mounts(
     mounts = [m for m in defaults if m["destination"] not in taken] + requested
     rootfs_propagation = {"rshared": "rshared", "rslave": "rslave"}.get(propagation_needed, "")
     return mounts, rootfs_propagation
+
+
+def _check_recursive_read_only(field: str, mount: api_pb2.Mount) -> None:
+    # The CRI's contract: kubelet sends readonly and private propagation with it; anything
+    # else is a request that cannot mean what it says.
+    if not mount.readonly:
+        raise InvalidArgument(
+            f"{field}.recursive_read_only: a recursive read-only mount must also be readonly"
+        )
+    if mount.propagation != api_pb2.PROPAGATION_PRIVATE:
+        raise InvalidArgument(
+            f"{field}.recursive_read_only: needs private propagation (got "
+            f"{api_pb2.MountPropagation.Name(mount.propagation)}): a propagated mount could "
+            "appear below it writable"
+        )
+
+
+def _image_mount(field: str, mount: api_pb2.Mount, source: Path | None) -> dict[str, Any]:
+    """An image volume: the image's files, read-only and not executable (KEP 4639)."""
+    if source is None:
+        raise InvalidArgument(f"{field}.image: image volumes are not supported here")
+    if mount.host_path:
+        raise InvalidArgument(f"{field}: host_path and image are mutually exclusive")
+    if not mount.readonly:
+        raise InvalidArgument(f"{field}.readonly: an image volume is always mounted read-only")
+    options = ["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"]
+    if mount.recursive_read_only:
+        _check_recursive_read_only(field, mount)
+        options.append("rro")
+    return {
+        "destination": mount.container_path,
+        "type": "bind",
+        "source": str(source),
+        "options": options,
+    }
 
 
 def _shm_mount(shm_path: Path | None) -> dict[str, Any]:

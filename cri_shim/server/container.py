@@ -21,7 +21,7 @@ _STATES = {
 }
 
 
-def container_state(container: ContainerRecord) -> int:
+def container_state(container: ContainerRecord) -> api_pb2.ContainerState.ValueType:
     return _STATES.get(container.state, api_pb2.CONTAINER_UNKNOWN)
 
 
@@ -105,6 +105,24 @@ def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
         annotations=config.annotations,
         mounts=list(config.mounts),
         log_path=container.log_path,
+        user=container_user(container),
+    )
+
+
+def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:
+    """Who the container's process runs as, as runc was told (the OCI spec's
+    process.user): kubelet checks the effective supplemental groups against the pod's
+    SupplementalGroupsPolicy. The primary group is listed too, as `id -G` lists it."""
+    try:
+        user = json.loads((container.bundle_dir / "config.json").read_text())["process"]["user"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no spec (yet): nothing to report rather than a guess
+    gid = int(user.get("gid", 0))
+    groups = list(dict.fromkeys([gid, *(int(g) for g in user.get("additionalGids") or [])]))
+    return api_pb2.ContainerUser(
+        linux=api_pb2.LinuxContainerUser(
+            uid=int(user.get("uid", 0)), gid=gid, supplemental_groups=groups
+        )
     )
 
 

@@ -7,11 +7,12 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from cri_shim import errors
+from cri_shim.server.limits import admitted
 
 if TYPE_CHECKING:
     from cri_shim.daemon import Services
@@ -46,14 +47,13 @@ def status_code(error: errors.CriError) -> grpc.StatusCode:
 
 def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
     """The client's deadline on the event loop's clock, or None when it set none."""
-    remaining = context.time_remaining()
+    remaining: float | None = context.time_remaining()
     if remaining is None:
         return None
     return asyncio.get_running_loop().time() + max(0.0, remaining - DEADLINE_MARGIN)
 
 
 Handler = Callable[["Services", Any, grpc.aio.ServicerContext], Awaitable[Any]]
-H = TypeVar("H", bound=Handler)
 
 
 def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
@@ -66,10 +66,12 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
         if services is None:
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
+            raise AssertionError("abort returns by raising")
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            return await handler(services, request, context)
+            # Validated and admitted first (issue 9): a bad or surplus call does nothing.
+            return await admitted(handler, services, request, context, request_deadline(context))
         except errors.CriError as exc:
             code = status_code(exc)
             log.info("%s: %s: %s", name, code.name, exc)

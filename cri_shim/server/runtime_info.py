@@ -10,6 +10,7 @@ import grpc
 from cri_api.v1 import api_pb2
 
 from cri_shim import __version__
+from cri_shim.runtime.features import handler_features, to_cri
 
 if TYPE_CHECKING:
     from cri_shim.daemon import Services
@@ -35,6 +36,7 @@ async def status(
     services: Services, request: api_pb2.StatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StatusResponse:
     net_ready, net_reason, net_message = services.sandboxes.network_status()
+    backends = services.containers.backends
     conditions = [
         api_pb2.RuntimeCondition(type="RuntimeReady", status=True),
         api_pb2.RuntimeCondition(
@@ -44,9 +46,12 @@ async def status(
     response = api_pb2.StatusResponse(
         status=api_pb2.RuntimeStatus(conditions=conditions),
         runtime_handlers=[
-            api_pb2.RuntimeHandler(name=name, features=api_pb2.RuntimeHandlerFeatures())
-            for name in sorted(services.config.runtime.handlers)
+            api_pb2.RuntimeHandler(
+                name=name, features=to_cri(handler_features(backends[name].runtime_path))
+            )
+            for name in sorted(backends)
         ],
+        features=api_pb2.RuntimeFeatures(supplemental_groups_policy=True),
     )
     if request.verbose:
         info = {

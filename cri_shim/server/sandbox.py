@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import grpc
 from cri_api.v1 import api_pb2
 
+from cri_shim.lifecycle.pod_resources import recorded_pod_resources
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import SandboxRecord
 
@@ -38,20 +39,18 @@ async def remove_pod_sandbox(
     return api_pb2.RemovePodSandboxResponse()
 
 
-def _state(sandbox: SandboxRecord) -> int:
+def _state(sandbox: SandboxRecord) -> api_pb2.PodSandboxState.ValueType:
     return api_pb2.SANDBOX_READY if sandbox.ready else api_pb2.SANDBOX_NOTREADY
 
 
-async def pod_sandbox_status(
-    services: Services, request: api_pb2.PodSandboxStatusRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.PodSandboxStatusResponse:
-    sandbox = services.sandboxes.get(request.pod_sandbox_id)
+def to_pod_sandbox_status(sandbox: SandboxRecord) -> api_pb2.PodSandboxStatus:
+    """The CRI status of a sandbox (PodSandboxStatus, and each container event)."""
     config = sandbox.config
     network = api_pb2.PodSandboxNetworkStatus()
     if sandbox.ips and sandbox.ready:
         network.ip = sandbox.ips[0]
         network.additional_ips.extend(api_pb2.PodIP(ip=ip) for ip in sandbox.ips[1:])
-    status = api_pb2.PodSandboxStatus(
+    return api_pb2.PodSandboxStatus(
         id=sandbox.id,
         metadata=config.metadata,
         state=_state(sandbox),
@@ -64,7 +63,13 @@ async def pod_sandbox_status(
         annotations=config.annotations,
         runtime_handler=sandbox.runtime_handler,
     )
-    response = api_pb2.PodSandboxStatusResponse(status=status)
+
+
+async def pod_sandbox_status(
+    services: Services, request: api_pb2.PodSandboxStatusRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.PodSandboxStatusResponse:
+    sandbox = services.sandboxes.get(request.pod_sandbox_id)
+    response = api_pb2.PodSandboxStatusResponse(status=to_pod_sandbox_status(sandbox))
     if request.verbose:
         info = {
             "id": sandbox.id,
@@ -77,6 +82,7 @@ async def pod_sandbox_status(
             "ips": sandbox.ips,
             "cniResult": sandbox.cni_result,
             "hostNetwork": sandbox.host_network,
+            "resources": recorded_pod_resources(sandbox.sandbox_dir),
         }
         response.info["info"] = json.dumps(info, sort_keys=True)
     # Evented PLEG (kubelet) reads the pod's container statuses from this response.

@@ -6,7 +6,17 @@ from typing import TYPE_CHECKING
 
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from cri_shim.server import container, image, runtime_info, sandbox, stats, streaming
+from cri_shim.server import (
+    container,
+    events,
+    image,
+    metrics_cri,
+    runtime_info,
+    sandbox,
+    sandbox_resources,
+    stats,
+    streaming,
+)
 from cri_shim.server.rpc import rpc, unimplemented
 
 if TYPE_CHECKING:
@@ -14,10 +24,6 @@ if TYPE_CHECKING:
 
 _PENDING = {
     "CheckpointContainer": "checkpointing",
-    "GetContainerEvents": "container events",
-    "ListMetricDescriptors": "CRI metrics",
-    "ListPodSandboxMetrics": "CRI metrics",
-    "UpdatePodSandboxResources": "pod resources",
 }
 
 
@@ -53,6 +59,10 @@ class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):
     ListContainerStats = rpc(stats.list_container_stats)
     PodSandboxStats = rpc(stats.pod_sandbox_stats)
     ListPodSandboxStats = rpc(stats.list_pod_sandbox_stats)
+    GetContainerEvents = rpc(events.get_container_events)
+    UpdatePodSandboxResources = rpc(sandbox_resources.update_pod_sandbox_resources)
+    ListMetricDescriptors = rpc(metrics_cri.list_metric_descriptors)
+    ListPodSandboxMetrics = rpc(metrics_cri.list_pod_sandbox_metrics)
 
 
 class ImageService(_Servicer, api_pb2_grpc.ImageServiceServicer):

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon, CniTestNetwork, ping, pod_config
+from tests.harness import CniTestNetwork, Daemon, ping, pod_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon, CniTestNetwork, pod_config, wait_until
+from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 

@@ -188,6 +188,11 @@ def test_setting_up_again_replaces_the_handler(root_logger: logging.Logger) -> N
             "in progress (stage: sandbox network)",
             {"sandbox_id": SANDBOX_ID, "sandbox_name": POD},
         ),
+        # a container's event names its pod
+        (
+            f"event started {CONTAINER_ID} (pod {SANDBOX_ID})",
+            {"sandbox_id": SANDBOX_ID},
+        ),
         ("serving CRI on unix:///run/cri-shim/cri-shim.sock", {}),
         ("sandbox network not ready", {}),
     ],
@@ -207,6 +212,22 @@ def test_every_line_about_an_object_carries_its_id_and_name(root_logger: logging
         assert fields["sandbox_id"] == SANDBOX_ID
         assert fields["sandbox_name"] == POD
         assert fields["logger"] == "cri_shim.test"
+
+
+def test_a_line_with_only_the_id_gets_the_name_from_an_earlier_line(
+    root_logger: logging.Logger,
+) -> None:
+    stream, log = emit("logfmt", root_logger)
+    log.debug("event created %s (pod %s)", "f" * 64, "e" * 64)  # never named: no name
+    log.info("%s %r (%s): reserved, creation started", "sandbox", POD, SANDBOX_ID)
+    log.debug("event created %s (pod %s)", SANDBOX_ID, SANDBOX_ID)
+    log.error("sandbox %s: rollback left work for GC: x", SANDBOX_ID)
+    log.info("restored", extra={"sandbox_id": SANDBOX_ID})
+    first, *rest = (parse_logfmt(line) for line in lines(stream))
+    assert first["sandbox_id"] == "e" * 64 and "sandbox_name" not in first
+    for fields in rest:
+        assert fields["sandbox_id"] == SANDBOX_ID
+        assert fields["sandbox_name"] == POD
 
 
 def test_explicit_fields_win_over_inferred_ones(root_logger: logging.Logger) -> None:

@@ -67,6 +67,22 @@ def test_rpcs_are_counted_by_method_and_code_with_latency() -> None:
     assert value(metrics, "cri_shim_rpc_duration_seconds_sum", method="RunPodSandbox") == 2.0
 
 
+@pytest.mark.parametrize(
+    ("handler", "method"),
+    [
+        ("run_pod_sandbox", "RunPodSandbox"),
+        ("version", "Version"),
+        ("image_fs_info", "ImageFsInfo"),
+        ("ListPodSandbox", "ListPodSandbox"),
+        ("exec_", "Exec"),
+    ],
+)
+def test_rpcs_are_labelled_with_the_cri_method_name(handler: str, method: str) -> None:
+    metrics = Metrics()
+    metrics.observe_rpc(handler, "OK", 0.01)
+    assert value(metrics, "cri_shim_rpc_requests_total", method=method, code="OK") == 1
+
+
 def test_tool_calls_go_to_the_installed_sink_only(sink: Metrics) -> None:
     observe_call("cni", "ADD bridge", 0.03, True)
     observe_call("cni", "ADD bridge", 4.0, False)

@@ -454,7 +454,7 @@ def test_a_failed_unpack_leaves_no_directory(
         add(store, [evil_layer])
     assert list(store.layers_dir.iterdir()) == []
 
-    def disk_full(blob: object, dest: Path) -> None:
+    def disk_full(blob: object, dest: Path, policy: object = None) -> None:
         (dest / "partial").mkdir(parents=True)
         raise OSError(28, "No space left on device")
 

@@ -1,0 +1,103 @@
+"""Churn figures (pods/s, pod-to-running, peak RSS) and start-to-serving time of a full node.
+
+Usage: sudo .venv/bin/python benchmarks/churn.py [--pods 200] [--parallel 8] [--restore 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import bench_daemon, percentiles
+from cri_api.v1 import api_pb2
+
+from tests.churn import IMAGE, Churn
+from tests.harness import REPO, Daemon, pod_config
+from tests.imagebuild import cached_oci_layout
+
+
+def import_busybox(daemon: Daemon, scratch: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cri_shim.cli",
+            "images",
+            "import",
+            "--config",
+            str(daemon.config_path),
+            str(cached_oci_layout(scratch)),
+            "--name",
+            IMAGE,
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
+
+
+def restore_time(daemon: Daemon, count: int) -> float:
+    rt = daemon.runtime()
+    sandboxes = []
+    for i in range(count):
+        config = pod_config(f"full-{i}", uid=f"full-{i}")
+        sid = rt.RunPodSandbox(
+            api_pb2.RunPodSandboxRequest(config=config), timeout=60
+        ).pod_sandbox_id
+        cid = rt.CreateContainer(
+            api_pb2.CreateContainerRequest(
+                pod_sandbox_id=sid,
+                sandbox_config=config,
+                config=api_pb2.ContainerConfig(
+                    metadata=api_pb2.ContainerMetadata(name="c"),
+                    image=api_pb2.ImageSpec(image=IMAGE),
+                    command=["sleep", "3600"],
+                ),
+            ),
+            timeout=60,
+        ).container_id
+        rt.StartContainer(api_pb2.StartContainerRequest(container_id=cid), timeout=60)
+        sandboxes.append(sid)
+    daemon.stop()
+    t0 = time.perf_counter()
+    daemon.start()
+    took = time.perf_counter() - t0
+    listed = daemon.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=30).containers
+    assert len(listed) == count, len(listed)
+    for sid in sandboxes:
+        daemon.runtime().RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=60
+        )
+    return took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pods", type=int, default=200)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--restore", type=int, default=100)
+    args = parser.parse_args()
+    with bench_daemon(slow_cni=False) as daemon, tempfile.TemporaryDirectory() as scratch:
+        import_busybox(daemon, Path(scratch))
+        report = Churn(daemon).run(pods=args.pods, parallel=args.parallel)
+        p50, p95 = percentiles(report.pod_to_running)
+        leaks = daemon.leaks()
+        restore = restore_time(daemon, args.restore)
+    print(f"churn: {args.pods} pods, {args.parallel} at a time, containers living 2 s")
+    print(f"  pods per second        {report.pods_per_second:.2f}")
+    print(f"  pod-to-running         p50 {p50 * 1000:.0f} ms   p95 {p95 * 1000:.0f} ms")
+    print(f"  daemon peak RSS        {report.peak_rss_mib:.1f} MiB")
+    print(f"  errors / conflicts     {len(report.errors)} / {len(report.conflicts)}")
+    print(f"  leaks after churn      {leaks or 'none'}")
+    print(
+        f"restore: start to serving with {args.restore} sandboxes + {args.restore} containers: "
+        f"{restore:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

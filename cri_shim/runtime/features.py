@@ -1,0 +1,110 @@
+"""What each runtime handler can really do, for `Status.runtime_handlers` and for refusing a
+request that a handler would silently get wrong.
+
+An OCI runtime says what it supports through `<runtime> features` (runc >= 1.1; crun
+1.8 has no such command, and is then assumed to support nothing optional). kubelet
+trusts what Status advertises: a handler that advertises recursive read-only mounts and
+then mounts a volume writable underneath breaks a security promise, so a feature is
+advertised only when the runtime lists it and the kernel can do it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from cri_api.v1 import api_pb2
+
+from cri_shim.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 10.0
+# mount_setattr(2), which runc's "rro" uses, arrived in Linux 5.12.
+_MOUNT_SETATTR_KERNEL = (5, 12)
+
+
+@dataclass(frozen=True)
+class HandlerFeatures:
+    recursive_read_only_mounts: bool = False
+    # Not built yet (issue 10, item 9): never advertised until it really works.
+    user_namespaces: bool = False
+
+
+def kernel_version(release: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a release string such as "6.18.44-fc" or "5.12rc1"."""
+    match = re.match(r"(\d+)\.(\d+)", release or os.uname().release)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def features_from_json(text: str, kernel: tuple[int, int]) -> HandlerFeatures:
+    """Read `runtime features` output (the OCI runtime-spec features document)."""
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return HandlerFeatures()
+    options = (document.get("mountOptions") or []) if isinstance(document, dict) else []
+    return HandlerFeatures(
+        recursive_read_only_mounts="rro" in options and kernel >= _MOUNT_SETATTR_KERNEL,
+    )
+
+
+@functools.cache
+def handler_features(runtime_path: Path) -> HandlerFeatures:
+    """Probed once per runtime binary (a few milliseconds), then remembered."""
+    try:
+        result = subprocess.run(
+            [str(runtime_path), "features"],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("%s features: %s; assuming no optional features", runtime_path, err)
+        return HandlerFeatures()
+    if result.returncode != 0:
+        log.info("%s has no `features` command; assuming no optional features", runtime_path)
+        return HandlerFeatures()
+    features = features_from_json(result.stdout, kernel_version())
+    log.info("runtime %s: %s", runtime_path, features)
+    return features
+
+
+def to_cri(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
+    return api_pb2.RuntimeHandlerFeatures(
+        recursive_read_only_mounts=features.recursive_read_only_mounts,
+        user_namespaces=features.user_namespaces,
+    )
+
+
+def require_pod_features(config: api_pb2.PodSandboxConfig, handler: str) -> None:
+    """Refuse a pod whose namespaces no handler here can give it, rather than run it in
+    the host's user namespace while it believes itself isolated."""
+    options = config.linux.security_context.namespace_options
+    # Without userns_options the pod uses the host's (mode's protobuf default is POD).
+    if options.HasField("userns_options") and options.userns_options.mode == api_pb2.POD:
+        raise InvalidArgument(
+            "linux.security_context.namespace_options.userns_options: user namespaces are "
+            f"not supported by runtime handler {handler!r} (Status advertises "
+            "user_namespaces: false)"
+        )
+
+
+def require_features(
+    config: api_pb2.ContainerConfig, handler: str, features: HandlerFeatures
+) -> None:
+    """Refuse what the pod's runtime handler cannot do, naming the field and the handler,
+    before anything is created."""
+    for index, mount in enumerate(config.mounts):
+        if mount.recursive_read_only and not features.recursive_read_only_mounts:
+            raise InvalidArgument(
+                f"mounts[{index}].recursive_read_only: runtime handler {handler!r} does not "
+                "support recursive read-only mounts (see Status.runtime_handlers)"
+            )

@@ -1,0 +1,105 @@
+"""Bind-mount sources resolved once (issue 9): a host path swapped between the check and
+the mount cannot redirect the mount.
+
+A request's `mounts[i].host_path` is checked when the request is validated, and runc
+resolves it again, by path, when it makes the container's mounts. Whoever can change a
+directory on that path in between (a symlink swapped in, a directory renamed) would
+choose what the container gets, e.g. the host's `/`. So the path is opened once, here,
+following symlinks as kubelet expects (a host path may itself be a link), and what was
+opened is bind-mounted through its descriptor (`/proc/self/fd/N`, which the kernel
+resolves to the opened object, not to a path) onto a staging point in the container's
+bundle directory, which only root can write to. runc is given the staging point. Once
+runc has created the container (its mounts exist in the container's namespace), the
+staging mounts are detached; if the daemon dies in between, the bundle directory's undo
+step unmounts everything below it before removing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cri_api.v1 import api_pb2
+
+from cri_shim import mounts
+from cri_shim.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PinnedSources:
+    """The staging mounts made for one container; `release` detaches them."""
+
+    staging: Path
+    points: list[Path] = field(default_factory=list)
+
+    def release(self) -> None:
+        for point in reversed(self.points):
+            try:
+                mounts.unmount(point)
+            except OSError as exc:  # left to the bundle directory's undo step
+                log.warning("staging mount %s: %s", point, exc)
+                continue
+            try:
+                point.rmdir() if point.is_dir() else point.unlink()
+            except OSError:
+                pass
+        self.points.clear()
+        try:
+            self.staging.rmdir()
+        except OSError:
+            pass
+
+
+def pin_bind_sources(
+    spec: dict[str, Any], requested: Sequence[api_pb2.Mount], staging: Path
+) -> PinnedSources:
+    """Replace the source of each bind mount in `spec` that comes from `requested` by a
+    staging point under `staging` on which the opened host path is mounted. Raises
+    InvalidArgument naming the field when a host path is gone or cannot be opened."""
+    pinned = PinnedSources(staging)
+    wanted = {
+        (mount.container_path, mount.host_path): index
+        for index, mount in enumerate(requested)
+        if not (mount.HasField("image") and mount.image.image)
+    }
+    try:
+        for entry in spec.get("mounts", []):
+            index = wanted.get((entry.get("destination"), entry.get("source")))
+            if entry.get("type") != "bind" or index is None:
+                continue
+            entry["source"] = str(_pin(entry["source"], index, pinned))
+    except BaseException:
+        pinned.release()
+        raise
+    return pinned
+
+
+def _pin(host_path: str, index: int, pinned: PinnedSources) -> Path:
+    field_name = f"mounts[{index}].host_path"
+    try:
+        # O_PATH: no read permission needed and nothing is opened for I/O; symlinks are
+        # followed, once, here.
+        fd = os.open(host_path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidArgument(f"{field_name}: {host_path}: {exc.strerror}") from None
+    try:
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        pinned.staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+        point = pinned.staging / str(index)
+        if is_dir:
+            point.mkdir(mode=0o700)
+        else:
+            os.close(os.open(point, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+        pinned.points.append(point)
+        # MS_REC: what is mounted below the host path comes along, as `rbind` asks.
+        mounts.mount(f"/proc/self/fd/{fd}", point, None, mounts.MS_BIND | mounts.MS_REC)
+        return point
+    finally:
+        os.close(fd)

@@ -1,0 +1,57 @@
+"""GetContainerEvents: the lifecycle's events as a server stream (kubelet's evented PLEG)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from cri_shim.errors import CriError
+from cri_shim.lifecycle.events import ContainerEvent
+from cri_shim.server.sandbox import to_pod_sandbox_status
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+log = logging.getLogger("cri_shim.server")
+
+
+def render_event(
+    services: Services, event: ContainerEvent
+) -> api_pb2.ContainerEventResponse | None:
+    """The CRI message for an event, with the pod's status and its containers' statuses
+    as they are at the moment of the transition. None drops the event: kubelet ignores an
+    event without a pod sandbox status, so there is no point in sending one."""
+    try:
+        sandbox = services.sandboxes.get(event.sandbox_id)
+    except CriError:
+        log.debug("event %s of %s: its pod is gone", event.kind_name, event.container_id)
+        return None
+    return api_pb2.ContainerEventResponse(
+        container_id=event.container_id,
+        container_event_type=api_pb2.ContainerEventType.ValueType(event.kind),
+        created_at=event.created_at,
+        pod_sandbox_status=to_pod_sandbox_status(sandbox),
+        containers_statuses=services.container_statuses_of(sandbox.id),
+    )
+
+
+def install_renderer(services: Services) -> None:
+    """Called once the services exist: events are rendered from then on."""
+    services.sandboxes.events.render = lambda event: render_event(services, event)
+
+
+async def get_container_events(
+    services: Services, request: api_pb2.GetEventsRequest, context: grpc.aio.ServicerContext
+) -> None:
+    """Stream events until the client goes away (or the daemon stops). A subscriber that
+    reads too slowly loses its oldest events (logged); it never slows the daemon down."""
+    with services.sandboxes.events.subscribe() as subscription:
+        log.info("container events: subscriber %d connected", subscription.number)
+        try:
+            async for response in subscription:
+                await context.write(response)
+        finally:
+            log.info("container events: subscriber %d disconnected", subscription.number)

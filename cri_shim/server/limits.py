@@ -1,0 +1,178 @@
+"""Admission of CRI calls (issue 9): validation first, then a bounded number in flight.
+
+A flood must neither crash the daemon nor starve the work already running. Calls are
+split by what they cost:
+- *work* calls (create, start, stop, remove, exec, pull, ...) do host work: at most
+  `[requests] max_in_flight` run at once, and at most `max_queued` more wait for a slot,
+  in arrival order, until their own deadline (then DEADLINE_EXCEEDED). A call that finds
+  both full is refused at once with RESOURCE_EXHAUSTED, which kubelet retries.
+- *read* calls (list, status, stats, version) are answered from memory and the database:
+  they never wait behind work calls, and only their number in flight is capped.
+- Creations outlive their requests (DESIGN §2: a timed-out RunPodSandbox goes on). A slot
+  freed by a timed-out request must not let the next one start yet another creation
+  without bound, so a new creation is refused while `max_in_flight` creations are still
+  running, attached or not.
+- The event stream (GetContainerEvents) lives as long as its client: it takes no slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from cri_shim.config import RequestsConfig
+from cri_shim.errors import DeadlineExceeded, ResourceExhausted
+from cri_shim.server.validation import validate_request
+
+if TYPE_CHECKING:
+    from cri_shim.daemon import Services
+
+READ_RPCS = frozenset(
+    {
+        "Version",
+        "Status",
+        "RuntimeConfig",
+        "PodSandboxStatus",
+        "ListPodSandbox",
+        "ContainerStatus",
+        "ListContainers",
+        "ContainerStats",
+        "ListContainerStats",
+        "PodSandboxStats",
+        "ListPodSandboxStats",
+        "ListImages",
+        "ImageStatus",
+        "ImageFsInfo",
+        "ListMetricDescriptors",
+        "ListPodSandboxMetrics",
+        # These only hand out a URL of the streaming server, which has its own limits.
+        "Exec",
+        "Attach",
+        "PortForward",
+    }
+)
+STREAM_RPCS = frozenset({"GetContainerEvents"})
+CREATION_RPCS = frozenset({"RunPodSandbox", "CreateContainer"})
+
+_LIMITER_KEY = "request_limiter"
+
+
+class RequestLimiter:
+    """The admission state of one daemon; see the module docstring."""
+
+    def __init__(
+        self, config: RequestsConfig, creations_in_flight: Callable[[], int] = lambda: 0
+    ) -> None:
+        self.config = config
+        self._slots = asyncio.Semaphore(config.max_in_flight)
+        self._creations_in_flight = creations_in_flight
+        self.working = 0
+        self.queued = 0
+        self.reading = 0
+        self.refused = 0
+
+    @asynccontextmanager
+    async def admit(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
+        """Hold a place for the call `rpc` while its handler runs. `deadline` is on the
+        event loop's clock (None: the caller set none)."""
+        if rpc in STREAM_RPCS:
+            yield
+        elif rpc in READ_RPCS:
+            async with self._read(rpc):
+                yield
+        else:
+            async with self._work(rpc, deadline):
+                yield
+
+    @asynccontextmanager
+    async def _read(self, rpc: str) -> AsyncIterator[None]:
+        if self.reading >= self.config.max_reads_in_flight:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{rpc}: {self.reading} read calls are in flight, the most allowed "
+                "([requests] max_reads_in_flight); retry shortly"
+            )
+        self.reading += 1
+        try:
+            yield
+        finally:
+            self.reading -= 1
+
+    @asynccontextmanager
+    async def _work(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
+        if self._slots.locked() and self.queued >= self.config.max_queued:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{rpc}: the runtime is busy: {self.working} calls in flight and "
+                f"{self.queued} waiting, the most allowed ([requests] max_in_flight, "
+                "max_queued); retry shortly"
+            )
+        self.queued += 1
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{rpc}: the deadline passed while waiting behind {self.working} calls in "
+                "flight; nothing was done"
+            ) from None
+        finally:
+            self.queued -= 1
+        self.working += 1
+        try:
+            if rpc in CREATION_RPCS:
+                running = self._creations_in_flight()
+                if running >= self.config.max_in_flight:
+                    self.refused += 1
+                    raise ResourceExhausted(
+                        f"{rpc}: {running} creations are still running (some for requests "
+                        "that timed out), the most allowed ([requests] max_in_flight); "
+                        "retry shortly"
+                    )
+            yield
+        finally:
+            self.working -= 1
+            self._slots.release()
+
+
+def limiter_of(services: Services) -> RequestLimiter:
+    """The daemon's one limiter, made on first use (like the image puller)."""
+    limiter = services.extra.get(_LIMITER_KEY)
+    if limiter is None:
+
+        def creations_in_flight() -> int:
+            stats = services.creation_stats()
+            return sum(len(kind["in_flight"]) for kind in stats.values())
+
+        limiter = RequestLimiter(services.config.requests, creations_in_flight)
+        services.extra[_LIMITER_KEY] = limiter
+    assert isinstance(limiter, RequestLimiter)
+    return limiter
+
+
+async def admitted(
+    handler: Callable[[Services, Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    services: Services,
+    request: Any,
+    context: grpc.aio.ServicerContext,
+    deadline: float | None,
+) -> Any:
+    """Run `handler` for `request` once it is valid and admitted (see the module
+    docstring); raises the domain errors the rpc wrapper maps to status codes."""
+    name = handler.__name__
+    rpc = _rpc_name(name)
+    validate_request(rpc, request)
+    async with limiter_of(services).admit(rpc, deadline):
+        return await handler(services, request, context)
+
+
+def _rpc_name(handler_name: str) -> str:
+    """`run_pod_sandbox` → `RunPodSandbox`: the handlers are named after their RPC."""
+    special = {"exec_": "Exec"}
+    if handler_name in special:
+        return special[handler_name]
+    return "".join(part.capitalize() for part in handler_name.split("_"))

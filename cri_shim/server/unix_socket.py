@@ -1,0 +1,79 @@
+"""The CRI socket's file (issue 9): created 0660, owned by root and `socket_group`, in a
+directory nobody else can write to.
+
+Whoever can connect to the socket can run containers as root, so:
+- The directory must not be writable by others nor owned by another user: either could
+  replace the socket with their own between two of our steps, or after them.
+- gRPC creates the socket with the process umask's mode, and only afterwards could we
+  chmod it; a client that connected in between would keep its connection. So the socket
+  is bound in a private (0700) directory beside the final path, given its mode and group
+  there, and only then renamed into place: it is never reachable with the wrong mode.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import grpc
+
+from cri_shim.config import ConfigError
+
+SOCKET_MODE = 0o660
+
+
+def prepare_socket_dir(directory: Path) -> None:
+    """Create the socket's directory (0755) or check that an existing one is safe."""
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_mode & stat.S_IWOTH:
+        raise ConfigError(
+            f"listen: the socket's directory {directory} is writable by others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}): anyone could replace the socket; use a "
+            "directory only root can write to, such as /run/cri-shim"
+        )
+    if info.st_uid not in (0, os.geteuid()):
+        raise ConfigError(
+            f"listen: the socket's directory {directory} belongs to uid {info.st_uid}, "
+            "who could replace the socket; use a directory owned by root"
+        )
+
+
+def group_id(group: str) -> int | None:
+    """The gid of `socket_group` (a name or a number); None for "" (keep root's)."""
+    if not group:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"socket_group: no group {group!r} on this host") from None
+
+
+def bind_unix_socket(server: grpc.aio.Server, path: Path, group: str = "") -> None:
+    """Bind `server` to the unix socket `path` (mode 0660, group `group`); see the
+    module docstring for why it goes through a private directory."""
+    gid = group_id(group)
+    prepare_socket_dir(path.parent)
+    # A socket file left by a previous run would make the rename replace it, which is
+    # what we want; anything else there is a mistake in the configuration.
+    if path.exists() and not path.is_socket():
+        raise ConfigError(f"listen: {path} exists and is not a socket")
+    # Short names: the staged path must fit in a socket address (108 bytes) too.
+    private = path.parent / f".bind-{os.getpid()}"
+    shutil.rmtree(private, ignore_errors=True)
+    private.mkdir(mode=0o700)
+    try:
+        os.chmod(private, 0o700)  # whatever the umask
+        staged = private / "s"
+        server.add_insecure_port(f"unix:{staged}")
+        os.chmod(staged, SOCKET_MODE)
+        if gid is not None:
+            os.chown(staged, -1, gid)
+        os.replace(staged, path)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -1,0 +1,462 @@
+"""Request validation at the gRPC edge (issue 9): every call is checked here before any
+handler runs, so that a hostile or broken request is refused with INVALID_ARGUMENT naming
+the field, and nothing is reserved, created or written for it.
+
+Two layers:
+- For every RPC, a walk over the whole message: no NUL byte in any string (paths, argv,
+  environment and resolv.conf cannot hold one, and Python refuses them deep inside a
+  creation otherwise), no string beyond a size any real caller needs, no enum value the
+  API does not define (a number from a newer or hostile client).
+- Per RPC, the fields whose meaning the host depends on: paths that must stay where they
+  belong (log directory and log path, mounts, working directory, cgroup parent), names the
+  kernel or a file format takes literally (hostname, DNS, sysctls), and sizes (labels,
+  annotations). The checks that depend on live objects (a sandbox's log directory, which
+  symlinks it holds) stay with the domain code that resolves them; this module is pure
+  apart from the `stat` of a mount's host path.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from cri_api.v1 import api_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from cri_shim.errors import InvalidArgument
+from cri_shim.runtime.spec import SandboxContext, container_sysctls
+from cri_shim.state.records import host_network
+
+# Kubernetes' own limit on the total size of an object's annotations (and we hold labels
+# to it too): both go into the state database and the OCI spec of every container.
+MAX_MAP_BYTES = 256 * 1024
+MAX_KEY_LENGTH = 253 + 1 + 63  # DNS prefix, "/", name
+# The longest string any field may hold (an annotation value can use the whole budget).
+MAX_STRING = MAX_MAP_BYTES
+MAX_ARG = 128 * 1024  # the kernel's MAX_ARG_STRLEN: execve refuses a longer argument
+MAX_PATH = 4096  # PATH_MAX
+MAX_NAME = 253  # metadata names, namespaces, UIDs: DNS subdomains at most
+MAX_ID = 128  # object IDs are 64 hex digits; prefixes are shorter
+MAX_IMAGE_REF = 4096
+MAX_HOSTNAME = 64  # HOST_NAME_MAX: sethostname refuses more
+MAX_DNS_ENTRIES = 64
+MAX_ID_VALUE = 2**32 - 2  # the largest uid/gid; 2**32-1 is "no id"
+
+_HOSTNAME = re.compile(
+    r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+_SEARCH_DOMAIN = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*)$")
+_DNS_OPTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]*$")
+# Kubernetes' sysctl name format, with "/" allowed as a separator (interface names with dots).
+_SYSCTL_SEGMENT = r"[a-z0-9]([-_a-z0-9]*[a-z0-9])?"
+_SYSCTL = re.compile(rf"^({_SYSCTL_SEGMENT}[./])*{_SYSCTL_SEGMENT}$")
+_CPUSET = re.compile(r"^[0-9,\-]*$")
+
+Validator = Callable[[Any], None]
+_VALIDATORS: dict[str, Validator] = {}
+
+
+def validate_request(rpc: str, request: Message) -> None:
+    """Raise InvalidArgument, naming the field, for a request `rpc` must not act on."""
+    check_message(request, type(request).__name__)
+    validator = _VALIDATORS.get(rpc)
+    if validator is not None:
+        validator(request)
+
+
+def _validates(*rpcs: str) -> Callable[[Validator], Validator]:
+    def register(function: Validator) -> Validator:
+        for rpc in rpcs:
+            _VALIDATORS[rpc] = function
+        return function
+
+    return register
+
+
+# --- the walk over every message ------------------------------------------------------------
+def check_message(message: Message, path: str) -> None:
+    """NUL bytes, oversized strings and unknown enum values anywhere in `message`."""
+    for field, value in message.ListFields():
+        name = f"{path}.{field.name}"
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            key_field, value_field = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            for key, item in value.items():
+                _check_scalar(key_field, key, f"{name} key {_short(key)}")
+                _check_value(value_field, item, f"{name}[{_short(key)}]")
+        elif _repeated(field):
+            for index, item in enumerate(value):
+                _check_value(field, item, f"{name}[{index}]")
+        else:
+            _check_value(field, value, name)
+
+
+def _repeated(field: FieldDescriptor) -> bool:
+    # protobuf 6 deprecates `label` for `is_repeated`, which protobuf 4 lacks.
+    if hasattr(FieldDescriptor, "is_repeated"):
+        return bool(field.is_repeated)
+    return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+
+
+def _check_value(field: FieldDescriptor, value: Any, path: str) -> None:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        check_message(value, path)
+    else:
+        _check_scalar(field, value, path)
+
+
+def _check_scalar(field: FieldDescriptor, value: Any, path: str) -> None:
+    if field.type == FieldDescriptor.TYPE_STRING:
+        if "\x00" in value:
+            raise InvalidArgument(f"{path}: contains a NUL byte")
+        if len(value) > MAX_STRING:
+            raise InvalidArgument(f"{path}: longer than {MAX_STRING} characters")
+    elif field.type == FieldDescriptor.TYPE_ENUM:
+        if field.enum_type.values_by_number.get(value) is None:
+            raise InvalidArgument(f"{path}: {value} is not a {field.enum_type.name} value")
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 64 else text[:64] + "...")
+
+
+# --- building blocks -------------------------------------------------------------------------
+def _max_length(value: str, limit: int, field: str) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(f"{field}: longer than {limit} characters")
+
+
+def _has_dotdot(path: str) -> bool:
+    return ".." in PurePosixPath(path).parts
+
+
+def _absolute_path(value: str, field: str, *, allow_empty: bool = True) -> None:
+    if not value:
+        if allow_empty:
+            return
+        raise InvalidArgument(f"{field}: must not be empty")
+    _max_length(value, MAX_PATH, field)
+    if not value.startswith("/"):
+        raise InvalidArgument(f"{field}: {_short(value)} must be an absolute path")
+    if _has_dotdot(value):
+        raise InvalidArgument(f"{field}: {_short(value)} must not contain '..'")
+
+
+def _id(value: str, field: str) -> None:
+    _max_length(value, MAX_ID, field)
+
+
+def _string_map(items: Mapping[str, str], field: str) -> None:
+    total = 0
+    for key, value in items.items():
+        if not key:
+            raise InvalidArgument(f"{field}: a key is empty")
+        if len(key) > MAX_KEY_LENGTH:
+            raise InvalidArgument(f"{field}: key {_short(key)} is longer than {MAX_KEY_LENGTH}")
+        total += len(key.encode()) + len(value.encode())
+    if total > MAX_MAP_BYTES:
+        raise InvalidArgument(
+            f"{field}: {total} bytes of keys and values, more than the {MAX_MAP_BYTES} allowed"
+        )
+
+
+def _hostname(value: str, field: str) -> None:
+    if len(value) > MAX_HOSTNAME or not _HOSTNAME.match(value):
+        raise InvalidArgument(
+            f"{field}: {_short(value)} is not a valid hostname (letters, digits, '-' and '.', "
+            f"at most {MAX_HOSTNAME} characters)"
+        )
+
+
+def _argv(values: Iterable[str], field: str) -> None:
+    for index, value in enumerate(values):
+        if len(value.encode()) > MAX_ARG:
+            raise InvalidArgument(f"{field}[{index}]: longer than {MAX_ARG} bytes")
+
+
+def _ids(values: Iterable[int], field: str) -> None:
+    for value in values:
+        if not 0 <= value <= MAX_ID_VALUE:
+            raise InvalidArgument(f"{field}: {value} is not a valid uid or gid")
+
+
+# --- sandboxes -----------------------------------------------------------------------------
+@_validates("RunPodSandbox")
+def _run_pod_sandbox(request: api_pb2.RunPodSandboxRequest) -> None:
+    _max_length(request.runtime_handler, MAX_NAME, "RunPodSandboxRequest.runtime_handler")
+    check_pod_sandbox_config(request.config)
+
+
+def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
+    where = "PodSandboxConfig"
+    for name in ("name", "namespace", "uid"):
+        _max_length(getattr(config.metadata, name), MAX_NAME, f"{where}.metadata.{name}")
+    hostnet = host_network(config)
+    if config.hostname:
+        _hostname(config.hostname, f"{where}.hostname")
+    elif not hostnet and config.metadata.name:
+        # The pod's UTS namespace is named after the pod then: sethostname takes it.
+        _hostname(config.metadata.name, f"{where}.hostname (empty, so metadata.name)")
+    _absolute_path(config.log_directory, f"{where}.log_directory")
+    _dns(config.dns_config, f"{where}.dns_config")
+    for index, mapping in enumerate(config.port_mappings):
+        field = f"{where}.port_mappings[{index}]"
+        for name in ("container_port", "host_port"):
+            value = getattr(mapping, name)
+            if not 0 <= value <= 65535:
+                raise InvalidArgument(f"{field}.{name}: {value} is not a port number")
+        if mapping.host_ip:
+            _ip(mapping.host_ip, f"{field}.host_ip")
+    _string_map(config.labels, f"{where}.labels")
+    _string_map(config.annotations, f"{where}.annotations")
+    linux = config.linux
+    if linux.cgroup_parent:
+        _max_length(linux.cgroup_parent, MAX_PATH, f"{where}.linux.cgroup_parent")
+        if _has_dotdot(linux.cgroup_parent):
+            raise InvalidArgument(f"{where}.linux.cgroup_parent: must not contain '..'")
+    sc = linux.security_context
+    if sc.HasField("run_as_user"):
+        _ids([sc.run_as_user.value], f"{where}.linux.security_context.run_as_user")
+    if sc.HasField("run_as_group"):
+        _ids([sc.run_as_group.value], f"{where}.linux.security_context.run_as_group")
+    _ids(sc.supplemental_groups, f"{where}.linux.security_context.supplemental_groups")
+    _sysctls(config, hostnet, f"{where}.linux.sysctls")
+
+
+def _ip(value: str, field: str) -> None:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise InvalidArgument(f"{field}: {_short(value)} is not an IP address") from None
+
+
+def _dns(dns: api_pb2.DNSConfig, field: str) -> None:
+    """resolv.conf is written from these verbatim: a newline or space would add lines or
+    words of the caller's choosing to every container's resolver configuration."""
+    for name in ("servers", "searches", "options"):
+        if len(getattr(dns, name)) > MAX_DNS_ENTRIES:
+            raise InvalidArgument(f"{field}.{name}: more than {MAX_DNS_ENTRIES} entries")
+    for index, server in enumerate(dns.servers):
+        _ip(server, f"{field}.servers[{index}]")
+    for index, domain in enumerate(dns.searches):
+        if len(domain) > MAX_NAME or not _SEARCH_DOMAIN.match(domain):
+            raise InvalidArgument(
+                f"{field}.searches[{index}]: {_short(domain)} is not a domain name"
+            )
+    for index, option in enumerate(dns.options):
+        if len(option) > MAX_NAME or not _DNS_OPTION.match(option):
+            raise InvalidArgument(
+                f"{field}.options[{index}]: {_short(option)} is not a resolver option "
+                "(such as ndots:5)"
+            )
+
+
+def _sysctls(config: api_pb2.PodSandboxConfig, hostnet: bool, field: str) -> None:
+    """Only sysctls that the pod's own namespaces isolate (net.* only off the host
+    network, IPC ones only with a private IPC namespace): the rules are the spec
+    builder's, applied here before the pod exists rather than at its first container."""
+    for name, value in config.linux.sysctls.items():
+        if len(name) > MAX_NAME or not _SYSCTL.match(name):
+            raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl name")
+        if "\n" in value or len(value) > MAX_PATH:
+            raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl value")
+    options = config.linux.security_context.namespace_options
+    pinned = Path("/pinned")  # only whether the namespace is the pod's own matters here
+    context = SandboxContext(
+        pod_id="",
+        netns_path=None if hostnet else pinned,
+        uts_ns_path=None if hostnet else pinned,
+        ipc_ns_path=None if options.ipc == api_pb2.NODE else pinned,
+        sysctls=dict(config.linux.sysctls),
+    )
+    try:
+        container_sysctls(context)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}: {str(exc).removeprefix('sysctls: ')}") from None
+
+
+@_validates(
+    "StopPodSandbox",
+    "RemovePodSandbox",
+    "PodSandboxStatus",
+    "PodSandboxStats",
+    "UpdatePodSandboxResources",
+)
+def _sandbox_id(request: Any) -> None:
+    _id(request.pod_sandbox_id, f"{type(request).__name__}.pod_sandbox_id")
+
+
+@_validates("PortForward")
+def _port_forward(request: api_pb2.PortForwardRequest) -> None:
+    _sandbox_id(request)
+    for index, port in enumerate(request.port):
+        if not 1 <= port <= 65535:
+            raise InvalidArgument(f"PortForwardRequest.port[{index}]: {port} is not a port")
+
+
+# --- containers ------------------------------------------------------------------------------
+@_validates("CreateContainer")
+def _create_container(request: api_pb2.CreateContainerRequest) -> None:
+    _id(request.pod_sandbox_id, "CreateContainerRequest.pod_sandbox_id")
+    check_container_config(request.config)
+
+
+def check_container_config(config: api_pb2.ContainerConfig) -> None:
+    where = "ContainerConfig"
+    _max_length(config.metadata.name, MAX_NAME, f"{where}.metadata.name")
+    _max_length(config.image.image, MAX_IMAGE_REF, f"{where}.image.image")
+    _argv(config.command, f"{where}.command")
+    _argv(config.args, f"{where}.args")
+    # runc resolves the working directory inside the root filesystem (a symlink in the
+    # image cannot lead out of it); it must only be a path there.
+    _absolute_path(config.working_dir, f"{where}.working_dir")
+    for index, pair in enumerate(config.envs):
+        field = f"{where}.envs[{index}]"
+        if not pair.key or "=" in pair.key:
+            raise InvalidArgument(f"{field}.key: {_short(pair.key)} is not a valid name")
+        if len(pair.key.encode()) + len(pair.value.encode()) + 1 > MAX_ARG:
+            raise InvalidArgument(f"{field}: longer than {MAX_ARG} bytes")
+    for index, mount in enumerate(config.mounts):
+        _mount(mount, f"{where}.mounts[{index}]")
+    for index, device in enumerate(config.devices):
+        field = f"{where}.devices[{index}]"
+        _absolute_path(device.host_path, f"{field}.host_path", allow_empty=False)
+        # A directory is walked for the device nodes in it: "/" would walk the whole host.
+        if not device.host_path.startswith("/dev/"):
+            raise InvalidArgument(f"{field}.host_path: {_short(device.host_path)} is not in /dev")
+        _absolute_path(device.container_path, f"{field}.container_path", allow_empty=False)
+        if not set(device.permissions) <= set("rwm"):
+            raise InvalidArgument(f"{field}.permissions: {_short(device.permissions)} is not rwm")
+    _string_map(config.labels, f"{where}.labels")
+    _string_map(config.annotations, f"{where}.annotations")
+    _log_path(config.log_path, f"{where}.log_path")
+    sc = config.linux.security_context
+    prefix = f"{where}.linux.security_context"
+    if sc.HasField("run_as_user"):
+        _ids([sc.run_as_user.value], f"{prefix}.run_as_user")
+    if sc.HasField("run_as_group"):
+        _ids([sc.run_as_group.value], f"{prefix}.run_as_group")
+    _ids(sc.supplemental_groups, f"{prefix}.supplemental_groups")
+    _max_length(sc.run_as_username, MAX_NAME, f"{prefix}.run_as_username")
+    for name in ("masked_paths", "readonly_paths"):
+        for index, path in enumerate(getattr(sc, name)):
+            _absolute_path(path, f"{prefix}.{name}[{index}]", allow_empty=False)
+    check_resources(config.linux.resources, f"{where}.linux.resources")
+
+
+def _mount(mount: api_pb2.Mount, field: str) -> None:
+    _absolute_path(mount.container_path, f"{field}.container_path", allow_empty=False)
+    if mount.HasField("image") and mount.image.image:
+        return  # an image volume: checked by lifecycle/image_volumes.py
+    _absolute_path(mount.host_path, f"{field}.host_path", allow_empty=False)
+    # Symlinks are followed, as kubelet expects (a host path may itself be a link); the
+    # creation opens the path once more and mounts what it opened (runtime/mount_sources).
+    try:
+        os.stat(mount.host_path)
+    except FileNotFoundError:
+        raise InvalidArgument(f"{field}.host_path: {mount.host_path} does not exist") from None
+    except OSError as exc:
+        raise InvalidArgument(f"{field}.host_path: {mount.host_path}: {exc.strerror}") from None
+
+
+def _log_path(value: str, field: str) -> None:
+    """Relative to the sandbox's log directory and naming a file there. Symlinks in that
+    directory are resolved by the container service, which knows the directory."""
+    if not value:
+        return
+    _max_length(value, MAX_PATH, field)
+    if value.startswith("/"):
+        raise InvalidArgument(
+            f"{field}: {_short(value)} must be relative to the sandbox's log_directory"
+        )
+    parts = [p for p in PurePosixPath(value).parts if p != "."]
+    if ".." in parts:
+        raise InvalidArgument(f"{field}: {_short(value)} must not contain '..'")
+    if not parts or value.endswith("/"):
+        raise InvalidArgument(f"{field}: {_short(value)} does not name a file")
+
+
+def check_resources(resources: api_pb2.LinuxContainerResources, field: str) -> None:
+    for name in ("cpu_period", "cpu_shares", "memory_limit_in_bytes"):
+        if getattr(resources, name) < 0:
+            raise InvalidArgument(f"{field}.{name}: must not be negative")
+    for name in ("cpu_quota", "memory_swap_limit_in_bytes"):
+        if getattr(resources, name) < -1:  # -1: unlimited
+            raise InvalidArgument(f"{field}.{name}: must be -1 (unlimited) or more")
+    # The kernel's own ranges (CFS: period 1ms..1s, quota at least 1ms); runc would fail
+    # with "invalid argument" from a cgroup file, after the container was made.
+    if resources.cpu_period and not 1000 <= resources.cpu_period <= 1_000_000:
+        raise InvalidArgument(f"{field}.cpu_period: {resources.cpu_period} is not in 1000..1000000")
+    if resources.cpu_shares and not 2 <= resources.cpu_shares <= 262_144:
+        raise InvalidArgument(f"{field}.cpu_shares: {resources.cpu_shares} is not in 2..262144")
+    if resources.cpu_quota > 0 and resources.cpu_quota < 1000:
+        raise InvalidArgument(f"{field}.cpu_quota: {resources.cpu_quota} is below 1000 (1ms)")
+    swap, memory = resources.memory_swap_limit_in_bytes, resources.memory_limit_in_bytes
+    if swap > 0 and memory > 0 and swap < memory:
+        raise InvalidArgument(
+            f"{field}.memory_swap_limit_in_bytes: {swap} is below memory_limit_in_bytes "
+            f"{memory} (it limits memory and swap together)"
+        )
+    if not -1000 <= resources.oom_score_adj <= 1000:
+        value = resources.oom_score_adj
+        raise InvalidArgument(f"{field}.oom_score_adj: {value} is not in -1000..1000")
+    for name in ("cpuset_cpus", "cpuset_mems"):
+        value = getattr(resources, name)
+        if len(value) > MAX_PATH or not _CPUSET.match(value):
+            raise InvalidArgument(f"{field}.{name}: {_short(value)} is not a CPU or node list")
+    for key, value in resources.unified.items():
+        # Written as a file of the container's cgroup: a name, never a path.
+        if not key or "/" in key or key.startswith(".") or len(key) > MAX_NAME:
+            raise InvalidArgument(f"{field}.unified: {_short(key)} is not a cgroup file name")
+        if "\n" in value or len(value) > MAX_PATH:
+            raise InvalidArgument(f"{field}.unified[{_short(key)}]: not a cgroup value")
+
+
+@_validates(
+    "StartContainer",
+    "StopContainer",
+    "RemoveContainer",
+    "ContainerStatus",
+    "ContainerStats",
+    "ReopenContainerLog",
+    "Attach",
+    "CheckpointContainer",
+)
+def _container_id(request: Any) -> None:
+    _id(request.container_id, f"{type(request).__name__}.container_id")
+
+
+@_validates("UpdateContainerResources")
+def _update_resources(request: api_pb2.UpdateContainerResourcesRequest) -> None:
+    _container_id(request)
+    check_resources(request.linux, "UpdateContainerResourcesRequest.linux")
+    _string_map(request.annotations, "UpdateContainerResourcesRequest.annotations")
+
+
+@_validates("ExecSync")
+def _exec_sync(request: api_pb2.ExecSyncRequest) -> None:
+    _container_id(request)
+    _argv(request.cmd, "ExecSyncRequest.cmd")
+    if request.cmd and not request.cmd[0]:
+        raise InvalidArgument("ExecSyncRequest.cmd[0]: the command to run is empty")
+    if request.timeout < 0:
+        raise InvalidArgument(f"ExecSyncRequest.timeout: {request.timeout} is negative")
+
+
+@_validates("Exec")
+def _exec(request: api_pb2.ExecRequest) -> None:
+    _container_id(request)
+    _argv(request.cmd, "ExecRequest.cmd")
+    if request.cmd and not request.cmd[0]:
+        raise InvalidArgument("ExecRequest.cmd[0]: the command to run is empty")
+
+
+# --- images ------------------------------------------------------------------------------------
+@_validates("PullImage", "ImageStatus", "RemoveImage")
+def _image(request: Any) -> None:
+    _max_length(request.image.image, MAX_IMAGE_REF, f"{type(request).__name__}.image.image")

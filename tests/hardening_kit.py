@@ -1,0 +1,123 @@
+"""Shared by the issue-9 integration tests (test_hardening_*): a pod with the busybox test
+image, containers, and the checks that a refused call left nothing behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from tests.harness import REPO, Daemon, pod_config, wait_until
+
+IMAGE = "docker.io/library/busybox:latest"
+
+
+def import_layout(daemon: Daemon, layout: Path, name: str = IMAGE) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cri_shim.cli",
+            "images",
+            "import",
+            "--config",
+            str(daemon.config_path),
+            str(layout),
+            "--name",
+            name,
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def code_of(call: object) -> tuple[grpc.StatusCode, str]:
+    """Run a zero-argument gRPC call; its status code and details (OK, "" on success)."""
+    try:
+        call()  # type: ignore[operator]
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+@contextmanager
+def running_pod(
+    daemon: Daemon, name: str, log_dir: Path, **kwargs: object
+) -> Iterator[tuple[str, api_pb2.PodSandboxConfig]]:
+    config = pod_config(name, uid=f"uid-{name}", log_directory=str(log_dir), **kwargs)
+    sandbox_id = (
+        daemon.runtime()
+        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=60)
+        .pod_sandbox_id
+    )
+    try:
+        yield sandbox_id, config
+    finally:
+        daemon.runtime().RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=120
+        )
+
+
+def container_config(name: str, script: str, **kwargs: object) -> api_pb2.ContainerConfig:
+    return api_pb2.ContainerConfig(
+        metadata=api_pb2.ContainerMetadata(name=name),
+        image=api_pb2.ImageSpec(image=str(kwargs.pop("image", IMAGE))),
+        command=["/bin/sh", "-c"],
+        args=[script],
+        log_path=f"{name}.log",
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def create_request(
+    pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
+) -> api_pb2.CreateContainerRequest:
+    return api_pb2.CreateContainerRequest(
+        pod_sandbox_id=pod[0], config=config, sandbox_config=pod[1]
+    )
+
+
+def run_to_exit(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
+) -> tuple[str, api_pb2.ContainerStatus]:
+    runtime = daemon.runtime()
+    container_id = runtime.CreateContainer(create_request(pod, config), timeout=60).container_id
+    runtime.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=30)
+
+    def exited() -> api_pb2.ContainerStatus | None:
+        status = runtime.ContainerStatus(
+            api_pb2.ContainerStatusRequest(container_id=container_id), timeout=10
+        ).status
+        return status if status.state == api_pb2.CONTAINER_EXITED else None
+
+    return container_id, wait_until(exited, timeout=30)
+
+
+def mounts_below(path: Path) -> list[str]:
+    return [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(str(path))
+    ]
+
+
+def container_traces(daemon: Daemon) -> dict[str, object]:
+    """What a container leaves while it exists: rows, names, directories, mounts."""
+    found: dict[str, object] = {}
+    if rows := daemon.rows("containers"):
+        found["rows"] = [r["id"] for r in rows]
+    if names := daemon.rows("names", "kind = 'container'"):
+        found["names"] = [r["name"] for r in names]
+    directory = daemon.root / "containers"
+    if directory.exists() and (entries := sorted(p.name for p in directory.iterdir())):
+        found["dirs"] = entries
+    if mounts := mounts_below(directory):
+        found["mounts"] = mounts
+    return found

@@ -1,0 +1,285 @@
+"""Hostile requests against the real daemon over gRPC (issue 9): each is refused with
+INVALID_ARGUMENT naming the field and leaves nothing behind; container paths stay in the
+root filesystem; mount sources are pinned; oversized messages are refused; the socket is
+0660 with its group, in a directory nobody else may write."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from tests.hardening_kit import (
+    code_of,
+    container_config,
+    container_traces,
+    create_request,
+    import_layout,
+    mounts_below,
+    run_to_exit,
+    running_pod,
+)
+from tests.harness import REPO, Daemon, pod_config
+from tests.hostile_layers import Tar, image_of_layers, write_layout
+from tests.imagebuild import base_layer_tar
+
+pytestmark = [pytest.mark.integration, pytest.mark.root]
+
+# A relative log directory would be made relative to the daemon's working directory.
+RELATIVE = f"cs-relative-{uuid.uuid4().hex[:8]}"
+
+HOST_NET = api_pb2.LinuxPodSandboxConfig(
+    security_context=api_pb2.LinuxSandboxSecurityContext(
+        namespace_options=api_pb2.NamespaceOption(network=api_pb2.NODE)
+    )
+)
+
+
+def sandbox_cases(outside: Path) -> list[tuple[str, api_pb2.PodSandboxConfig, str]]:
+    """(id, hostile config, the field the refusal must name)."""
+
+    def pod(**kwargs: object) -> api_pb2.PodSandboxConfig:
+        return pod_config("hostile", **kwargs)  # type: ignore[arg-type]
+
+    sysctl = api_pb2.LinuxPodSandboxConfig
+    return [
+        ("log-dir-relative", pod(log_directory=f"{RELATIVE}/logs"), "log_directory"),
+        ("log-dir-dotdot", pod(log_directory=f"{outside}/logs/../../x"), "log_directory"),
+        ("hostname-newline", pod(hostname="web\n6.6.6.6 kubernetes"), "hostname"),
+        ("hostname-long", pod(hostname="h" * 65), "hostname"),
+        (
+            "dns-server",
+            pod(dns_config=api_pb2.DNSConfig(servers=["1.1.1.1\nnameserver 6.6.6.6"])),
+            "dns_config.servers[0]",
+        ),
+        (
+            "dns-search",
+            pod(dns_config=api_pb2.DNSConfig(searches=["a.example\noptions debug"])),
+            "dns_config.searches[0]",
+        ),
+        (
+            "dns-option",
+            pod(dns_config=api_pb2.DNSConfig(options=["ndots:1 rotate\nnameserver 6.6.6.6"])),
+            "dns_config.options[0]",
+        ),
+        ("sysctl-node-wide", pod(linux=sysctl(sysctls={"kernel.panic": "1"})), "sysctls"),
+        (
+            "sysctl-net-on-host-network",
+            pod(
+                linux=sysctl(
+                    sysctls={"net.ipv4.ip_forward": "1"},
+                    security_context=HOST_NET.security_context,
+                )
+            ),
+            "sysctls",
+        ),
+        ("sysctl-path", pod(linux=sysctl(sysctls={"../../../proc/sys/x": "1"})), "sysctls"),
+        ("annotations-big", pod(annotations={"a": "x" * (300 << 10)}), "annotations"),
+        ("labels-key", pod(labels={"k" * 400: "v"}), "labels"),
+        (
+            "port-out-of-range",
+            pod(port_mappings=[api_pb2.PortMapping(container_port=80, host_port=70000)]),
+            "port_mappings[0].host_port",
+        ),
+        ("cgroup-parent-dotdot", pod(linux=sysctl(cgroup_parent="/a/../../..")), "cgroup_parent"),
+        ("nul-in-uid", pod(uid="u\x00id"), "metadata.uid"),
+    ]
+
+
+def test_hostile_sandbox_fields_are_refused_and_nothing_is_created(
+    daemon: Daemon, short_tmp: Path
+) -> None:
+    outside = short_tmp / "outside"
+    outside.mkdir()
+    for case, config, field in sandbox_cases(outside):
+        request = api_pb2.RunPodSandboxRequest(config=config)
+        code, details = code_of(lambda r=request: daemon.runtime().RunPodSandbox(r, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (case, code, details)
+        assert field in details, (case, details)
+        assert daemon.leaks() == {}, case
+    assert list(outside.iterdir()) == []
+    assert not (REPO / RELATIVE).exists() and not Path(RELATIVE).exists()
+    listed = daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10)
+    assert list(listed.items) == []
+
+
+@pytest.fixture
+def pod(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> Iterator[tuple[str, api_pb2.PodSandboxConfig]]:
+    import_layout(daemon, busybox_layout)
+    with running_pod(daemon, "hardened", short_tmp / "logs") as made:
+        yield made
+    assert daemon.leaks() == {}
+
+
+def container_cases(
+    short_tmp: Path,
+) -> list[tuple[str, api_pb2.ContainerConfig, str]]:
+    def ctr(**kwargs: object) -> api_pb2.ContainerConfig:
+        return container_config("hostile", "true", **kwargs)
+
+    def with_log(path: str) -> api_pb2.ContainerConfig:
+        config = ctr()
+        config.log_path = path
+        return config
+
+    def mount(container_path: str, host_path: str) -> api_pb2.ContainerConfig:
+        return ctr(mounts=[api_pb2.Mount(container_path=container_path, host_path=host_path)])
+
+    unified = ctr()
+    unified.linux.resources.unified["../../cgroup.procs"] = "1"
+    return [
+        ("log-absolute", with_log(str(short_tmp / "outside" / "x.log")), "log_path"),
+        ("log-dotdot", with_log("../outside/x.log"), "log_path"),
+        ("log-directory-itself", with_log("./"), "log_path"),
+        ("log-through-symlink-dir", with_log("evil/x.log"), "log_path"),
+        ("log-symlink-file", with_log("planted.log"), "log_path"),
+        ("mount-host-relative", mount("/data", "tmp"), "mounts[0].host_path"),
+        ("mount-host-missing", mount("/data", str(short_tmp / "missing")), "mounts[0].host_path"),
+        ("mount-container-relative", mount("data", str(short_tmp)), "mounts[0].container_path"),
+        ("mount-container-dotdot", mount("/../../etc", str(short_tmp)), "container_path"),
+        ("workdir-relative", ctr(working_dir="tmp"), "working_dir"),
+        ("workdir-dotdot", ctr(working_dir="/../../../root"), "working_dir"),
+        ("env-key", ctr(envs=[api_pb2.KeyValue(key="A=B", value="1")]), "envs[0].key"),
+        (
+            "device-relative",
+            ctr(devices=[api_pb2.Device(host_path="dev/null", container_path="/dev/x")]),
+            "devices[0].host_path",
+        ),
+        ("annotations-big", ctr(annotations={"a": "x" * (300 << 10)}), "annotations"),
+        ("cgroup-file-path", unified, "unified"),
+        ("stop-signal-unknown", ctr(stop_signal=1234), "stop_signal"),
+    ]
+
+
+def test_hostile_container_fields_are_refused_and_nothing_is_created(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+) -> None:
+    outside = short_tmp / "outside"
+    outside.mkdir()
+    (outside / "victim.log").write_text("original")
+    logs = short_tmp / "logs"
+    # Symlinks planted in the pod's log directory: both lead out of it.
+    (logs / "evil").symlink_to(outside)
+    (logs / "planted.log").symlink_to(outside / "victim.log")
+    before = mounts_below(daemon.root)
+    for case, config, field in container_cases(short_tmp):
+        request = create_request(pod, config)
+        code, details = code_of(lambda r=request: daemon.runtime().CreateContainer(r, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (case, code, details)
+        assert field in details, (case, details)
+        assert container_traces(daemon) == {}, case
+    assert mounts_below(daemon.root) == before
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.log"]
+    assert (outside / "victim.log").read_text() == "original"
+
+
+def test_container_paths_cannot_leave_the_rootfs(daemon: Daemon, short_tmp: Path) -> None:
+    # An image whose symlinks point at / and above it: runc resolves mount destinations
+    # and the working directory inside the root filesystem, so they lead nowhere else.
+    links = Tar().symlink("escape", "/").symlink("up", "../../..").bytes()
+    layout = write_layout(
+        image_of_layers([base_layer_tar(), links]), short_tmp / "escape-layout", "escape:v1"
+    )
+    import_layout(daemon, layout, "docker.io/library/escape:v1")
+    volume = short_tmp / "volume"
+    volume.mkdir()
+    (volume / "hostfile").write_text("from the host")
+    marker = f"cs-escape-{uuid.uuid4().hex[:12]}"
+    config = container_config(
+        "escaper",
+        f"cat /{marker}/m/hostfile /{marker}/u/hostfile && pwd",
+        image="docker.io/library/escape:v1",
+        working_dir=f"/up/{marker}-wd",
+        mounts=[
+            api_pb2.Mount(container_path=f"/escape/{marker}/m", host_path=str(volume)),
+            api_pb2.Mount(container_path=f"/up/up/{marker}/u", host_path=str(volume)),
+        ],
+    )
+    with running_pod(daemon, "escape", short_tmp / "logs") as pod:
+        _, status = run_to_exit(daemon, pod, config)
+        log = Path(status.log_path).read_text()
+    for host_path in (Path("/") / marker, Path("/") / f"{marker}-wd", Path("/tmp") / marker):
+        assert not host_path.exists(), host_path
+    assert status.exit_code == 0, log
+    assert log.count("from the host") == 2
+    assert daemon.leaks() == {}
+
+
+def test_mount_sources_are_pinned_and_symlinked_host_paths_work(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+) -> None:
+    target = short_tmp / "real-volume"
+    target.mkdir()
+    (target / "content").write_text("the real one")
+    link = short_tmp / "volume-link"
+    link.symlink_to(target)  # kubelet hands over symlinked host paths; they are followed
+    config = container_config(
+        "pinned",
+        "cat /data/content",
+        mounts=[api_pb2.Mount(container_path="/data", host_path=str(link))],
+    )
+    container_id, status = run_to_exit(daemon, pod, config)
+    assert status.exit_code == 0
+    assert "the real one" in Path(status.log_path).read_text()
+    # runc was handed the pinned staging point, not the path someone could swap.
+    verbose = daemon.runtime().ContainerStatus(
+        api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=10
+    )
+    spec = json.loads(verbose.info["info"])["runtimeSpec"]
+    (data,) = [m for m in spec["mounts"] if m["destination"] == "/data"]
+    assert data["source"] == str(daemon.root / "containers" / container_id / "mounts" / "0")
+    # The staging mount is gone once runc made the container's own.
+    assert mounts_below(daemon.root / "containers" / container_id / "mounts") == []
+    daemon.runtime().RemoveContainer(
+        api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
+    )
+
+
+def test_messages_above_the_limit_are_refused(make_daemon: type) -> None:
+    daemon: Daemon = make_daemon(settings={"max_message_bytes": "64KiB"})
+    daemon.start()
+    config = pod_config("big", annotations={"a": "x" * (100 << 10)})
+    code, details = code_of(
+        lambda: daemon.runtime().RunPodSandbox(
+            api_pb2.RunPodSandboxRequest(config=config), timeout=30
+        )
+    )
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert daemon.runtime().Version(api_pb2.VersionRequest(), timeout=5).runtime_name
+    assert daemon.leaks() == {}
+
+
+def test_socket_is_0660_with_its_group(make_daemon: type) -> None:
+    group = grp.getgrnam("daemon")  # any group other than root's
+    daemon: Daemon = make_daemon(settings={"socket_group": group.gr_name})
+    daemon.start()
+    info = daemon.socket.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o660
+    assert (info.st_uid, info.st_gid) == (0, group.gr_gid)
+    directory = daemon.socket.parent.stat()
+    assert not directory.st_mode & stat.S_IWOTH
+    # Bound in a private directory and renamed: nothing of that is left.
+    assert [p.name for p in daemon.socket.parent.iterdir() if p.name.startswith(".")] == []
+    daemon.stop()
+    assert not daemon.socket.exists()
+
+
+def test_a_socket_directory_others_can_write_is_refused(make_daemon: type) -> None:
+    daemon: Daemon = make_daemon()
+    daemon.run_root.mkdir(parents=True)
+    os.chmod(daemon.run_root, 0o777)
+    daemon.start(wait=False)
+    assert daemon.proc is not None
+    assert daemon.proc.wait(timeout=60) == 2
+    assert "writable by others" in daemon.log()
+    assert not daemon.socket.exists()

@@ -1,0 +1,324 @@
+"""Operating cri-shim: the metrics endpoint, SIGHUP, structured logs, the unit and the install.
+
+The daemon tests run the real `cri-shim serve` (tests/harness.py) and look at it from the
+outside, as an operator would: scrape its endpoint, signal it, read its log.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import REPO, CniTestNetwork, Daemon, pod_config, wait_until
+
+pytestmark = pytest.mark.integration
+
+UNIT = REPO / "contrib" / "systemd" / "cri-shim.service"
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def get(found: Samples, name: str, **labels: str) -> float:
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
+def event(found: Samples, name: str) -> float:
+    return get(found, "cri_shim_creation_events_total", kind="sandbox", event=name)
+
+
+def rpcs(found: Samples, code: str) -> float:
+    return get(found, "cri_shim_rpc_requests_total", method="RunPodSandbox", code=code)
+
+
+def run_pod(daemon: Daemon, name: str, timeout: float) -> str:
+    request = api_pb2.RunPodSandboxRequest(config=pod_config(name))
+    return daemon.runtime().RunPodSandbox(request, timeout=timeout).pod_sandbox_id
+
+
+def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
+    request = api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id)
+    daemon.runtime().RemovePodSandbox(request, timeout=30)
+
+
+LOGFMT_PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def logfmt_lines(text: str) -> list[dict[str, str]]:
+    """The daemon's logfmt lines as dicts (other output, e.g. gRPC's C core, is skipped)."""
+    events = []
+    for line in text.splitlines():
+        if line.startswith("ts="):
+            events.append(
+                {k: json.loads(v) if v.startswith('"') else v for k, v in LOGFMT_PAIR.findall(line)}
+            )
+    return events
+
+
+# ---- metrics ------------------------------------------------------------------------
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_metrics_follow_the_three_request_protocol(
+    make_daemon,  # type: ignore[no-untyped-def]
+    test_network: CniTestNetwork,
+) -> None:
+    port = free_port()
+    daemon: Daemon = make_daemon(settings={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    daemon.start()
+    before = scrape(port)
+    assert event(before, "name_reserved") == 0 and event(before, "claimed") == 0
+
+    test_network.delay_file.write_text("4")
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as first:
+        run_pod(daemon, "metered", timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The creation is stalled at the network stage, and a scrape says so.
+    stalled = scrape(port)
+    assert get(stalled, "cri_shim_creation_stalled", kind="sandbox", stage="sandbox network") == 1
+    assert event(stalled, "timed_out") == 1
+
+    with pytest.raises(grpc.RpcError) as second:
+        run_pod(daemon, "metered", timeout=1.5)
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    reserved = scrape(port)
+    assert event(reserved, "name_reserved") == 1
+    assert get(reserved, "cri_shim_creation_objects", kind="sandbox", phase="in_flight") == 1
+
+    wait_until(lambda: time.monotonic() - started > 4.5, timeout=10)
+    wait_until(lambda: event(scrape(port), "cached") == 1, timeout=10)
+    sandbox_id = run_pod(daemon, "metered", timeout=10)
+
+    after = scrape(port)
+    for name, count in [
+        ("reserved", 1),
+        ("timed_out", 1),
+        ("waiting", 1),
+        ("name_reserved", 1),
+        ("cached", 1),
+        ("claimed", 1),
+        ("expired", 0),
+        ("failed", 0),
+    ]:
+        assert event(after, name) == count, name
+    assert rpcs(after, "DEADLINE_EXCEEDED") == 1
+    assert rpcs(after, "ALREADY_EXISTS") == 1
+    assert rpcs(after, "OK") == 1
+    assert get(after, "cri_shim_sandboxes", state="ready") == 1
+    assert get(after, "cri_shim_creation_objects", kind="sandbox", phase="visible") == 1
+    assert get(after, "cri_shim_creation_stalled", kind="sandbox", stage="sandbox network") == 0
+    # The slow plugin ran once, and its 4 seconds show in the CNI latency.
+    slow = {"tool": "cni", "op": "ADD slow-cni"}
+    assert get(after, "cri_shim_host_calls_total", **slow, result="ok") == 1
+    assert get(after, "cri_shim_host_call_duration_seconds_sum", **slow) >= 3.5
+    assert get(after, "cri_shim_host_calls_total", tool="cni", op="ADD bridge", result="ok") == 1
+
+    remove_pod(daemon, sandbox_id)
+    assert get(scrape(port), "cri_shim_sandboxes", state="ready") == 0
+    assert daemon.leaks() == {}
+    # The endpoint stops with the daemon.
+    daemon.stop()
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+@pytest.mark.root
+def test_metrics_are_off_by_default(daemon: Daemon) -> None:
+    assert "serving metrics" not in daemon.log()
+    assert "serving CRI on" in daemon.log()
+
+
+# ---- SIGHUP -------------------------------------------------------------------------
+
+
+@pytest.mark.root
+def test_sighup_rereads_the_cni_configuration(daemon: Daemon, test_network: CniTestNetwork) -> None:
+    assert daemon.proc is not None
+    current = json.loads((test_network.config_dir / "10-test.conflist").read_text())
+    # Lexically first, so it takes over: what a CNI daemonset installing its config does.
+    replacement = dict(current, name="crishim-reloaded")
+    (test_network.config_dir / "05-reloaded.conflist").write_text(json.dumps(replacement))
+    daemon.proc.send_signal(signal.SIGHUP)
+    # No RPC in between: it is the signal, not a Status call, that makes it re-read.
+    wait_until(lambda: "crishim-reloaded" in daemon.log(), timeout=10)
+    assert "SIGHUP" in daemon.log()
+    assert daemon.proc.poll() is None, "SIGHUP must not stop the daemon"
+    assert daemon.runtime().Version(api_pb2.VersionRequest(), timeout=5).runtime_name == "cri-shim"
+
+
+# ---- logs ---------------------------------------------------------------------------
+
+
+@pytest.mark.root
+def test_log_lines_about_a_pod_carry_its_id_and_name(daemon: Daemon) -> None:
+    sandbox_id = run_pod(daemon, "logged", timeout=30)
+    daemon.runtime().StopPodSandbox(
+        api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
+    remove_pod(daemon, sandbox_id)
+    events = logfmt_lines(daemon.log_path.read_text())
+    assert events, daemon.log()
+    assert all({"ts", "level", "logger", "msg"} <= e.keys() for e in events)
+    about = [e for e in events if sandbox_id in e["msg"]]
+    # reserved, each stage, created, stopped, removed: every one is tagged.
+    assert len(about) >= 5, about
+    for e in about:
+        assert e.get("sandbox_id") == sandbox_id, e
+        assert e.get("sandbox_name") == "k8s_POD_logged_default_uid-1_0", e
+
+
+@pytest.mark.root
+def test_json_log_format(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    daemon: Daemon = make_daemon(settings={"log_format": "json"})
+    daemon.start()
+    daemon.stop()
+    log = daemon.log_path.read_text().splitlines()
+    messages = [json.loads(line)["msg"] for line in log if line.startswith("{")]
+    assert any(m.startswith("serving CRI on") for m in messages)
+    assert not any(line.startswith("ts=") for line in log)
+
+
+# ---- the systemd unit ---------------------------------------------------------------
+
+
+def systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed (Debian package systemd; scripts/setup)")
+    return tool
+
+
+def verify_unit(unit: Path) -> None:
+    """`systemd-analyze verify` with nothing to say about this unit."""
+    result = subprocess.run(
+        [systemd_analyze(), "verify", str(unit)], capture_output=True, text=True, check=False
+    )
+    complaints = [
+        line for line in (result.stdout + result.stderr).splitlines() if unit.name in line
+    ]
+    assert result.returncode == 0 and not complaints, result.stdout + result.stderr
+
+
+def read_unit(path: Path) -> configparser.ConfigParser:
+    unit = configparser.ConfigParser(interpolation=None, strict=True)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read_string(path.read_text())
+    return unit
+
+
+def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify checks that ExecStart exists: point it at this checkout's binary.
+    unit = tmp_path / "cri-shim.service"
+    binary = REPO / ".venv" / "bin" / "cri-shim"
+    unit.write_text(UNIT.read_text().replace("/opt/cri-shim/venv/bin/cri-shim", str(binary)))
+    verify_unit(unit)
+
+
+def test_the_unit_keeps_pods_running_across_restarts() -> None:
+    service = read_unit(UNIT)["Service"]
+    assert service["Type"] == "notify"  # READY=1 after the restore
+    assert service["KillMode"] == "process"  # conmon and containers survive a restart
+    assert service["Delegate"] == "yes"
+    assert service["Restart"] == "on-failure"
+    assert service["LimitNOFILE"] == "1048576"
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert service["ExecStart"] == (
+        "/opt/cri-shim/venv/bin/cri-shim serve --config /etc/cri-shim/config.toml"
+    )
+    # The daemon pins namespaces and mounts rootfs that the host must see.
+    for isolating in ("PrivateMounts", "PrivateTmp", "ProtectSystem", "ProtectHome", "MountFlags"):
+        assert isolating not in service
+
+
+# ---- scripts/install ----------------------------------------------------------------
+
+
+def run_install(prefix: Path) -> str:
+    result = subprocess.run(
+        [str(REPO / "scripts" / "install"), "--prefix", str(prefix)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_install_into_a_temporary_prefix(tmp_path: Path) -> None:
+    prefix = tmp_path / "node"
+    had_build_dir = (REPO / "build").exists()
+    out = run_install(prefix)
+    assert "systemd not reloaded" in out  # never for a prefix other than /
+    assert (REPO / "build").exists() == had_build_dir, "install wrote into the checkout"
+
+    venv = prefix / "opt" / "cri-shim" / "venv"
+    version = subprocess.run(
+        [venv / "bin" / "cri-shim", "version"], capture_output=True, text=True, check=True
+    )
+    assert version.stdout.startswith("cri-shim ")
+    config = prefix / "etc" / "cri-shim" / "config.toml"
+    assert config.read_text() == (REPO / "contrib" / "config.toml").read_text()
+    # The installed binary accepts the installed config.
+    subprocess.run(
+        [venv / "bin" / "cri-shim", "config", "--config", config], check=True, capture_output=True
+    )
+    crictl = prefix / "etc" / "crictl.yaml"
+    assert "unix:///run/cri-shim/cri-shim.sock" in crictl.read_text()
+    cni = prefix / "etc" / "cni" / "net.d"
+    assert sorted(p.name for p in cni.iterdir()) == ["10-cri-shim-bridge.conflist"]
+
+    unit = prefix / "etc" / "systemd" / "system" / "cri-shim.service"
+    service = read_unit(unit)["Service"]
+    assert service["ExecStart"] == f"{venv}/bin/cri-shim serve --config {config}"
+    assert service["KillMode"] == "process"
+    if shutil.which("systemd-analyze"):
+        verify_unit(unit)  # the installed unit, with its binary really there
+
+    # Again, after an operator edited the config, crictl.yaml, and replaced the network:
+    # their files stay, the network is not brought back, the package is reinstalled.
+    config.write_text(config.read_text() + '\nlog_format = "json"\n')
+    crictl.write_text("runtime-endpoint: unix:///somewhere/else.sock\n")
+    (cni / "10-cri-shim-bridge.conflist").unlink()
+    (cni / "05-calico.conflist").write_text('{"cniVersion": "1.0.0", "name": "k8s-pod-network"}')
+    package = next(venv.glob("lib/python*/site-packages/cri_shim/__init__.py"))
+    os.utime(package, (0, 0))
+    out = run_install(prefix)
+    assert package.stat().st_mtime > 0, "the package was not reinstalled from the checkout"
+    assert config.read_text().endswith('log_format = "json"\n')
+    assert crictl.read_text() == "runtime-endpoint: unix:///somewhere/else.sock\n"
+    assert sorted(p.name for p in cni.iterdir()) == ["05-calico.conflist"]
+    assert read_unit(unit)["Service"]["ExecStart"] == service["ExecStart"]
+    assert f"kept {config}" in out

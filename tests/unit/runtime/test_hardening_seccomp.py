@@ -1,0 +1,32 @@
+"""Localhost seccomp profiles are read from a path a request names (issue 9): a device,
+a FIFO or a huge file is refused at once instead of read forever or waited on."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from cri_shim.errors import InvalidArgument
+from cri_shim.runtime.seccomp import MAX_PROFILE_BYTES, load_localhost_profile
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "huge", "directory"])
+def test_only_a_regular_file_of_sane_size_is_read(tmp_path: Path, kind: str) -> None:
+    path = {"device": Path("/dev/zero"), "directory": tmp_path}.get(kind, tmp_path / kind)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_bytes(b" " * (MAX_PROFILE_BYTES + 1))
+    started = time.monotonic()
+    with pytest.raises(InvalidArgument, match="localhost_ref"):
+        load_localhost_profile(str(path), [])
+    assert time.monotonic() - started < 5
+
+
+def test_a_real_profile_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text('{"defaultAction": "SCMP_ACT_ALLOW"}')
+    assert load_localhost_profile(str(path), [])["defaultAction"] == "SCMP_ACT_ALLOW"
