@@ -6,8 +6,6 @@ Usage: sudo .venv/bin/python benchmarks/churn.py [--pods 200] [--parallel 8] [--
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,28 +14,8 @@ from common import bench_daemon, percentiles
 from cri_api.v1 import api_pb2
 
 from tests.churn import IMAGE, Churn
-from tests.harness import REPO, Daemon, pod_config
+from tests.harness import Daemon, import_image, pod_config
 from tests.imagebuild import cached_oci_layout
-
-
-def import_busybox(daemon: Daemon, scratch: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(cached_oci_layout(scratch)),
-            "--name",
-            IMAGE,
-        ],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
 
 
 def restore_time(daemon: Daemon, count: int) -> float:
@@ -82,7 +60,7 @@ def main() -> None:
     parser.add_argument("--restore", type=int, default=100)
     args = parser.parse_args()
     with bench_daemon(slow_cni=False) as daemon, tempfile.TemporaryDirectory() as scratch:
-        import_busybox(daemon, Path(scratch))
+        import_image(daemon, cached_oci_layout(Path(scratch)))
         report = Churn(daemon).run(pods=args.pods, parallel=args.parallel)
         p50, p95 = percentiles(report.pod_to_running)
         leaks = daemon.leaks()

@@ -6,8 +6,6 @@ Usage: sudo .venv/bin/python benchmarks/container_lifecycle.py [--containers 50]
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 from common import bench_daemon, row, rss_mib
 from cri_api.v1 import api_pb2
 
-from tests.harness import REPO, pod_config
+from tests.harness import import_image, pod_config
 from tests.imagebuild import cached_oci_layout
 
 IMAGE = "docker.io/library/busybox:latest"
@@ -28,23 +26,7 @@ def main() -> None:
     create, start, stop, remove = [], [], [], []
     with bench_daemon(slow_cni=False) as daemon, tempfile.TemporaryDirectory() as scratch:
         layout = cached_oci_layout(Path(scratch))
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "cri_shim.cli",
-                "images",
-                "import",
-                "--config",
-                str(daemon.config_path),
-                str(layout),
-                "--name",
-                IMAGE,
-            ],
-            check=True,
-            cwd=REPO,
-            capture_output=True,
-        )
+        import_image(daemon, layout)
         rt = daemon.runtime()
         config = pod_config("bench")
         sandbox_id = rt.RunPodSandbox(

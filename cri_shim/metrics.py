@@ -147,6 +147,12 @@ class ServicesCollector:
             "Creation stages entered, by kind and stage",
             labels=["kind", "stage"],
         )
+        stage_seconds = CounterMetricFamily(
+            "cri_shim_creation_stage_seconds",
+            "Seconds spent in each creation stage by creations that left it; divided by "
+            "cri_shim_creation_stages_entered_total, the average duration of a stage",
+            labels=["kind", "stage"],
+        )
         stalled = GaugeMetricFamily(
             "cri_shim_creation_stalled",
             "Creations in flight, by the stage they are at",
@@ -168,6 +174,8 @@ class ServicesCollector:
                 events.add_metric([kind, event], count)
             for stage, count in sorted(stats["stages_entered"].items()):
                 entered.add_metric([kind, stage], count)
+            for stage, seconds in sorted(stats["stage_seconds"].items()):
+                stage_seconds.add_metric([kind, stage], seconds)
             for stage, count in sorted(stats["stalled_by_stage"].items()):
                 stalled.add_metric([kind, stage], count)
             oldest: dict[str, float] = {}
@@ -178,7 +186,7 @@ class ServicesCollector:
             phases.add_metric([kind, "in_flight"], len(stats["in_flight"]))
             for phase in ("cached", "visible", "cleaning"):
                 phases.add_metric([kind, phase], stats[phase])
-        yield from (events, entered, stalled, stage_age, phases)
+        yield from (events, entered, stage_seconds, stalled, stage_age, phases)
 
         sandboxes = GaugeMetricFamily(
             "cri_shim_sandboxes", "Visible pod sandboxes by state", labels=["state"]

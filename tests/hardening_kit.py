@@ -3,8 +3,6 @@ image, containers, and the checks that a refused call left nothing behind."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,30 +10,9 @@ from pathlib import Path
 import grpc
 from cri_api.v1 import api_pb2
 
-from tests.harness import REPO, Daemon, pod_config, wait_until
+from tests.harness import Daemon, pod_config, wait_until
 
 IMAGE = "docker.io/library/busybox:latest"
-
-
-def import_layout(daemon: Daemon, layout: Path, name: str = IMAGE) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(layout),
-            "--name",
-            name,
-        ],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-        timeout=120,
-    )
 
 
 def code_of(call: object) -> tuple[grpc.StatusCode, str]:

@@ -23,6 +23,30 @@ from cri_api.v1 import api_pb2, api_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"
+BUSYBOX_IMAGE = "docker.io/library/busybox:latest"
+
+
+def import_image(daemon: Daemon, layout: Path, name: str = BUSYBOX_IMAGE) -> None:
+    """`cri-shim images import` into a daemon's store, as an operator of an offline node
+    does; the running daemon sees the image at once."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cri_shim.cli",
+            "images",
+            "import",
+            "--config",
+            str(daemon.config_path),
+            str(layout),
+            "--name",
+            name,
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 @dataclass

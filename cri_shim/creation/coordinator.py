@@ -26,7 +26,7 @@ import asyncio
 import enum
 import logging
 import secrets
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypedDict
@@ -146,6 +146,9 @@ class CreationStats(TypedDict):
     kind: str
     counters: dict[str, int]
     stages_entered: dict[str, int]
+    # Seconds spent in each stage by creations that have left it: with stages_entered,
+    # the average duration of a stage.
+    stage_seconds: dict[str, float]
     stalled_by_stage: dict[str, int]  # in-flight creations, grouped by their current stage
     in_flight: list[InFlightInfo]
     cached: int
@@ -212,6 +215,7 @@ class CreationCoordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._stages_entered: Counter[str] = Counter()
+        self._stage_seconds: defaultdict[str, float] = defaultdict(float)
         self._closing = False
 
     # ---- the request path ----------------------------------------------------------
@@ -396,6 +400,8 @@ class CreationCoordinator:
             run_task.cancel()  # daemon shutdown: stop here; a restart rolls it back
             raise
         entry.run_task = None
+        # The last stage ends with the creation, whatever its outcome.
+        self._stage_seconds[entry.stage] += self._clock() - entry.stage_since
         error: BaseException | None
         if run_task.cancelled():
             # Only keep_on_timeout=False cancels a creation: its requester gave up.
@@ -539,8 +545,10 @@ class CreationCoordinator:
             return
         # Persist before recording, so that memory never says more than the database.
         self._hooks.stage_changed(entry.object_id, stage)
+        now = self._clock()
+        self._stage_seconds[entry.stage] += now - entry.stage_since
         entry.stage = stage
-        entry.stage_since = self._clock()
+        entry.stage_since = now
         self._stages_entered[stage] += 1
         log.info("%s %r (%s): stage %s", self._kind, entry.name, entry.object_id, stage)
 
@@ -631,6 +639,7 @@ class CreationCoordinator:
             kind=self._kind,
             counters=dict(self._counters),
             stages_entered=dict(self._stages_entered),
+            stage_seconds={k: round(v, 6) for k, v in self._stage_seconds.items()},
             stalled_by_stage=dict(Counter(e.stage for e in in_flight)),
             in_flight=[
                 InFlightInfo(

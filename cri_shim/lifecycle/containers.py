@@ -83,6 +83,7 @@ class ContainerService(PersistedCreationHooks):
         self.backends = backends
         self.events = sandboxes.events
         self._dir = config.root / "containers"
+        self._cleanup_budget = config.creation.cleanup_timeout
         self.coordinator = CreationCoordinator(
             "container",
             self,
@@ -511,29 +512,7 @@ class ContainerService(PersistedCreationHooks):
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:
-        rows = self._db.query("SELECT id, name, phase FROM containers")
-        for row in rows:
-            if row["phase"] not in ("cached", "visible"):
-                log.warning(
-                    "container %s (%s): creation was interrupted; rolling it back",
-                    row["id"],
-                    row["name"],
-                )
-                try:
-                    await self._journal.undo(
-                        row["id"], budget=self._config.creation.cleanup_timeout
-                    )
-                except UndoFailed as exc:
-                    log.error("container %s: rollback left work for GC: %s", row["id"], exc)
-                self.forget(row["id"])
-            elif row["phase"] == "cached":
-                self.coordinator.restore_cached(row["name"], row["id"])
-            else:
-                self.coordinator.restore_visible(row["name"], row["id"])
-        self._db.execute(
-            "DELETE FROM names WHERE kind = 'container' "
-            "AND object_id NOT IN (SELECT id FROM containers)"
-        )
+        await self.restore_rows()
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)

@@ -7,11 +7,16 @@ change, so that a restart finds reservations, stages and cached objects as they 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 
+from cri_shim.creation.coordinator import CreationCoordinator
 from cri_shim.errors import InvalidArgument
 from cri_shim.state.db import Database
+from cri_shim.state.journal import Journal, UndoFailed
+
+log = logging.getLogger("cri_shim.restore")
 
 
 class PersistedCreationHooks:
@@ -19,6 +24,10 @@ class PersistedCreationHooks:
 
     table: str
     kind: str
+    # Set by the subclass: the coordinator these hooks serve and the journal it undoes.
+    coordinator: CreationCoordinator
+    _journal: Journal
+    _cleanup_budget: float
 
     def __init__(self, db: Database) -> None:
         self._db = db
@@ -76,3 +85,31 @@ class PersistedCreationHooks:
             if not rows:
                 raise InvalidArgument(f"{self.kind} ID prefix {ref!r} is ambiguous")
         return rows[0] if rows else None
+
+    async def restore_rows(self) -> None:
+        """Before serving: roll back what a crash interrupted (a creation, or a cleanup),
+        hand cached objects back to the coordinator with a fresh expiry, re-register the
+        visible ones, and drop reservations that never got a row."""
+        for row in self._db.query(f"SELECT id, name, phase FROM {self.table}"):
+            if row["phase"] == "cached":
+                self.coordinator.restore_cached(row["name"], row["id"])
+            elif row["phase"] == "visible":
+                self.coordinator.restore_visible(row["name"], row["id"])
+            else:
+                log.warning(
+                    "%s %s (%s): %s was interrupted; rolling it back",
+                    self.kind,
+                    row["id"],
+                    row["name"],
+                    row["phase"],
+                )
+                try:
+                    await self._journal.undo(row["id"], budget=self._cleanup_budget)
+                except UndoFailed as exc:
+                    log.error("%s %s: rollback left work for GC: %s", self.kind, row["id"], exc)
+                self.forget(row["id"])
+        # A name reserved just before a crash, with no row yet: nothing was done for it.
+        self._db.execute(
+            f"DELETE FROM names WHERE kind = ? AND object_id NOT IN (SELECT id FROM {self.table})",
+            (self.kind,),
+        )

@@ -90,6 +90,7 @@ class SandboxService(PersistedCreationHooks):
         # The PID 1 of pods that share one PID namespace; None refuses such pods.
         self.pause = pause
         self._dir = config.root / "sandboxes"
+        self._cleanup_budget = config.creation.cleanup_timeout
         self.coordinator = CreationCoordinator(
             "sandbox",
             self,
@@ -158,7 +159,7 @@ class SandboxService(PersistedCreationHooks):
         sandbox_dir.mkdir(parents=True, exist_ok=True)
         self._write_files(sandbox_dir, config)
         if config.log_directory:
-            Path(config.log_directory).mkdir(parents=True, exist_ok=True)
+            os.makedirs(config.log_directory, exist_ok=True)
         fault_point("sandbox:files")
         shm = sandbox_dir / "shm"
         shm.mkdir(exist_ok=True)
@@ -404,29 +405,7 @@ class SandboxService(PersistedCreationHooks):
 
     async def restore(self) -> None:
         """Before serving: roll back interrupted creations, re-register the rest."""
-        rows = self._db.query("SELECT id, name, phase FROM sandboxes")
-        for row in rows:
-            if row["phase"] not in ("cached", "visible"):
-                log.warning(
-                    "sandbox %s (%s): creation was interrupted; rolling it back",
-                    row["id"],
-                    row["name"],
-                )
-                try:
-                    await self._journal.undo(
-                        row["id"], budget=self._config.creation.cleanup_timeout
-                    )
-                except UndoFailed as exc:
-                    log.error("sandbox %s: rollback left work for GC: %s", row["id"], exc)
-                self.forget(row["id"])
-            elif row["phase"] == "cached":
-                self.coordinator.restore_cached(row["name"], row["id"])
-            else:
-                self.coordinator.restore_visible(row["name"], row["id"])
-        # A name reserved just before a crash, with no row yet: nothing was done for it.
-        self._db.execute(
-            "DELETE FROM names WHERE kind = 'sandbox' AND object_id NOT IN (SELECT id FROM sandboxes)"
-        )
+        await self.restore_rows()
         # Journal rows of objects whose row is gone (crash between undo and forget).
         for object_id in self._journal.objects():
             if (

@@ -1,4 +1,4 @@
-"""CreateContainer, Start/Stop/Remove, ListContainers, ContainerStatus, ExecSync, logs, resources."""
+"""CreateContainer, Start/Stop/Remove, List, ContainerStatus, ExecSync, logs, resources."""
 
 from __future__ import annotations
 

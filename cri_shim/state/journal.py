@@ -160,7 +160,8 @@ class Journal:
             "undo %s of %s queued for garbage collection: %s", step.action, step.object_id, error
         )
         self._db.execute(
-            "INSERT INTO gc_queue (object_id, action, args, error, queued_at) VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO gc_queue (object_id, action, args, error, queued_at) "
+            "VALUES (?, ?, ?, ?, ?)",
             (
                 step.object_id,
                 step.action,

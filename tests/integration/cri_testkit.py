@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import queue
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,30 +18,9 @@ from typing import Any
 import grpc
 from cri_api.v1 import api_pb2
 
-from tests.harness import REPO, Daemon, pod_config, wait_until
+from tests.harness import Daemon, pod_config, wait_until
 
 IMAGE = "docker.io/library/busybox:latest"
-
-
-def import_image(daemon: Daemon, layout: Path, name: str = IMAGE) -> None:
-    """`cri-shim images import`, as an operator of an offline node does."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(layout),
-            "--name",
-            name,
-        ],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
 
 
 def run_pod(daemon: Daemon, config: api_pb2.PodSandboxConfig, handler: str = "") -> str:

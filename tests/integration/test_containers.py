@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,31 +13,11 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from cri_shim.logs.crilog import read_records
-from tests.harness import REPO, Daemon, pod_config, wait_until
+from tests.harness import Daemon, import_image, pod_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
 IMAGE = "docker.io/library/busybox:latest"
-
-
-def import_image(daemon: Daemon, layout: Path, name: str = IMAGE) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(layout),
-            "--name",
-            name,
-        ],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
 
 
 @pytest.fixture

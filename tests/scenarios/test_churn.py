@@ -7,35 +7,14 @@ be left: no netns, veth, IPAM allocation, mount, conmon, runc container or row.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.churn import IMAGE, Churn, restart_midway
-from tests.harness import REPO, Daemon
+from tests.churn import Churn, restart_midway
+from tests.harness import Daemon, import_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _prepare(daemon: Daemon, layout: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(layout),
-            "--name",
-            IMAGE,
-        ],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
 
 
 def _assert_nothing_left(daemon: Daemon) -> None:
@@ -54,7 +33,7 @@ def _assert_nothing_left(daemon: Daemon) -> None:
 
 
 def test_churn_of_short_lived_pods(daemon: Daemon, busybox_layout: Path) -> None:
-    _prepare(daemon, busybox_layout)
+    import_image(daemon, busybox_layout)
     report = Churn(daemon).run(pods=200, parallel=8)
     assert report.errors == []
     assert report.conflicts == []
@@ -63,7 +42,7 @@ def test_churn_of_short_lived_pods(daemon: Daemon, busybox_layout: Path) -> None
 
 
 def test_churn_with_a_kill9_midway(daemon: Daemon, busybox_layout: Path) -> None:
-    _prepare(daemon, busybox_layout)
+    import_image(daemon, busybox_layout)
     report = Churn(daemon).run(pods=200, parallel=8, during=restart_midway(at=100))
     assert report.errors == []
     assert report.conflicts == []

@@ -8,7 +8,6 @@ back and its name usable again; an interrupted removal completes when retried.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,7 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from cri_shim import faults
-from tests.harness import REPO, CniTestNetwork, Daemon, pod_config, wait_until
+from tests.harness import CniTestNetwork, Daemon, import_image, pod_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
@@ -137,26 +136,6 @@ def test_orphans_under_the_roots_are_removed_at_start(daemon: Daemon) -> None:
 # ---- containers -------------------------------------------------------------------
 
 
-def _import(daemon: Daemon, layout: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(layout),
-            "--name",
-            IMAGE,
-        ],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
-
-
 def _create_container(daemon: Daemon, sandbox_id: str) -> str:
     return (
         daemon.runtime()
@@ -197,7 +176,7 @@ def _runc_containers(daemon: Daemon) -> list[str]:
 
 @pytest.mark.parametrize("fault", faults.CONTAINER_CREATE)
 def test_crash_during_container_creation(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
-    _import(daemon, busybox_layout)
+    import_image(daemon, busybox_layout)
     sandbox_id = run_pod(daemon)
     crash_and_restart(daemon, fault, lambda: _create_container(daemon, sandbox_id))
     assert _containers(daemon) == []
@@ -212,7 +191,7 @@ def test_crash_during_container_creation(daemon: Daemon, busybox_layout: Path, f
 
 @pytest.mark.parametrize("fault", CONTAINER_TEARDOWN)
 def test_crash_during_container_removal(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
-    _import(daemon, busybox_layout)
+    import_image(daemon, busybox_layout)
     sandbox_id = run_pod(daemon)
     container_id = _create_container(daemon, sandbox_id)
     daemon.runtime().StartContainer(

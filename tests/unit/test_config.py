@@ -43,7 +43,7 @@ def test_durations(value: object, seconds: float) -> None:
 
 @pytest.mark.parametrize("value", ["5 minutes", "-1s", True, "", "m"])
 def test_bad_durations_name_the_key(value: object) -> None:
-    with pytest.raises(ConfigError, match="network.setup_timeout"):
+    with pytest.raises(ConfigError, match=r"network\.setup_timeout"):
         config_from_dict({"network": {"setup_timeout": value}})
 
 

@@ -224,6 +224,8 @@ async def test_a_scrape_follows_the_three_request_protocol() -> None:
     assert creation(after, "cri_shim_creation_objects", phase="visible") == 1
     entered = "cri_shim_creation_stages_entered_total"
     assert creation(after, entered, stage="sandbox network") == 1
+    # The stage lasted until network_done was set: its time is counted once it ended.
+    assert creation(after, "cri_shim_creation_stage_seconds_total", stage="sandbox network") > 0
     await coordinator.aclose()
 
 

@@ -68,7 +68,7 @@ def _journal(tmp_path: Path, host: FakeHost) -> tuple[Database, Journal]:
 
 async def test_journal_runs_backwards_and_forgets_done_steps(tmp_path: Path) -> None:
     host = FakeHost()
-    db, journal = _journal(tmp_path, host)
+    _, journal = _journal(tmp_path, host)
     journal.record("obj", "a", n=1)
     journal.record("obj", "b", n=2)
     journal.record("obj", "c", n=3)

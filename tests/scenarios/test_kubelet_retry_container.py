@@ -1,0 +1,135 @@
+"""kubelet's retry pattern for CreateContainer, with an OCI runtime slower than the deadline.
+
+The pod runs under a runtime handler whose binary is a test wrapper around runc that
+sleeps in `create` and counts its calls (tests/fixtures/runtime/slow-runc).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, pod_config, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
+
+SLOW_RUNC = REPO / "tests" / "fixtures" / "runtime" / "slow-runc"
+
+
+@pytest.fixture
+def slow_pod(
+    make_daemon: Callable[..., Daemon], short_tmp: Path, busybox_layout: Path
+) -> tuple[Daemon, str, api_pb2.PodSandboxConfig, Path, Path]:
+    delay, count = short_tmp / "runc-delay", short_tmp / "runc-count"
+    daemon = make_daemon(
+        settings={"runtime": {"handlers": {"slow": {"path": str(SLOW_RUNC)}}}},
+        env={"SLOW_RUNC_DELAY_FILE": str(delay), "SLOW_RUNC_COUNT_FILE": str(count)},
+    )
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    config = pod_config("slow-runtime")
+    sandbox_id = (
+        daemon.runtime()
+        .RunPodSandbox(
+            api_pb2.RunPodSandboxRequest(config=config, runtime_handler="slow"), timeout=30
+        )
+        .pod_sandbox_id
+    )
+    return daemon, sandbox_id, config, delay, count
+
+
+def create(
+    daemon: Daemon, sandbox_id: str, config: api_pb2.PodSandboxConfig, timeout: float
+) -> str:
+    return (
+        daemon.runtime()
+        .CreateContainer(
+            api_pb2.CreateContainerRequest(
+                pod_sandbox_id=sandbox_id,
+                sandbox_config=config,
+                config=api_pb2.ContainerConfig(
+                    metadata=api_pb2.ContainerMetadata(name="app"),
+                    image=api_pb2.ImageSpec(image=BUSYBOX_IMAGE),
+                    command=["sleep", "300"],
+                ),
+            ),
+            timeout=timeout,
+        )
+        .container_id
+    )
+
+
+def listed(daemon: Daemon) -> list[str]:
+    return [
+        c.id
+        for c in daemon.runtime()
+        .ListContainers(api_pb2.ListContainersRequest(), timeout=5)
+        .containers
+    ]
+
+
+def creates(count: Path) -> int:
+    return len(count.read_text().splitlines()) if count.exists() else 0
+
+
+def test_timeout_then_reserved_then_claimed(slow_pod) -> None:  # type: ignore[no-untyped-def]
+    daemon, sandbox_id, config, delay, count = slow_pod
+    delay.write_text("4")
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as first:
+        create(daemon, sandbox_id, config, timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert listed(daemon) == []
+
+    with pytest.raises(grpc.RpcError) as second:
+        create(daemon, sandbox_id, config, timeout=1.5)
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "stage: container runtime creation" in second.value.details()
+
+    wait_until(lambda: time.monotonic() - started > 4.5, timeout=10)
+    t0 = time.monotonic()
+    container_id = create(daemon, sandbox_id, config, timeout=10)
+    assert time.monotonic() - t0 < 1.0
+    assert listed(daemon) == [container_id]
+    assert creates(count) == 1
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+    )
+    state = (
+        daemon.runtime()
+        .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id), timeout=5)
+        .status.state
+    )
+    assert state == api_pb2.CONTAINER_RUNNING
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
+    assert daemon.leaks() == {}
+
+
+def test_twenty_concurrent_requests_create_one_container(slow_pod) -> None:  # type: ignore[no-untyped-def]
+    daemon, sandbox_id, config, delay, count = slow_pod
+    delay.write_text("1")
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        futures = [pool.submit(create, daemon, sandbox_id, config, 30) for _ in range(20)]
+        results: list[object] = []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except grpc.RpcError as exc:
+                results.append(exc.code())
+    ids = {r for r in results if isinstance(r, str)}
+    assert len(ids) == 1, results
+    assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))
+    assert creates(count) == 1
+    assert len(listed(daemon)) == 1
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
+    assert daemon.leaks() == {}
