@@ -7,6 +7,7 @@ anything left behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -338,3 +340,22 @@ def ping(ip: str) -> bool:
         ).returncode
         == 0
     )
+
+
+def identical_requests(call: Callable[[], str], times: int) -> list[str | grpc.StatusCode]:
+    """Send the same creation `times` times at once; each answer's ID or status code."""
+    with concurrent.futures.ThreadPoolExecutor(times) as pool:
+        futures = [pool.submit(call) for _ in range(times)]
+        results: list[str | grpc.StatusCode] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except grpc.RpcError as exc:
+                results.append(exc.code())
+    return results
+
+
+def assert_one_created(results: list[str | grpc.StatusCode]) -> None:
+    """One object for all; the rest arrived while it was in flight: `name is reserved`."""
+    assert len({r for r in results if isinstance(r, str)}) == 1, results
+    assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))

@@ -6,7 +6,6 @@ sleeps in `create` and counts its calls (tests/fixtures/runtime/slow-runc).
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,16 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, pod_config, wait_until
+from tests.harness import (
+    BUSYBOX_IMAGE,
+    REPO,
+    Daemon,
+    assert_one_created,
+    identical_requests,
+    import_image,
+    pod_config,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
@@ -116,17 +124,7 @@ def test_timeout_then_reserved_then_claimed(slow_pod) -> None:  # type: ignore[n
 def test_twenty_concurrent_requests_create_one_container(slow_pod) -> None:  # type: ignore[no-untyped-def]
     daemon, sandbox_id, config, delay, count = slow_pod
     delay.write_text("1")
-    with concurrent.futures.ThreadPoolExecutor(20) as pool:
-        futures = [pool.submit(create, daemon, sandbox_id, config, 30) for _ in range(20)]
-        results: list[object] = []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except grpc.RpcError as exc:
-                results.append(exc.code())
-    ids = {r for r in results if isinstance(r, str)}
-    assert len(ids) == 1, results
-    assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))
+    assert_one_created(identical_requests(lambda: create(daemon, sandbox_id, config, 30), 20))
     assert creates(count) == 1
     assert len(listed(daemon)) == 1
     daemon.runtime().RemovePodSandbox(

@@ -6,14 +6,20 @@ told to fail, and counts its ADDs, so the tests can prove the work was done exac
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
+from tests.harness import (
+    CniTestNetwork,
+    Daemon,
+    assert_one_created,
+    identical_requests,
+    pod_config,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
@@ -81,18 +87,7 @@ def test_twenty_concurrent_requests_create_one_sandbox(
     daemon: Daemon, test_network: CniTestNetwork
 ) -> None:
     test_network.delay_file.write_text("1")
-    with concurrent.futures.ThreadPoolExecutor(20) as pool:
-        futures = [pool.submit(run_pod, daemon, "crowd", 30) for _ in range(20)]
-        results = []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except grpc.RpcError as exc:
-                results.append(exc.code())
-    ids = {r for r in results if isinstance(r, str)}
-    assert len(ids) == 1, results
-    # the others were told the name is reserved (they arrived while it was in flight)
-    assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))
+    assert_one_created(identical_requests(lambda: run_pod(daemon, "crowd", 30), 20))
     assert test_network.adds() == 1
     assert len(listed(daemon)) == 1
     remove_all(daemon)
