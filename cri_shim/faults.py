@@ -32,6 +32,7 @@ CONTAINER_CREATE = (
     "container:runtime-journaled",
     "container:runtime-created",
 )
+CONTAINER_START = ("container:started",)
 TEARDOWN = (
     "undo:cni_del",
     "undo:unpin",

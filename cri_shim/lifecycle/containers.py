@@ -23,7 +23,13 @@ from cri_shim import mounts
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import container_name
-from cri_shim.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from cri_shim.errors import (
+    CriError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from cri_shim.faults import fault_point
 from cri_shim.images import overlay
 from cri_shim.images.store import ImageRecord, ImageStore
@@ -305,7 +311,19 @@ class ContainerService(PersistedCreationHooks):
         # Taken before the start: a process that exits at once must not look as if it
         # finished before it started.
         started_at = _now_ns()
-        await backend.start(container.id)
+        try:
+            await backend.start(container.id)
+        except CriError:
+            # A start whose answer was lost (the daemon died after `runc start` and before
+            # the row said so): the runtime knows better than the row.
+            if await backend.state(container.id) not in ("running", "stopped"):
+                raise
+            log.warning("container %s (%s) was already started", container.id, container.name)
+        fault_point("container:started")
+        self.mark_started(container, started_at)
+
+    def mark_started(self, container: ContainerRecord, started_at: int) -> None:
+        container.state, container.started_at = RUNNING, started_at
         self._db.execute(
             "UPDATE containers SET state = ?, started_at = ? WHERE id = ?",
             (RUNNING, started_at, container.id),

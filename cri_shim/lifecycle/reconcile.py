@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from cri_shim import mounts
-from cri_shim.lifecycle.containers import RUNNING, ContainerService
+from cri_shim.lifecycle.containers import CREATED, RUNNING, ContainerService
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.state.db import Database
@@ -70,9 +71,21 @@ async def reconcile_host(
                 found += 1
 
     for container in containers.list():
+        backend = containers.backend_of(container)
+        if container.state == CREATED and await backend.state(container.id) in (
+            "running",
+            "stopped",
+        ):
+            # Started just before a crash, before the row said so.
+            log.warning(
+                "container %s (%s) was started before the restart", container.id, container.name
+            )
+            containers.mark_started(container, time.time_ns())
+            containers.refresh(container)
+            found += 1
+            continue
         if container.state != RUNNING:
             continue
-        backend = containers.backend_of(container)
         if backend.exit_status(container.id) is None and await backend.state(container.id) in (
             "stopped",
             "unknown",

@@ -211,3 +211,34 @@ def test_crash_during_container_removal(daemon: Daemon, busybox_layout: Path, fa
     remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()
     assert _runc_containers(daemon) == []
+
+
+def test_crash_between_runc_start_and_its_record(daemon: Daemon, busybox_layout: Path) -> None:
+    import_image(daemon, busybox_layout)
+    sandbox_id = run_pod(daemon)
+    container_id = _create_container(daemon, sandbox_id)
+    (fault,) = faults.CONTAINER_START
+    crash_and_restart(
+        daemon,
+        fault,
+        lambda: daemon.runtime().StartContainer(
+            api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+        ),
+    )
+    # the runtime started it, and restore says so; a retried start is told it runs (as
+    # CRI-O and containerd answer), rather than failing inside runc
+    status = (
+        daemon.runtime()
+        .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id), timeout=5)
+        .status
+    )
+    assert status.state == api_pb2.CONTAINER_RUNNING
+    with pytest.raises(grpc.RpcError) as retry:
+        daemon.runtime().StartContainer(
+            api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+        )
+    assert retry.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is running" in retry.value.details()
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert _runc_containers(daemon) == []
