@@ -19,6 +19,7 @@ import grpc
 from cri_api.v1 import api_pb2
 
 from tests.harness import Daemon, pod_config, wait_until
+from tests.harness import import_image as import_image  # re-exported for the tests
 
 IMAGE = "docker.io/library/busybox:latest"
 

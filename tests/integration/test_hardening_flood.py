@@ -16,8 +16,8 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from tests.hardening_kit import container_config, create_request, import_layout
-from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
+from tests.hardening_kit import container_config, create_request
+from tests.harness import CniTestNetwork, Daemon, import_image, pod_config, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
@@ -142,7 +142,7 @@ def flood_calls(
 def test_a_flood_of_500_mixed_calls_while_a_pod_lives(
     daemon: Daemon, busybox_layout: Path, short_tmp: Path
 ) -> None:
-    import_layout(daemon, busybox_layout)
+    import_image(daemon, busybox_layout)
     logs = short_tmp / "logs"
 
     async def scenario() -> tuple[Counter[tuple[str, str]], float]:

@@ -37,8 +37,8 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.hardening_kit import IMAGE, container_config, create_request, import_layout
-from tests.harness import CniTestNetwork, Daemon, make_test_network, pod_config
+from tests.hardening_kit import IMAGE, container_config, create_request
+from tests.harness import CniTestNetwork, Daemon, import_image, make_test_network, pod_config
 from tests.imagebuild import cached_oci_layout
 
 pytestmark = [
@@ -125,7 +125,7 @@ class World:
             api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=IMAGE)), timeout=10
         )
         if not image.image.id:  # a fuzzed RemoveImage took it
-            import_layout(self.daemon, self.layout)
+            import_image(self.daemon, self.layout)
         self.resets += 1
         self.sandbox_config = pod_config(
             "fuzz-target", attempt=self.resets, log_directory=str(self.base / "logs")
@@ -350,7 +350,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     daemon.start()
     try:
         layout = cached_oci_layout(tmp_path_factory.getbasetemp() / "images")
-        import_layout(daemon, layout)
+        import_image(daemon, layout)
         volume = base / "volume"
         volume.mkdir()
         made = World(daemon, base, layout, volume)

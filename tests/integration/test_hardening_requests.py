@@ -22,12 +22,11 @@ from tests.hardening_kit import (
     container_config,
     container_traces,
     create_request,
-    import_layout,
     mounts_below,
     run_to_exit,
     running_pod,
 )
-from tests.harness import REPO, Daemon, pod_config
+from tests.harness import REPO, Daemon, import_image, pod_config
 from tests.hostile_layers import Tar, image_of_layers, write_layout
 from tests.imagebuild import base_layer_tar
 
@@ -115,7 +114,7 @@ def test_hostile_sandbox_fields_are_refused_and_nothing_is_created(
 def pod(
     daemon: Daemon, busybox_layout: Path, short_tmp: Path
 ) -> Iterator[tuple[str, api_pb2.PodSandboxConfig]]:
-    import_layout(daemon, busybox_layout)
+    import_image(daemon, busybox_layout)
     with running_pod(daemon, "hardened", short_tmp / "logs") as made:
         yield made
     assert daemon.leaks() == {}
@@ -190,7 +189,7 @@ def test_container_paths_cannot_leave_the_rootfs(daemon: Daemon, short_tmp: Path
     layout = write_layout(
         image_of_layers([base_layer_tar(), links]), short_tmp / "escape-layout", "escape:v1"
     )
-    import_layout(daemon, layout, "docker.io/library/escape:v1")
+    import_image(daemon, layout, "docker.io/library/escape:v1")
     volume = short_tmp / "volume"
     volume.mkdir()
     (volume / "hostfile").write_text("from the host")
