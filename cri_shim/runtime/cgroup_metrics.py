@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cri_shim.runtime.stats import read_cgroup_stats
+from cri_shim.runtime.stats import read_cgroup_stats, read_flat_keyed, read_int
 
 # cgroup v1 mounts cpuacct alone or together with cpu, depending on the distribution.
 _CPUACCT = ("cpuacct", "cpu,cpuacct", "cpuacct,cpu")
@@ -57,34 +57,34 @@ def read_cgroup_figures(
 
 
 def _read_v2(group: Path, figures: CgroupFigures) -> None:
-    cpu = _flat_keyed(group / "cpu.stat")
+    cpu = read_flat_keyed(group / "cpu.stat")
     if "user_usec" in cpu:
         figures.cpu_user_ns = cpu["user_usec"] * 1000
     if "system_usec" in cpu:
         figures.cpu_system_ns = cpu["system_usec"] * 1000
-    memory = _flat_keyed(group / "memory.stat")
+    memory = read_flat_keyed(group / "memory.stat")
     figures.memory_cache_bytes = memory.get("file")
-    figures.memory_max_usage_bytes = _single_int(group / "memory.peak")
-    figures.memory_limit_bytes = _single_int(group / "memory.max")  # "max" reads as None
-    figures.oom_kills = _flat_keyed(group / "memory.events").get("oom_kill")
+    figures.memory_max_usage_bytes = read_int(group / "memory.peak")
+    figures.memory_limit_bytes = read_int(group / "memory.max")  # "max" reads as None
+    figures.oom_kills = read_flat_keyed(group / "memory.events").get("oom_kill")
     figures.processes = _count_lines(group / "cgroup.procs")
     figures.threads = _count_lines(group / "cgroup.threads")
 
 
 def _read_v1(root: Path, relative: str, figures: CgroupFigures) -> None:
     for mount in _CPUACCT:
-        user = _single_int(root / mount / relative / "cpuacct.usage_user")
+        user = read_int(root / mount / relative / "cpuacct.usage_user")
         if user is not None:
             figures.cpu_user_ns = user
-            figures.cpu_system_ns = _single_int(root / mount / relative / "cpuacct.usage_sys")
+            figures.cpu_system_ns = read_int(root / mount / relative / "cpuacct.usage_sys")
             break
     memory_dir = root / "memory" / relative
-    memory = _flat_keyed(memory_dir / "memory.stat")
+    memory = read_flat_keyed(memory_dir / "memory.stat")
     figures.memory_cache_bytes = memory.get("total_cache")
-    figures.memory_max_usage_bytes = _single_int(memory_dir / "memory.max_usage_in_bytes")
-    limit = _single_int(memory_dir / "memory.limit_in_bytes")
+    figures.memory_max_usage_bytes = read_int(memory_dir / "memory.max_usage_in_bytes")
+    limit = read_int(memory_dir / "memory.limit_in_bytes")
     figures.memory_limit_bytes = limit if limit is not None and limit < _V1_UNLIMITED else None
-    figures.oom_kills = _flat_keyed(memory_dir / "memory.oom_control").get("oom_kill")
+    figures.oom_kills = read_flat_keyed(memory_dir / "memory.oom_control").get("oom_kill")
     # Any v1 hierarchy lists the members; pids is always mounted where containers run.
     for controller in ("pids", "memory"):
         group = root / controller / relative
@@ -95,30 +95,8 @@ def _read_v1(root: Path, relative: str, figures: CgroupFigures) -> None:
             break
 
 
-def _single_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _count_lines(path: Path) -> int | None:
     try:
         return sum(1 for line in path.read_text().splitlines() if line.strip())
     except OSError:
         return None
-
-
-def _flat_keyed(path: Path) -> dict[str, int]:
-    values: dict[str, int] = {}
-    try:
-        text = path.read_text()
-    except OSError:
-        return values
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        try:
-            values[key] = int(value)
-        except ValueError:
-            continue
-    return values

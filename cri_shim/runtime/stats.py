@@ -44,9 +44,9 @@ def read_cgroup_stats(
     now = time.time_ns()
     if cgroup_v2:
         group = cgroup_root / relative
-        cpu = _flat_keyed(group / "cpu.stat")
-        memory = _flat_keyed(group / "memory.stat")
-        usage = _single_int(group / "memory.current")
+        cpu = read_flat_keyed(group / "cpu.stat")
+        memory = read_flat_keyed(group / "memory.stat")
+        usage = read_int(group / "memory.current")
         usage_usec = cpu.get("usage_usec")
         return CgroupStats(
             timestamp_ns=now,
@@ -59,12 +59,12 @@ def read_cgroup_stats(
         )
     cpu_usage = None
     for mount in _CPUACCT_MOUNTS:
-        cpu_usage = _single_int(cgroup_root / mount / relative / "cpuacct.usage")
+        cpu_usage = read_int(cgroup_root / mount / relative / "cpuacct.usage")
         if cpu_usage is not None:
             break
     group = cgroup_root / "memory" / relative
-    memory = _flat_keyed(group / "memory.stat")
-    usage = _single_int(group / "memory.usage_in_bytes")
+    memory = read_flat_keyed(group / "memory.stat")
+    usage = read_int(group / "memory.usage_in_bytes")
     return CgroupStats(
         timestamp_ns=now,
         cpu_usage_ns=cpu_usage,
@@ -84,9 +84,9 @@ def oom_kill_count(
     on v1). Zero when the cgroup is gone."""
     relative = cgroups_path.lstrip("/")
     if cgroup_v2:
-        counters = _flat_keyed(cgroup_root / relative / "memory.events")
+        counters = read_flat_keyed(cgroup_root / relative / "memory.events")
     else:
-        counters = _flat_keyed(cgroup_root / "memory" / relative / "memory.oom_control")
+        counters = read_flat_keyed(cgroup_root / "memory" / relative / "memory.oom_control")
     return counters.get("oom_kill", 0)
 
 
@@ -131,14 +131,14 @@ def _working_set(usage: int | None, inactive_file: int | None) -> int | None:
     return max(0, usage - (inactive_file or 0))
 
 
-def _single_int(path: Path) -> int | None:
+def read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
 
 
-def _flat_keyed(path: Path) -> dict[str, int]:
+def read_flat_keyed(path: Path) -> dict[str, int]:
     values: dict[str, int] = {}
     try:
         text = path.read_text()
