@@ -360,6 +360,9 @@ class ContainerService(PersistedCreationHooks):
     def _mark_exited(self, container: ContainerRecord, backend: RuntimeBackend) -> ContainerRecord:
         status = backend.exit_status(container.id)
         code, finished = status if status is not None else (137, _now_ns())
+        # The exit file's mtime comes from the kernel's coarse clock, which can lag the
+        # start time we took by a few milliseconds for a process that exits at once.
+        finished = max(finished, container.started_at)
         if backend.oom_killed(container.id):
             reason = "OOMKilled"
         elif code == 0:
