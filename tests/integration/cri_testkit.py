@@ -101,10 +101,12 @@ def remove(daemon: Daemon, container_id: str) -> None:
     )
 
 
-def status(daemon: Daemon, container_id: str) -> api_pb2.ContainerStatus:
+def status(daemon: Daemon, container_id: str, verbose: bool = False) -> api_pb2.ContainerStatus:
     return (
         daemon.runtime()
-        .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id), timeout=10)
+        .ContainerStatus(
+            api_pb2.ContainerStatusRequest(container_id=container_id, verbose=verbose), timeout=10
+        )
         .status
     )
 

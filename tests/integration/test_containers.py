@@ -14,6 +14,8 @@ from cri_api.v1 import api_pb2
 
 from cri_shim.logs.crilog import read_records
 from tests.harness import Daemon, import_image, pod_config, wait_until
+from tests.integration import cri_testkit
+from tests.integration.cri_testkit import create, start, status
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -48,47 +50,10 @@ def container_config(name: str, args: list[str], **kwargs: object) -> api_pb2.Co
     )
 
 
-def create(
-    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
-) -> str:
-    sandbox_id, sandbox_config = pod
-    return (
-        daemon.runtime()
-        .CreateContainer(
-            api_pb2.CreateContainerRequest(
-                pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox_config
-            ),
-            timeout=60,
-        )
-        .container_id
-    )
-
-
-def start(daemon: Daemon, container_id: str) -> None:
-    daemon.runtime().StartContainer(
-        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
-    )
-
-
-def status(daemon: Daemon, container_id: str, verbose: bool = False) -> api_pb2.ContainerStatus:
-    return (
-        daemon.runtime()
-        .ContainerStatus(
-            api_pb2.ContainerStatusRequest(container_id=container_id, verbose=verbose), timeout=10
-        )
-        .status
-    )
-
-
 def run_to_exit(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
 ) -> api_pb2.ContainerStatus:
-    container_id = create(daemon, pod, config)
-    start(daemon, container_id)
-    return wait_until(
-        lambda: (s := status(daemon, container_id)).state == api_pb2.CONTAINER_EXITED and s,
-        timeout=20,
-    )
+    return cri_testkit.run_to_exit(daemon, pod, config, timeout=20)
 
 
 def log_lines(path: str, stream: str | None = None) -> list[str]:
