@@ -132,9 +132,11 @@ def exec_sync(daemon: Daemon, container_id: str, cmd: list[str]) -> api_pb2.Exec
 
 
 def output(st: api_pb2.ContainerStatus, stream: str = "stdout") -> list[str]:
-    from cri_shim.logs.crilog import read_records
+    """The container's logical output lines on one stream (partial records joined)."""
+    from cri_shim.logs.crilog import join_partials, read_records
 
-    return [r.content.decode() for r in read_records(Path(st.log_path)) if r.stream == stream]
+    messages = join_partials(read_records(Path(st.log_path)))
+    return [m.content.decode() for m in messages if m.stream == stream]
 
 
 @dataclass

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from cri_shim.logs.crilog import read_records
+from cri_shim.logs.crilog import join_partials, read_records
 from tests.harness import Daemon, import_image, pod_config, wait_until
 from tests.integration import cri_testkit
 from tests.integration.cri_testkit import create, start, status
@@ -57,9 +57,8 @@ def run_to_exit(
 
 
 def log_lines(path: str, stream: str | None = None) -> list[str]:
-    return [
-        r.content.decode() for r in read_records(Path(path)) if stream is None or r.stream == stream
-    ]
+    messages = join_partials(read_records(Path(path)))
+    return [m.content.decode() for m in messages if stream is None or m.stream == stream]
 
 
 def exec_sync(

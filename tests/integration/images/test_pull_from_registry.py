@@ -15,7 +15,7 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from cri_shim.images.manifest import Platform, host_platform
-from cri_shim.logs.crilog import read_records
+from cri_shim.logs.crilog import join_partials, read_records
 from tests.harness import Daemon, pod_config, wait_until
 from tests.imagebuild import BuiltImage, build_image
 from tests.registry import DOCKER_LIST, RegistryServer, free_port, start_registry
@@ -405,7 +405,7 @@ def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
 def test_a_container_runs_from_a_pulled_image(
     make_daemon: Callable[..., Daemon], registry: RegistryServer, short_tmp: Path
 ) -> None:
-    image = build_image(extra_files={"etc/greeting": b"hello from the registry"})
+    image = build_image(extra_files={"etc/greeting": b"hello from the registry\n"})
     registry.push("run/app", image, "v1")
     ref = f"{registry.host}/run/app:v1"
     daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
@@ -416,7 +416,7 @@ def test_a_container_runs_from_a_pulled_image(
     try:
         assert final.exit_code == 0
         assert final.image_ref == image.image_id
-        lines = [r.content.decode() for r in read_records(Path(final.log_path))]
+        lines = [m.content.decode() for m in join_partials(read_records(Path(final.log_path)))]
         assert lines == ["hello from the registry", "layer 2"]
     finally:
         remove_pod(daemon, sandbox_id)
