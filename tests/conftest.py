@@ -33,6 +33,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def short_tmp() -> Iterator[Path]:
     """A short path: unix socket paths are limited to 108 bytes."""
     path = Path(tempfile.mkdtemp(prefix="cs-", dir="/tmp"))
+    # Searchable by anyone, as /var/lib is: a container in a user namespace of its own
+    # must reach its root filesystem as an unprivileged host id.
+    path.chmod(0o711)
     yield path
     _force_unmount_below(path)
     shutil.rmtree(path, ignore_errors=True)

@@ -276,7 +276,8 @@ class Daemon:
     def leaks(self) -> dict[str, list[str]]:
         """Everything a daemon with no objects must not hold any more."""
         found: dict[str, list[str]] = {}
-        for kind in ("netns", "utsns", "ipcns"):
+        pin_dirs = ("netns", "utsns", "ipcns", "userns")
+        for kind in pin_dirs:
             d = self.run_root / kind
             if d.exists() and (pins := sorted(p.name for p in d.iterdir())):
                 found[kind] = pins
@@ -284,7 +285,7 @@ class Daemon:
             line.split()[4]
             for line in Path("/proc/self/mountinfo").read_text().splitlines()
             if line.split()[4].startswith((str(self.root), str(self.run_root)))
-            and line.split()[4] not in (str(self.run_root / k) for k in ("netns", "utsns", "ipcns"))
+            and line.split()[4] not in (str(self.run_root / k) for k in pin_dirs)
         ]
         if mounts:
             found["mounts"] = mounts
@@ -359,3 +360,19 @@ def assert_one_created(results: list[str | grpc.StatusCode]) -> None:
     """One object for all; the rest arrived while it was in flight: `name is reserved`."""
     assert len({r for r in results if isinstance(r, str)}) == 1, results
     assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))
+
+
+def userns_linux(
+    host_id: int, length: int = 65536, pid: int = api_pb2.CONTAINER, **namespaces: int
+) -> api_pb2.LinuxPodSandboxConfig:
+    """A pod's Linux config asking for a user namespace of its own (hostUsers: false), as
+    kubelet sends it: container ids 0..length mapped to host_id.., PID not shared."""
+    mapping = [api_pb2.IDMapping(host_id=host_id, container_id=0, length=length)]
+    options = api_pb2.NamespaceOption(
+        userns_options=api_pb2.UserNamespace(mode=api_pb2.POD, uids=mapping, gids=mapping),
+        pid=pid,
+        **namespaces,
+    )
+    return api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(namespace_options=options)
+    )

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cri_shim.errors import Internal, InvalidArgument
+from cri_shim.runtime.userns import idmapped_layers
 
 MS_RDONLY = 0x1
 MNT_DETACH = 0x2
@@ -122,6 +123,27 @@ def mount_rootfs(
             f"mount overlay on {target} ({len(lower_dirs)} layers, options {len(options)} "
             f"bytes): {exc.strerror}; the kernel log (dmesg) says why"
         ) from exc
+
+
+def mount_idmapped_rootfs(
+    lower_dirs: list[Path],
+    upper: Path,
+    work: Path,
+    target: Path,
+    *,
+    userns_path: Path,
+    root_owner: tuple[int, int],
+    staging: Path,
+) -> None:
+    """mount_rootfs for a pod with its own user namespace: the layers are idmapped
+    through `userns_path` (staged under `staging` only while the overlay is mounted) and
+    the upper directory belongs to `root_owner`, the host uid and gid of the pod's root,
+    so the container's root owns its root filesystem and what it writes there lands as
+    that host id."""
+    upper.mkdir(parents=True, exist_ok=True)
+    os.chown(upper, *root_owner)
+    with idmapped_layers(lower_dirs, userns_path, staging) as points:
+        mount_rootfs(points, upper, work, target)
 
 
 def unmount(target: Path) -> None:

@@ -8,6 +8,7 @@ in the undo journal before the next step starts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from cri_shim.runtime.features import handler_features, require_features
 from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
+from cri_shim.runtime.userns import UserNamespaceMappings, pod_mappings
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.records import ContainerRecord, SandboxRecord
@@ -98,6 +100,7 @@ class ContainerService(PersistedCreationHooks):
             cleanup_timeout=config.creation.cleanup_timeout,
         )
         sandboxes.stop_containers = self.stop_all_in
+        sandboxes.handler_features = lambda h: handler_features(self._backend(h).runtime_path)
         sandboxes.remove_containers = self.remove_all_in
         journal.register("runtime_delete", self._undo_runtime)
         journal.register("rootfs_unmount", self._undo_rootfs)
@@ -192,12 +195,33 @@ class ContainerService(PersistedCreationHooks):
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._journal.record(container_id, "rootfs_unmount", path=str(rootfs))
         lower = self._images.lower_dirs(image)
-        await asyncio.to_thread(
-            overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
-        )
+        userns = pod_mappings(sandbox.config) if sandbox.userns_path else None
+        if userns is None or sandbox.userns_path is None:
+            await asyncio.to_thread(
+                overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
+            )
+        else:
+            await asyncio.to_thread(
+                functools.partial(
+                    overlay.mount_idmapped_rootfs,
+                    lower,
+                    bundle / "upper",
+                    bundle / "work",
+                    rootfs,
+                    userns_path=sandbox.userns_path,
+                    root_owner=_mapped_root(userns),
+                    staging=bundle / "idmap-layers",
+                )
+            )
         fault_point("container:rootfs")
         image_mounts = await mount_image_volumes(
-            self._journal, self._db, self._images, container_id, bundle, config
+            self._journal,
+            self._db,
+            self._images,
+            container_id,
+            bundle,
+            config,
+            userns_path=sandbox.userns_path,
         )
 
         stage.set(STAGE_SPEC)
@@ -222,7 +246,9 @@ class ContainerService(PersistedCreationHooks):
         fault_point("container:runtime-journaled")
         # Host paths opened once and mounted by fd, so a swap cannot redirect runc's bind
         # mounts (issue 9); staging mounts left by a failure go with the bundle directory.
-        pinned = pin_bind_sources(spec, config.mounts, bundle / "mounts")
+        pinned = pin_bind_sources(
+            spec, config.mounts, bundle / "mounts", userns_path=sandbox.userns_path
+        )
         pid = await backend.create(
             container_id,
             bundle,
@@ -249,6 +275,8 @@ class ContainerService(PersistedCreationHooks):
             netns_path=sandbox.netns_path,
             ipc_ns_path=sandbox.ipc_path,
             uts_ns_path=sandbox.uts_path,
+            userns_path=sandbox.userns_path,
+            userns=pod_mappings(sandbox.config) if sandbox.userns_path else None,
             host_pid=options.pid == api_pb2.NODE,
             resolv_conf_path=sandbox.sandbox_dir / "resolv.conf",
             hostname_path=sandbox.sandbox_dir / "hostname",
@@ -537,6 +565,13 @@ class ContainerService(PersistedCreationHooks):
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)
+
+
+def _mapped_root(userns: UserNamespaceMappings) -> tuple[int, int]:
+    """The host uid and gid of the pod's root (validation made sure both are mapped)."""
+    uid, gid = userns.host_uid(0), userns.host_gid(0)
+    assert uid is not None and gid is not None
+    return uid, gid
 
 
 def _image_view(image: ImageRecord) -> ImageConfigView:

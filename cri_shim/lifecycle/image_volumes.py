@@ -23,6 +23,7 @@ from cri_shim import mounts
 from cri_shim.errors import Internal, InvalidArgument, NotFound
 from cri_shim.images.store import ImageStore
 from cri_shim.runtime.identity import resolve_in_root
+from cri_shim.runtime.userns import idmapped_layers
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 
@@ -84,9 +85,12 @@ async def mount_image_volumes(
     container_id: str,
     bundle: Path,
     config: api_pb2.ContainerConfig,
+    userns_path: Path | None = None,
 ) -> dict[int, Path]:
     """Mount each image volume of `config` (resolved by resolve_image_volumes) under
-    `bundle`; the host path each one's bind mount takes, by index in `config.mounts`."""
+    `bundle`; the host path each one's bind mount takes, by index in `config.mounts`.
+    With `userns_path` (a pod with its own user namespace), the layers are idmapped
+    through it, as the container's root filesystem is."""
     sources: dict[int, Path] = {}
     wanted = [(i, m) for i, m in enumerate(config.mounts) if is_image_mount(m)]
     if not wanted:
@@ -106,7 +110,11 @@ async def mount_image_volumes(
         target.mkdir(parents=True, exist_ok=True)
         lowers = [*images.lower_dirs(record), empty]
         journal.record(container_id, UNMOUNT_ACTION, path=str(target))
-        await asyncio.to_thread(_mount_read_only_overlay, lowers, target)
+        if userns_path is None:
+            await asyncio.to_thread(_mount_read_only_overlay, lowers, target)
+        else:
+            staging = bundle / VOLUMES_DIR / f"idmap-{index}"
+            await asyncio.to_thread(_mount_idmapped, lowers, target, userns_path, staging)
         sources[index] = _sub_path_source(index, target, mount.image_sub_path)
     return sources
 
@@ -129,6 +137,11 @@ def _mount_read_only_overlay(lowers: list[Path], target: Path) -> None:
         mounts.mount("overlay", target, "overlay", mounts.MS_RDONLY, options)
     except OSError as err:
         raise Internal(f"image volume: {err}; the kernel log (dmesg) says why") from err
+
+
+def _mount_idmapped(lowers: list[Path], target: Path, userns_path: Path, staging: Path) -> None:
+    with idmapped_layers(lowers, userns_path, staging) as points:
+        _mount_read_only_overlay(points, target)
 
 
 def _sub_path_source(index: int, root: Path, sub_path: str) -> Path:

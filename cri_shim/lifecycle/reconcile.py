@@ -36,7 +36,7 @@ async def reconcile_host(
     found = 0
     known_pins = {
         value
-        for row in db.query("SELECT netns_path, ipc_path, uts_path FROM sandboxes")
+        for row in db.query("SELECT netns_path, ipc_path, uts_path, userns_path FROM sandboxes")
         for value in row
         if value
     }

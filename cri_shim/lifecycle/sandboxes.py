@@ -36,9 +36,10 @@ from cri_shim.lifecycle.events import (
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_namespace
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
-from cri_shim.network.netns import NamespacePinner, PinnedNamespaces
-from cri_shim.runtime.features import require_pod_features
+from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
+from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
+from cri_shim.runtime.userns import pod_mappings, require_searchable
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
@@ -101,6 +102,8 @@ class SandboxService(PersistedCreationHooks):
         # Set by the container service so that stop/remove of a pod reaches its containers.
         self.stop_containers: Callable[[str], Awaitable[None]] | None = None
         self.remove_containers: Callable[[str], Awaitable[None]] | None = None
+        # Set by the container service, which owns the runtime handlers.
+        self.handler_features: Callable[[str], HandlerFeatures] | None = None
         journal.register("cni_del", self._undo_cni)
         journal.register("unpin", self._undo_unpin)
         journal.register("unmount", self._undo_unmount)
@@ -119,7 +122,10 @@ class SandboxService(PersistedCreationHooks):
         if handler not in self._config.runtime.handlers:
             known = ", ".join(sorted(self._config.runtime.handlers))
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
-        require_pod_features(config, handler)
+        features = self.handler_features(handler) if self.handler_features else HandlerFeatures()
+        require_pod_features(config, handler, features)
+        if pod_mappings(config) is not None:
+            require_searchable(self._config.root)
         name = sandbox_name(meta.name, meta.namespace, meta.uid, meta.attempt)
 
         async def create(sandbox_id: str, stage: Stage) -> None:
@@ -170,11 +176,13 @@ class SandboxService(PersistedCreationHooks):
         stage.set(STAGE_NAMESPACES)
         options = config.linux.security_context.namespace_options
         hostnet = host_network(config)
+        userns = pod_mappings(config)
         pins = self.pinner
         for kind, wanted in (
             ("netns", not hostnet),
             ("utsns", not hostnet),
             ("ipcns", options.ipc != api_pb2.NODE),
+            (USERNS_DIR, userns is not None),
         ):
             if wanted:
                 path = self._config.run_root / kind / sandbox_id
@@ -186,10 +194,12 @@ class SandboxService(PersistedCreationHooks):
             uts=not hostnet,
             ipc=options.ipc != api_pb2.NODE,
             hostname=config.hostname or config.metadata.name,
+            userns=userns,
         )
         self._db.execute(
-            "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ? WHERE id = ?",
-            (_str(pinned.net), _str(pinned.ipc), _str(pinned.uts), sandbox_id),
+            "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ?, userns_path = ? "
+            "WHERE id = ?",
+            (_str(pinned.net), _str(pinned.ipc), _str(pinned.uts), _str(pinned.user), sandbox_id),
         )
         fault_point("sandbox:namespaces")
 
@@ -239,6 +249,8 @@ class SandboxService(PersistedCreationHooks):
             netns_path=pinned.net,
             ipc_ns_path=pinned.ipc,
             uts_ns_path=pinned.uts,
+            userns_path=pinned.user,
+            userns=pod_mappings(config),
             cgroup_parent=config.linux.cgroup_parent,
         )
         await self.pause.start(sandbox_id, sandbox_dir, config, handler, context)

@@ -1,10 +1,19 @@
-"""Pinned pod namespaces (network, UTS, IPC) as bind-mounted files, made without forking.
+"""Pinned pod namespaces (network, UTS, IPC, user) as bind-mounted files.
 
 A sandbox's namespaces must outlive any process, so each is pinned by bind-mounting its
 nsfs file onto an empty file under the run root; runc then joins them by path. All work
 happens in one dedicated thread that `unshare`s, pins, and `setns`es back to the namespaces
 it started in. Forking the daemon (what `ip netns` and pyroute2's `netns.create` do) costs
 ten times more and is unsafe in a process that runs gRPC threads (DESIGN §6).
+
+A pod with a user namespace of its own is the exception: the kernel lets no thread of a
+multithreaded process `unshare` or `setns` a user namespace, so a small helper process
+(a fresh interpreter, spawned and exec'd, never a fork of the daemon) unshares the user
+namespace together with the pod's network, UTS and IPC namespaces, which the kernel then
+makes owned by the new user namespace. The daemon writes the mappings, sets the hostname
+and brings up `lo` from its pinning thread (`setns` into those namespaces is allowed: the
+daemon's root is privileged over every child user namespace), pins the four files and
+lets the helper exit. It costs about 15 ms, against 0.4 ms for a pod without one.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import errno
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +38,7 @@ from pyroute2.netlink.rtnl import RTM_NEWLINK
 from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
 
 from cri_shim.errors import Internal, InvalidArgument
+from cri_shim.runtime.userns import UserNamespaceMappings
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +47,20 @@ _T = TypeVar("_T")
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+USERNS_DIR = "userns"
+# The helper that unshares a user namespace: reports, then lives until its stdin closes.
+_USERNS_HELPER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(int(sys.argv[1])) != 0:
+    sys.stdout.write("unshare: %s\n" % os.strerror(ctypes.get_errno()))
+    sys.exit(1)
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+_HELPER_EXIT_TIMEOUT = 5.0
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_SHARED = 1 << 20
@@ -158,9 +184,10 @@ class PinnedNamespaces:
     net: Path | None
     uts: Path | None
     ipc: Path | None
+    user: Path | None = None
 
     def paths(self) -> list[Path]:
-        return [p for p in (self.net, self.uts, self.ipc) if p is not None]
+        return [p for p in (self.net, self.uts, self.ipc, self.user) if p is not None]
 
 
 class _PinThread:
@@ -201,6 +228,7 @@ class NamespacePinner:
     def __init__(self, run_root: Path) -> None:
         self.run_root = Path(run_root)
         self._dirs = {kind: self.run_root / sub for kind, (sub, _) in _KINDS.items()}
+        self._dirs["user"] = self.run_root / USERNS_DIR
         self._dirs_ready = False
         self._lock = threading.Lock()
         self._thread: _PinThread | None = _PinThread()
@@ -208,17 +236,31 @@ class NamespacePinner:
     # ---- public async API -------------------------------------------------------------
 
     async def pin(
-        self, pod_id: str, *, net: bool, uts: bool, ipc: bool, hostname: str
+        self,
+        pod_id: str,
+        *,
+        net: bool,
+        uts: bool,
+        ipc: bool,
+        hostname: str,
+        userns: UserNamespaceMappings | None = None,
     ) -> PinnedNamespaces:
         """Create the requested namespaces and pin them as `<run_root>/<kind>ns/<pod_id>`.
 
         Either every requested namespace is pinned or nothing is left behind. `hostname` is
-        set in the new UTS namespace and ignored when `uts` is false.
+        set in the new UTS namespace and ignored when `uts` is false. With `userns`, a new
+        user namespace with those mappings is pinned too, and owns the others.
         """
         _validate_pod_id(pod_id)
         kinds = [k for k, wanted in (("net", net), ("uts", uts), ("ipc", ipc)) if wanted]
         if uts:
             _validate_hostname(hostname)
+        if userns is not None:
+            mappings = userns
+            return await self._run(
+                lambda thread: self._pin_in_thread(thread, pod_id, kinds, hostname, mappings),
+                undo=self._undo_pin,
+            )
         if not kinds:
             return PinnedNamespaces(None, None, None)
         return await self._run(
@@ -312,17 +354,22 @@ class NamespacePinner:
         self._dirs_ready = True
 
     def _pin_in_thread(
-        self, thread: _PinThread, pod_id: str, kinds: list[str], hostname: str
+        self,
+        thread: _PinThread,
+        pod_id: str,
+        kinds: list[str],
+        hostname: str,
+        userns: UserNamespaceMappings | None = None,
     ) -> PinnedNamespaces:
         try:
             self._ensure_dirs()
         except OSError as exc:
             raise Internal(f"cannot prepare namespace pin directories: {exc}") from exc
 
-        targets = {kind: self._dirs[kind] / pod_id for kind in kinds}
+        pinned = [*kinds, "user"] if userns is not None else kinds
+        targets = {kind: self._dirs[kind] / pod_id for kind in pinned}
         created: list[Path] = []
         mounted: list[Path] = []
-        unshared = False
         failure: BaseException | None = None
         try:
             for target in targets.values():
@@ -330,34 +377,19 @@ class NamespacePinner:
                     raise Internal(f"namespace pin {target} already exists")
                 os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o444))
                 created.append(target)
-
-            flags = 0
-            for kind in kinds:
-                flags |= _KINDS[kind][1]
-            _check(_libc.unshare(flags), "unshare")
-            unshared = True
-
-            if "uts" in kinds:
-                name = hostname.encode()
-                _check(_libc.sethostname(name, len(name)), "sethostname")
-            if "net" in kinds:
-                _loopback_up()
-
-            for kind, target in targets.items():
-                _mount(f"/proc/thread-self/ns/{kind}", target, MS_BIND)
-                mounted.append(target)
+            if userns is None:
+                self._unshare_and_pin(thread, kinds, hostname, targets, mounted)
+            else:
+                self._pin_from_helper(thread, kinds, hostname, userns, targets, mounted)
         except BaseException as exc:
             failure = exc
 
-        if unshared:
-            try:
-                thread.go_home(kinds)
-            except OSError as exc:
-                thread.stranded = True
-                failure = failure or exc
         if failure is None:
             return PinnedNamespaces(
-                net=targets.get("net"), uts=targets.get("uts"), ipc=targets.get("ipc")
+                net=targets.get("net"),
+                uts=targets.get("uts"),
+                ipc=targets.get("ipc"),
+                user=targets.get("user"),
             )
 
         # Unmounting works from any network namespace: only the mount namespace matters,
@@ -372,6 +404,107 @@ class NamespacePinner:
         if isinstance(failure, Internal):
             raise failure
         raise Internal(f"pinning namespaces for pod {pod_id} failed: {failure}") from failure
+
+    def _unshare_and_pin(
+        self,
+        thread: _PinThread,
+        kinds: list[str],
+        hostname: str,
+        targets: dict[str, Path],
+        mounted: list[Path],
+    ) -> None:
+        flags = 0
+        for kind in kinds:
+            flags |= _KINDS[kind][1]
+        _check(_libc.unshare(flags), "unshare")
+        try:
+            if "uts" in kinds:
+                name = hostname.encode()
+                _check(_libc.sethostname(name, len(name)), "sethostname")
+            if "net" in kinds:
+                _loopback_up()
+            for kind, target in targets.items():
+                _mount(f"/proc/thread-self/ns/{kind}", target, MS_BIND)
+                mounted.append(target)
+        finally:
+            _return_home(thread, kinds)
+
+    def _pin_from_helper(
+        self,
+        thread: _PinThread,
+        kinds: list[str],
+        hostname: str,
+        userns: UserNamespaceMappings,
+        targets: dict[str, Path],
+        mounted: list[Path],
+    ) -> None:
+        flags = CLONE_NEWUSER
+        for kind in kinds:
+            flags |= _KINDS[kind][1]
+        helper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _USERNS_HELPER, str(flags)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert helper.stdout is not None
+            report = helper.stdout.readline().strip()
+            if report != "ready":
+                raise OSError(
+                    errno.EPERM, f"creating the user namespace: {report or 'the helper died'}"
+                )
+            ns_dir = f"/proc/{helper.pid}/ns"
+            for kind in ("uid", "gid"):
+                with open(f"/proc/{helper.pid}/{kind}_map", "w") as map_file:
+                    map_file.write(userns.map_text(kind))
+            if "uts" in kinds:
+                name = hostname.encode()
+                _inside(thread, "uts", f"{ns_dir}/uts", lambda: _sethostname(name))
+            if "net" in kinds:
+                _inside(thread, "net", f"{ns_dir}/net", _loopback_up)
+            for kind, target in targets.items():
+                _mount(f"{ns_dir}/{kind}", target, MS_BIND)
+                mounted.append(target)
+        finally:
+            _stop_helper(helper)
+
+
+def _return_home(thread: _PinThread, kinds: list[str]) -> None:
+    try:
+        thread.go_home(kinds)
+    except OSError:
+        thread.stranded = True
+        raise
+
+
+def _inside(thread: _PinThread, kind: str, ns_path: str, work: Callable[[], None]) -> None:
+    """Run `work` with the pinning thread in the namespace at `ns_path`, then return."""
+    fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc.setns(fd, _KINDS[kind][1]), f"setns {kind}")
+    finally:
+        os.close(fd)
+    try:
+        work()
+    finally:
+        _return_home(thread, [kind])
+
+
+def _sethostname(name: bytes) -> None:
+    _check(_libc.sethostname(name, len(name)), "sethostname")
+
+
+def _stop_helper(helper: subprocess.Popen[str]) -> None:
+    for stream in (helper.stdin, helper.stdout):
+        if stream is not None:
+            stream.close()
+    try:
+        helper.wait(timeout=_HELPER_EXIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        helper.kill()
+        helper.wait()
 
 
 def _unpin_now(path: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from cri_api.v1 import api_pb2
 
 from cri_shim.errors import InvalidArgument
+from cri_shim.runtime.userns import IDMAP_KERNEL, pod_mappings
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ _MOUNT_SETATTR_KERNEL = (5, 12)
 @dataclass(frozen=True)
 class HandlerFeatures:
     recursive_read_only_mounts: bool = False
-    # Not built yet (issue 10, item 9): never advertised until it really works.
+    # The runtime joins a user namespace by path; the daemon idmaps the mounts itself
+    # (see runtime/userns.py), which needs the kernel's idmapped mounts for tmpfs too.
     user_namespaces: bool = False
 
 
@@ -49,9 +51,14 @@ def features_from_json(text: str, kernel: tuple[int, int]) -> HandlerFeatures:
         document = json.loads(text)
     except ValueError:
         return HandlerFeatures()
-    options = (document.get("mountOptions") or []) if isinstance(document, dict) else []
+    if not isinstance(document, dict):
+        return HandlerFeatures()
+    options = document.get("mountOptions") or []
+    linux = document.get("linux") or {}
+    namespaces = (linux.get("namespaces") or []) if isinstance(linux, dict) else []
     return HandlerFeatures(
         recursive_read_only_mounts="rro" in options and kernel >= _MOUNT_SETATTR_KERNEL,
+        user_namespaces="user" in namespaces and kernel >= IDMAP_KERNEL,
     )
 
 
@@ -84,12 +91,12 @@ def to_cri(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
     )
 
 
-def require_pod_features(config: api_pb2.PodSandboxConfig, handler: str) -> None:
-    """Refuse a pod whose namespaces no handler here can give it, rather than run it in
+def require_pod_features(
+    config: api_pb2.PodSandboxConfig, handler: str, features: HandlerFeatures
+) -> None:
+    """Refuse a pod whose namespaces its handler cannot give it, rather than run it in
     the host's user namespace while it believes itself isolated."""
-    options = config.linux.security_context.namespace_options
-    # Without userns_options the pod uses the host's (mode's protobuf default is POD).
-    if options.HasField("userns_options") and options.userns_options.mode == api_pb2.POD:
+    if pod_mappings(config) is not None and not features.user_namespaces:
         raise InvalidArgument(
             "linux.security_context.namespace_options.userns_options: user namespaces are "
             f"not supported by runtime handler {handler!r} (Status advertises "

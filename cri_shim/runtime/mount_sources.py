@@ -12,10 +12,17 @@ bundle directory, which only root can write to. runc is given the staging point.
 runc has created the container (its mounts exist in the container's namespace), the
 staging mounts are detached; if the daemon dies in between, the bundle directory's undo
 step unmounts everything below it before removing it.
+
+In a pod with a user namespace of its own, every bind mount is staged this way, the
+pod's own files (/etc/hosts, /dev/shm, ...) too, and each staging mount is an idmapped
+clone (runtime/userns.py), so that what the host's root owns the pod's root owns.
+Image volumes are the exception: overlayfs cannot be idmapped, so they are stacked from
+idmapped layers instead (lifecycle/image_volumes.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -27,7 +34,8 @@ from typing import Any
 from cri_api.v1 import api_pb2
 
 from cri_shim import mounts
-from cri_shim.errors import InvalidArgument
+from cri_shim.errors import FailedPrecondition, InvalidArgument
+from cri_shim.runtime.userns import idmapped_mount, open_userns
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +66,53 @@ class PinnedSources:
 
 
 def pin_bind_sources(
-    spec: dict[str, Any], requested: Sequence[api_pb2.Mount], staging: Path
+    spec: dict[str, Any],
+    requested: Sequence[api_pb2.Mount],
+    staging: Path,
+    userns_path: Path | None = None,
 ) -> PinnedSources:
     """Replace the source of each bind mount in `spec` that comes from `requested` by a
     staging point under `staging` on which the opened host path is mounted. Raises
-    InvalidArgument naming the field when a host path is gone or cannot be opened."""
+    InvalidArgument naming the field when a host path is gone or cannot be opened. With
+    `userns_path` (the pod's pinned user namespace), all bind mounts but image volumes
+    are staged, idmapped through it."""
     pinned = PinnedSources(staging)
     wanted = {
         (mount.container_path, mount.host_path): index
         for index, mount in enumerate(requested)
         if not (mount.HasField("image") and mount.image.image)
     }
+    image_volumes = {
+        mount.container_path for mount in requested if mount.HasField("image") and mount.image.image
+    }
     try:
-        for entry in spec.get("mounts", []):
-            index = wanted.get((entry.get("destination"), entry.get("source")))
-            if entry.get("type") != "bind" or index is None:
-                continue
-            entry["source"] = str(_pin(entry["source"], index, pinned))
+        with contextlib.ExitStack() as stack:
+            userns_fd = None
+            if userns_path is not None:
+                userns_fd = stack.enter_context(open_userns(userns_path))
+            for number, entry in enumerate(spec.get("mounts", [])):
+                if entry.get("type") != "bind":
+                    continue
+                destination = entry.get("destination")
+                index = wanted.get((destination, entry.get("source")))
+                if index is not None:
+                    field_name = f"mounts[{index}].host_path"
+                    point = _pin(entry["source"], str(index), field_name, pinned, userns_fd)
+                elif userns_fd is not None and destination not in image_volumes:
+                    field_name = f"the pod's mount at {destination}"
+                    point = _pin(entry["source"], f"pod-{number}", field_name, pinned, userns_fd)
+                else:
+                    continue
+                entry["source"] = str(point)
     except BaseException:
         pinned.release()
         raise
     return pinned
 
 
-def _pin(host_path: str, index: int, pinned: PinnedSources) -> Path:
-    field_name = f"mounts[{index}].host_path"
+def _pin(
+    host_path: str, name: str, field_name: str, pinned: PinnedSources, userns_fd: int | None
+) -> Path:
     try:
         # O_PATH: no read permission needed and nothing is opened for I/O; symlinks are
         # followed, once, here.
@@ -92,12 +122,21 @@ def _pin(host_path: str, index: int, pinned: PinnedSources) -> Path:
     try:
         is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
         pinned.staging.mkdir(mode=0o700, parents=True, exist_ok=True)
-        point = pinned.staging / str(index)
+        point = pinned.staging / name
         if is_dir:
             point.mkdir(mode=0o700)
         else:
             os.close(os.open(point, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600))
         pinned.points.append(point)
+        if userns_fd is not None:
+            try:
+                idmapped_mount(fd, point, userns_fd)
+            except OSError as exc:
+                raise FailedPrecondition(
+                    f"{field_name}: {host_path} cannot be idmapped for the pod's user "
+                    f"namespace: {exc.strerror} (its filesystem must support idmapped mounts)"
+                ) from None
+            return point
         # MS_REC: what is mounted below the host path comes along, as `rbind` asks.
         mounts.mount(f"/proc/self/fd/{fd}", point, None, mounts.MS_BIND | mounts.MS_REC)
         return point

@@ -25,6 +25,7 @@ from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.identity import EtcReader, read_in_root, resolve_identity
 from cri_shim.runtime.resources import clamp_oom_score_adj, linux_resources
 from cri_shim.runtime.seccomp import default_profile, load_localhost_profile
+from cri_shim.runtime.userns import UserNamespaceMappings
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class SandboxContext:
     netns_path: Path | None = None
     ipc_ns_path: Path | None = None
     uts_ns_path: Path | None = None
+    # A pod with a user namespace of its own: its pin and its mappings.
+    userns_path: Path | None = None
+    userns: UserNamespaceMappings | None = None
     # Only for pods that share one PID namespace (shareProcessNamespace): the infra
     # process's /proc/<pid>/ns/pid. Otherwise each container gets its own.
     pid_ns_path: Path | None = None
@@ -193,6 +197,8 @@ def build_spec(
     }
     if identity.additional_gids:
         process["user"]["additionalGids"] = list(identity.additional_gids)
+    if sandbox.userns is not None:
+        _require_mapped(sandbox.userns, identity.uid, identity.gid, identity.additional_gids)
 
     resources = linux_resources(
         linux_cfg.resources if linux_cfg.HasField("resources") else None, host
@@ -208,6 +214,8 @@ def build_spec(
         "maskedPaths": [] if privileged else list(sc.masked_paths or DEFAULT_MASKED_PATHS),
         "readonlyPaths": [] if privileged else list(sc.readonly_paths or DEFAULT_READONLY_PATHS),
     }
+    if sandbox.userns is not None:
+        linux.update(sandbox.userns.oci())
     sysctls = container_sysctls(sandbox)
     if sysctls:
         linux["sysctl"] = sysctls
@@ -240,6 +248,24 @@ def build_spec(
     if hostname:
         spec["hostname"] = hostname
     return spec
+
+
+def _require_mapped(
+    userns: UserNamespaceMappings, uid: int, gid: int, additional_gids: Iterable[int]
+) -> None:
+    """An id outside the pod's mappings cannot be taken inside its user namespace (runc
+    would fail with a bare EINVAL); say which one, before anything is created."""
+    if userns.host_uid(uid) is None:
+        raise InvalidArgument(
+            f"security_context.run_as_user: uid {uid} is outside the pod's user namespace "
+            "mappings (userns_options.uids)"
+        )
+    for what, group in (("gid", gid), *(("supplemental group", g) for g in additional_gids)):
+        if userns.host_gid(group) is None:
+            raise InvalidArgument(
+                f"security_context: {what} {group} is outside the pod's user namespace "
+                "mappings (userns_options.gids)"
+            )
 
 
 def container_args(cfg: api_pb2.ContainerConfig, image: ImageConfigView) -> list[str]:
@@ -305,10 +331,12 @@ def cgroups_path(cgroup_parent: str, container_id: str) -> str:
 def container_namespaces(
     cfg: api_pb2.ContainerConfig, sandbox: SandboxContext, target_pid_ns_path: Path | None
 ) -> list[dict[str, str]]:
-    """Network, IPC and UTS are the pod's (joined by their pinned paths) or the host's
-    (left out). PID is the container's own unless the pod or request says otherwise."""
+    """User (a pod with its own), network, IPC and UTS are the pod's (joined by their
+    pinned paths) or the host's (left out). PID is the container's own unless the pod or
+    request says otherwise."""
     namespaces: list[dict[str, str]] = [{"type": "mount"}]
     for kind, path in (
+        ("user", sandbox.userns_path),
         ("network", sandbox.netns_path),
         ("ipc", sandbox.ipc_ns_path),
         ("uts", sandbox.uts_ns_path),

@@ -79,6 +79,7 @@ async def pod_sandbox_status(
             "netns": str(sandbox.netns_path or ""),
             "ipcns": str(sandbox.ipc_path or ""),
             "utsns": str(sandbox.uts_path or ""),
+            "userns": str(sandbox.userns_path or ""),
             "ips": sandbox.ips,
             "cniResult": sandbox.cni_result,
             "hostNetwork": sandbox.host_network,

@@ -24,6 +24,7 @@ class SandboxRecord:
     netns_path: Path | None
     ipc_path: Path | None
     uts_path: Path | None
+    userns_path: Path | None
     ips: list[str]
     cni_result: dict[str, object] | None
 
@@ -44,6 +45,7 @@ class SandboxRecord:
             netns_path=_path(row["netns_path"]),
             ipc_path=_path(row["ipc_path"]),
             uts_path=_path(row["uts_path"]),
+            userns_path=_path(row["userns_path"]),
             ips=list(json.loads(row["ips"])),
             cni_result=json.loads(row["cni_result"]) if row["cni_result"] else None,
         )

@@ -106,4 +106,8 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE containers ADD COLUMN layers TEXT NOT NULL DEFAULT '[]'
     """,
+    # 3: a pod with a user namespace of its own pins it like its other namespaces.
+    """
+    ALTER TABLE sandboxes ADD COLUMN userns_path TEXT
+    """,
 ]

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon
+from tests.harness import Daemon, userns_linux
 from tests.integration.cri_testkit import (
     container_config,
     create,
@@ -47,6 +47,9 @@ def test_each_handler_is_reported_with_its_own_features(two_handlers: Daemon) ->
     assert features["runc"].recursive_read_only_mounts
     assert features["second"].recursive_read_only_mounts
     assert not features["crun"].recursive_read_only_mounts
+    # runc lists the user namespace in `runc features` and the kernel idmaps tmpfs.
+    assert features["runc"].user_namespaces
+    assert not features["crun"].user_namespaces
 
 
 def test_a_pod_runs_under_the_handler_it_names(two_handlers: Daemon, short_tmp: Path) -> None:
@@ -136,22 +139,18 @@ def test_update_runtime_config_takes_the_pod_cidr(daemon: Daemon) -> None:
     assert "10.244.1.0/24" in daemon.log()
 
 
-def test_a_user_namespaced_pod_is_refused_not_run_in_the_host_namespace(
-    daemon: Daemon, short_tmp: Path
+def test_a_user_namespaced_pod_is_refused_by_a_handler_without_them(
+    two_handlers: Daemon, short_tmp: Path
 ) -> None:
-    """User namespaces are not built: Status says so, and a pod asking for one is refused
-    rather than silently run with the host's ids."""
-    userns = api_pb2.UserNamespace(
-        mode=api_pb2.POD,
-        uids=[api_pb2.IDMapping(host_id=100000, container_id=0, length=65536)],
-        gids=[api_pb2.IDMapping(host_id=100000, container_id=0, length=65536)],
-    )
-    options = api_pb2.NamespaceOption(userns_options=userns)
-    linux = api_pb2.LinuxPodSandboxConfig(
-        security_context=api_pb2.LinuxSandboxSecurityContext(namespace_options=options)
-    )
-    with pytest.raises(grpc.RpcError) as failure, pod(daemon, "userns", short_tmp, linux=linux):
+    """crun 1.8 says nothing of its features: Status does not advertise user namespaces
+    for it, and a pod asking for one under it is refused rather than silently run with
+    the host's ids."""
+    linux = userns_linux(65536 * 3300)
+    with (
+        pytest.raises(grpc.RpcError) as failure,
+        pod(two_handlers, "userns", short_tmp, handler="crun", linux=linux),
+    ):
         pass
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "user namespaces are not supported" in failure.value.details()
-    assert daemon.leaks() == {}
+    assert "not supported by runtime handler 'crun'" in failure.value.details()
+    assert two_handlers.leaks() == {}

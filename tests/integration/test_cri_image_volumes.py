@@ -9,7 +9,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon, wait_until
+from tests.harness import Daemon, userns_linux, wait_until
 from tests.imagebuild import build_oci_layout
 from tests.integration.cri_testkit import (
     container_config,
@@ -149,4 +149,19 @@ def test_a_volume_that_cannot_be_honoured_is_refused_and_leaves_nothing(
         assert failure.value.code() == code
         assert complaint in failure.value.details()
         assert "mounts[0]" in failure.value.details()
+    assert daemon.leaks() == {}
+
+
+def test_an_image_volume_in_a_user_namespaced_pod_belongs_to_its_root(
+    daemon: Daemon, volume_image_id: str, short_tmp: Path
+) -> None:
+    """The volume's layers are idmapped like the root filesystem's: the host root's files
+    are the pod root's, not nobody's."""
+    linux = userns_linux(65536 * 3200)
+    script = "stat -c '%u %g' /vol/data/hello.txt; cat /vol/data/hello.txt"
+    with pod(daemon, "imgvol-userns", short_tmp, linux=linux) as p:
+        st = run_to_exit(
+            daemon, p, container_config("owned", script, mounts=[_volume(volume_image_id)])
+        )
+        assert output(st) == ["0 0", "hello from the image"]
     assert daemon.leaks() == {}

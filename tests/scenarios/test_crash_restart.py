@@ -15,7 +15,14 @@ import pytest
 from cri_api.v1 import api_pb2
 
 from cri_shim import faults
-from tests.harness import CniTestNetwork, Daemon, import_image, pod_config, wait_until
+from tests.harness import (
+    CniTestNetwork,
+    Daemon,
+    import_image,
+    pod_config,
+    userns_linux,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
@@ -136,7 +143,9 @@ def test_orphans_under_the_roots_are_removed_at_start(daemon: Daemon) -> None:
 # ---- containers -------------------------------------------------------------------
 
 
-def _create_container(daemon: Daemon, sandbox_id: str) -> str:
+def _create_container(
+    daemon: Daemon, sandbox_id: str, sandbox_config: api_pb2.PodSandboxConfig | None = None
+) -> str:
     return (
         daemon.runtime()
         .CreateContainer(
@@ -147,7 +156,7 @@ def _create_container(daemon: Daemon, sandbox_id: str) -> str:
                     image=api_pb2.ImageSpec(image=IMAGE),
                     command=["sleep", "300"],
                 ),
-                sandbox_config=pod_config("crash"),
+                sandbox_config=sandbox_config or pod_config("crash"),
             ),
             timeout=60,
         )
@@ -240,5 +249,41 @@ def test_crash_between_runc_start_and_its_record(daemon: Daemon, busybox_layout:
     assert retry.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "is running" in retry.value.details()
     remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert _runc_containers(daemon) == []
+
+
+# ---- pods with a user namespace of their own ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "sandbox:namespaces",
+        "sandbox:network-added",
+        "container:rootfs",
+        "container:runtime-created",
+    ],
+)
+def test_crash_while_making_a_user_namespaced_pod(
+    daemon: Daemon, busybox_layout: Path, fault: str
+) -> None:
+    """The user namespace pin, the idmapped layers and the staged idmapped mounts are
+    rolled back like every other step."""
+    import_image(daemon, busybox_layout)
+    config = pod_config("crash-userns", linux=userns_linux(65536 * 3100))
+
+    def make() -> None:
+        sandbox_id = (
+            daemon.runtime()
+            .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30)
+            .pod_sandbox_id
+        )
+        _create_container(daemon, sandbox_id, config)
+
+    crash_and_restart(daemon, fault, make)
+    assert _containers(daemon) == []
+    for sandbox_id in listed(daemon):  # a crash at a container step leaves the pod
+        remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()
     assert _runc_containers(daemon) == []
