@@ -20,6 +20,7 @@ from tests.harness import Daemon, make_test_network
 @contextmanager
 def bench_daemon(settings: dict[str, Any] | None = None, slow_cni: bool = True) -> Iterator[Daemon]:
     base = Path(tempfile.mkdtemp(prefix="csb-", dir="/tmp"))
+    base.chmod(0o711)  # reachable from a pod's user namespace, as /var/lib is
     network = make_test_network(base, 7, slow=slow_cni)
     daemon = Daemon(base, network, settings=settings or {})
     daemon.start()

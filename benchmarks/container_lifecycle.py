@@ -1,6 +1,8 @@
 """CreateContainer / StartContainer / StopContainer / RemoveContainer latency, and RSS.
 
-Usage: sudo .venv/bin/python benchmarks/container_lifecycle.py [--containers 50]
+Usage: sudo .venv/bin/python benchmarks/container_lifecycle.py [--containers 50] [--userns]
+
+--userns runs them in a pod with a user namespace of its own (idmapped mounts).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from common import bench_daemon, row, rss_mib
 from cri_api.v1 import api_pb2
 
-from tests.harness import import_image, pod_config
+from tests.harness import import_image, pod_config, userns_linux
 from tests.imagebuild import cached_oci_layout
 
 IMAGE = "docker.io/library/busybox:latest"
@@ -22,13 +24,14 @@ IMAGE = "docker.io/library/busybox:latest"
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--containers", type=int, default=50)
+    parser.add_argument("--userns", action="store_true", help="a pod with its own user namespace")
     args = parser.parse_args()
     create, start, stop, remove = [], [], [], []
     with bench_daemon(slow_cni=False) as daemon, tempfile.TemporaryDirectory() as scratch:
         layout = cached_oci_layout(Path(scratch))
         import_image(daemon, layout)
         rt = daemon.runtime()
-        config = pod_config("bench")
+        config = pod_config("bench", **({"linux": userns_linux(65536 * 99)} if args.userns else {}))
         sandbox_id = rt.RunPodSandbox(
             api_pb2.RunPodSandboxRequest(config=config), timeout=60
         ).pod_sandbox_id

@@ -1,6 +1,8 @@
 """RunPodSandbox / StopPodSandbox / RemovePodSandbox latency and the daemon's RSS.
 
-Usage: sudo .venv/bin/python benchmarks/sandbox_lifecycle.py [--cycles 50]
+Usage: sudo .venv/bin/python benchmarks/sandbox_lifecycle.py [--cycles 50] [--userns]
+
+--userns gives every pod a user namespace of its own (hostUsers: false).
 """
 
 from __future__ import annotations
@@ -11,13 +13,19 @@ import time
 from common import bench_daemon, row, rss_mib
 from cri_api.v1 import api_pb2
 
-from tests.harness import pod_config
+from tests.harness import pod_config, userns_linux
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cycles", type=int, default=50)
+    parser.add_argument("--userns", action="store_true", help="pods with their own user namespace")
     args = parser.parse_args()
+
+    def config(name: str, index: int) -> api_pb2.PodSandboxConfig:
+        extra = {"linux": userns_linux(65536 * (100 + index))} if args.userns else {}
+        return pod_config(name, uid=name, **extra)
+
     run, stop, remove = [], [], []
     with bench_daemon(slow_cni=False) as daemon:
         rt = daemon.runtime()
@@ -27,7 +35,7 @@ def main() -> None:
         for i in range(args.cycles):
             t0 = time.perf_counter()
             sid = rt.RunPodSandbox(
-                api_pb2.RunPodSandboxRequest(config=pod_config(f"b{i}", uid=f"u{i}")), timeout=60
+                api_pb2.RunPodSandboxRequest(config=config(f"b{i}", i)), timeout=60
             ).pod_sandbox_id
             t1 = time.perf_counter()
             rt.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
@@ -39,7 +47,7 @@ def main() -> None:
             remove.append(t3 - t2)
         ids = [
             rt.RunPodSandbox(
-                api_pb2.RunPodSandboxRequest(config=pod_config(f"h{i}", uid=f"h{i}")), timeout=60
+                api_pb2.RunPodSandboxRequest(config=config(f"h{i}", i)), timeout=60
             ).pod_sandbox_id
             for i in range(50)
         ]
