@@ -10,6 +10,7 @@ advertised only when the runtime lists it and the kernel can do it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -80,8 +81,19 @@ def handler_features(runtime_path: Path) -> HandlerFeatures:
         log.info("%s has no `features` command; assuming no optional features", runtime_path)
         return HandlerFeatures()
     features = features_from_json(result.stdout, kernel_version())
+    if features.user_namespaces and not user_namespaces_allowed():
+        log.info("user namespaces are disabled on this host (user.max_user_namespaces is 0)")
+        features = dataclasses.replace(features, user_namespaces=False)
     log.info("runtime %s: %s", runtime_path, features)
     return features
+
+
+def user_namespaces_allowed(limit_file: Path = Path("/proc/sys/user/max_user_namespaces")) -> bool:
+    """False where the administrator turned user namespaces off (the sysctl is 0)."""
+    try:
+        return int(limit_file.read_text()) > 0
+    except (OSError, ValueError):
+        return False
 
 
 def to_cri(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:

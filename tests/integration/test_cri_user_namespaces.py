@@ -14,7 +14,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon, userns_linux
+from tests.harness import Daemon, ping, userns_linux
 from tests.integration.cri_testkit import (
     container_config,
     create,
@@ -110,8 +110,14 @@ def test_the_pods_network_belongs_to_its_user_namespace(
             daemon, container_id, ["sh", "-c", "timeout 1 nc -l -p 80; test $? = 143"]
         )
         assert bound.exit_code == 0, bound.stderr
-        # Seen from the host: the pinned netns is owned by the pinned user namespace.
+        # The pod is on the network, with its hostname set in its own UTS namespace.
         sandbox_id = p[0]
+        pod_status = daemon.runtime().PodSandboxStatus(
+            api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=10
+        )
+        assert ping(pod_status.status.network.ip)
+        assert exec_sync(daemon, container_id, ["hostname"]).stdout == b"userns-net\n"
+        # Seen from the host: the pinned netns is owned by the pinned user namespace.
         netns = os.open(daemon.run_root / "netns" / sandbox_id, os.O_RDONLY)
         try:
             owner = fcntl.ioctl(netns, NS_GET_USERNS)

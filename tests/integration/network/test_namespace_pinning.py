@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import time
@@ -14,6 +15,7 @@ from network_host import mount_options, mounts_below
 from cri_shim.errors import Internal, InvalidArgument
 from cri_shim.network import netns
 from cri_shim.network.netns import NamespacePinner
+from cri_shim.runtime.userns import IdRange, UserNamespaceMappings
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -185,3 +187,67 @@ async def test_concurrent_pins_are_distinct_and_cheap(pinner: NamespacePinner) -
     print(f"pin (net+uts+ipc, lo up): {per_pin_ms:.2f} ms per pod")
     # DESIGN §6 expects about a millisecond; a fork per pin would be well above this bound.
     assert per_pin_ms < 20
+
+
+# ---- a user namespace of the pod's own -----------------------------------------------
+
+MAPPINGS = UserNamespaceMappings((IdRange(0, 65536 * 40, 65536),), (IdRange(0, 65536 * 40, 65536),))
+NS_GET_USERNS = 0xB701
+
+
+def _owner_inode(ns_path: Path) -> int:
+    fd = os.open(ns_path, os.O_RDONLY)
+    try:
+        owner = fcntl.ioctl(fd, NS_GET_USERNS)
+        try:
+            return os.fstat(owner).st_ino
+        finally:
+            os.close(owner)
+    finally:
+        os.close(fd)
+
+
+async def test_a_user_namespace_is_pinned_and_owns_the_others(pinner: NamespacePinner) -> None:
+    pins = await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="us-0", userns=MAPPINGS)
+    assert pins.user == pinner.run_root / "userns" / "pod1"
+    for path in (pins.net, pins.uts, pins.ipc):
+        assert path is not None and _owner_inode(path) == ns_inode(pins.user)
+    inside = nsenter(f"--user={pins.user}", f"--uts={pins.uts}", "sh", "-c", "id -u; hostname")
+    assert inside.split("\n") == ["0", "us-0"]
+    assert nsenter(f"--user={pins.user}", "cat", "/proc/self/uid_map").split() == [
+        "0",
+        str(65536 * 40),
+        "65536",
+    ]
+    links = nsenter(f"--net={pins.net}", "ip", "-o", "link", "show")
+    assert "UP" in links.split("lo:")[1]
+    assert await thread_namespaces(pinner) == host_namespaces()
+    for path in pins.paths():
+        await pinner.unpin(path)
+    assert pinner.pinned() == []
+
+
+async def test_a_failed_user_namespace_pin_undoes_everything(
+    pinner: NamespacePinner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_mount = netns._mount
+
+    def fail_on_user(source: str | None, target: Path, flags: int) -> None:
+        if source is not None and source.endswith("/user"):
+            raise OSError(28, "injected: no space left")
+        real_mount(source, target, flags)
+
+    monkeypatch.setattr(netns, "_mount", fail_on_user)
+    with pytest.raises(Internal, match="injected"):
+        await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="h", userns=MAPPINGS)
+    assert pinner.pinned() == []
+    assert [p for p in mounts_below(pinner.run_root) if "pod1" in p] == []
+    assert await thread_namespaces(pinner) == host_namespaces()
+    # The helper process is gone too.
+    assert _userns_helpers() == ""
+
+
+def _userns_helpers() -> str:
+    return subprocess.run(
+        ["pgrep", "-f", "libc.unshare"], capture_output=True, text=True, check=False
+    ).stdout

@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 from runtime_spec_inputs import container_config
 
 from cri_shim.errors import FailedPrecondition, InvalidArgument
-from cri_shim.runtime.features import HandlerFeatures, features_from_json, require_pod_features
+from cri_shim.runtime.features import (
+    HandlerFeatures,
+    features_from_json,
+    require_pod_features,
+    user_namespaces_allowed,
+)
 from cri_shim.runtime.spec import SandboxContext
 from cri_shim.runtime.userns import (
     IdRange,
@@ -157,6 +162,15 @@ def test_user_namespaces_are_a_feature_when_runtime_and_kernel_have_them() -> No
     assert not features_from_json(
         json.dumps({"linux": {"namespaces": ["mount"]}}), (6, 18)
     ).user_namespaces
+
+
+def test_user_namespaces_turned_off_by_the_sysctl_are_no_feature(tmp_path: Path) -> None:
+    limit = tmp_path / "max_user_namespaces"
+    limit.write_text("0\n")
+    assert not user_namespaces_allowed(limit)
+    limit.write_text("96364\n")
+    assert user_namespaces_allowed(limit)
+    assert not user_namespaces_allowed(tmp_path / "missing")
 
 
 def test_a_handler_without_user_namespaces_refuses_the_pod() -> None:
