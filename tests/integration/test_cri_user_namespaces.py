@@ -260,3 +260,26 @@ def test_removing_a_container_leaves_no_idmapped_mounts(
         assert staged == []
         remove(daemon, container_id)
     assert daemon.leaks() == {}
+
+
+def test_a_privileged_container_is_privileged_only_in_its_user_namespace(
+    daemon: Daemon, image: None, short_tmp: Path
+) -> None:
+    """kubelet allows privileged containers with hostUsers: false: all capabilities, over
+    the pod's own namespaces only."""
+    linux = userns_linux(HOST_BASE, SIZE)
+    linux.security_context.privileged = True
+    with pod(daemon, "privileged", short_tmp, linux=linux) as p:
+        config = container_config(
+            "admin",
+            "id -u; ip link set lo mtu 9000 && echo net-admin; cat /proc/self/uid_map",
+            linux=api_pb2.LinuxContainerConfig(
+                security_context=api_pb2.LinuxContainerSecurityContext(privileged=True)
+            ),
+        )
+        final = run_to_exit(daemon, p, config)
+        assert final.exit_code == 0, output(final, "stderr")
+        lines = output(final)
+        assert lines[0:2] == ["0", "net-admin"]
+        assert lines[2].split() == ["0", str(HOST_BASE), str(SIZE)]
+    assert daemon.leaks() == {}
