@@ -249,5 +249,18 @@ async def test_a_failed_user_namespace_pin_undoes_everything(
 
 def _userns_helpers() -> str:
     return subprocess.run(
-        ["pgrep", "-f", "libc.unshare"], capture_output=True, text=True, check=False
+        ["pgrep", "-f", "unshare --user"], capture_output=True, text=True, check=False
     ).stdout
+
+
+async def test_a_helper_that_cannot_make_the_user_namespace_is_reported(
+    pinner: NamespacePinner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    refusing = tmp_path / "unshare"
+    refusing.write_text("#!/bin/sh\necho 'unshare failed: Operation not permitted' >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    monkeypatch.setattr(netns.shutil, "which", lambda _name: str(refusing))
+    with pytest.raises(Internal, match="creating the user namespace: unshare failed"):
+        await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="h", userns=MAPPINGS)
+    assert pinner.pinned() == []
+    assert [p for p in mounts_below(pinner.run_root) if "pod1" in p] == []
