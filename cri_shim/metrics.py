@@ -90,24 +90,13 @@ class Metrics:
         )
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        method = cri_method_name(method)
+        """`method` as the CRI (and crictl) names it: `RunPodSandbox`."""
         self.rpc_requests.labels(method, code).inc()
         self.rpc_latency.labels(method).observe(seconds)
 
     def observe_call(self, tool: str, op: str, seconds: float, ok: bool) -> None:
         self.host_calls.labels(tool, op, "ok" if ok else "error").inc()
         self.host_call_latency.labels(tool, op).observe(seconds)
-
-
-def cri_method_name(name: str) -> str:
-    """`run_pod_sandbox` → `RunPodSandbox`: the method as the CRI (and crictl) names it.
-
-    The gRPC edge reports its handlers' Python names; operators query by the CRI's.
-    """
-    if "_" not in name and not name.islower():
-        return name
-    # A trailing underscore dodges a keyword or builtin (`exec_`); it is not in the name.
-    return "".join(part[:1].upper() + part[1:] for part in name.rstrip("_").split("_"))
 
 
 # The Metrics that `observe_call` reports to. A process-wide sink rather than a reference

@@ -56,9 +56,19 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
 Handler = Callable[["Services", Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
+def cri_method_name(name: str) -> str:
+    """`run_pod_sandbox` → `RunPodSandbox`: the method as the CRI (and crictl) names it,
+    which logs and metrics use, whatever the Python handler is called."""
+    if "_" not in name and not name.islower():
+        return name
+    # A trailing underscore dodges a keyword or builtin (`exec_`); it is not in the name.
+    return "".join(part[:1].upper() + part[1:] for part in name.rstrip("_").split("_"))
+
+
 def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """Wrap a handler(services, request, context) as a servicer method."""
-    name = handler.__name__
+    """Wrap a handler(services, request, context) as the servicer method of the same CRI
+    name."""
+    name = cri_method_name(handler.__name__)
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
