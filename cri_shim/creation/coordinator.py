@@ -595,15 +595,17 @@ class CreationCoordinator:
         """After a restart: `name` belongs to a visible object. Persists nothing."""
         self._restore(name, object_id, Phase.VISIBLE)
 
-    def restore_cached(self, name: str, object_id: str) -> None:
-        """After a restart: a cached object, claimable again with a fresh expiry.
+    def restore_cached(self, name: str, object_id: str) -> float:
+        """After a restart: a cached object, claimable again with a fresh expiry, which is
+        returned (on the coordinator's clock) for the caller to record.
 
         The expiry restarts at now + claim_grace: the retries that would have claimed it may
-        have failed against the stopped daemon. Persists nothing (the row says `cached`).
+        have failed against the stopped daemon. Calls no hook (the row already says `cached`).
         """
         entry = self._restore(name, object_id, Phase.CACHED)
         entry.expires_at = self._clock() + self._claim_grace
         entry.expiry_task = self._spawn(self._expire_when_due(entry), f"expire {self._kind} {name}")
+        return entry.expires_at
 
     def _restore(self, name: str, object_id: str, phase: Phase) -> _Entry:
         if self._closing:

@@ -43,11 +43,9 @@ class PersistedCreationHooks:
         self._db.execute(f"UPDATE {self.table} SET stage = ? WHERE id = ?", (stage, object_id))
 
     def cached(self, object_id: str, expires_at: float) -> None:
-        # The coordinator's clock is the loop's; the row keeps wall-clock time for humans.
-        wall = time.time() + max(0.0, expires_at - asyncio.get_running_loop().time())
         self._db.execute(
             f"UPDATE {self.table} SET phase = 'cached', cached_until = ? WHERE id = ?",
-            (wall, object_id),
+            (_wall_clock(expires_at), object_id),
         )
 
     def publish(self, object_id: str) -> None:
@@ -92,7 +90,11 @@ class PersistedCreationHooks:
         visible ones, and drop reservations that never got a row."""
         for row in self._db.query(f"SELECT id, name, phase FROM {self.table}"):
             if row["phase"] == "cached":
-                self.coordinator.restore_cached(row["name"], row["id"])
+                expires_at = self.coordinator.restore_cached(row["name"], row["id"])
+                self._db.execute(
+                    f"UPDATE {self.table} SET cached_until = ? WHERE id = ?",
+                    (_wall_clock(expires_at), row["id"]),
+                )
             elif row["phase"] == "visible":
                 self.coordinator.restore_visible(row["name"], row["id"])
             else:
@@ -113,3 +115,8 @@ class PersistedCreationHooks:
             f"DELETE FROM names WHERE kind = ? AND object_id NOT IN (SELECT id FROM {self.table})",
             (self.kind,),
         )
+
+
+def _wall_clock(expires_at: float) -> float:
+    """The coordinator's clock is the loop's; rows keep wall-clock time for humans."""
+    return time.time() + max(0.0, expires_at - asyncio.get_running_loop().time())

@@ -103,10 +103,13 @@ def test_cached_sandbox_survives_kill9_and_is_claimed_without_second_add(
     test_network.delay_file.write_text("2")
     with pytest.raises(grpc.RpcError):
         run_pod(daemon, "cached", timeout=0.5)
-    wait_until(lambda: daemon.rows("sandboxes", "phase = 'cached'"), timeout=15)
+    (cached,) = wait_until(lambda: daemon.rows("sandboxes", "phase = 'cached'"), timeout=15)
     daemon.kill9()
     daemon.start()
     assert listed(daemon) == []  # still invisible after restore
+    # The row tells when the fresh expiry that restore gave it runs out.
+    (restored,) = daemon.rows("sandboxes", "phase = 'cached'")
+    assert restored["cached_until"] > cached["cached_until"]
     sandbox_id = run_pod(daemon, "cached", timeout=5)
     assert test_network.adds() == 1
     status = (

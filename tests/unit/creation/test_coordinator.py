@@ -498,7 +498,7 @@ async def test_release_frees_a_visible_name_and_guards_the_rest() -> None:
 async def test_restored_cached_objects_are_claimable_with_a_fresh_expiry() -> None:
     coordinator, hooks = make()
     await advance_to(1000.0)
-    coordinator.restore_cached("cached-name", "id-cached")
+    assert coordinator.restore_cached("cached-name", "id-cached") == 1000.0 + GRACE
     coordinator.restore_visible("visible-name", "id-visible")
     assert hooks.calls == []  # restore mirrors the database; it writes nothing
 
