@@ -28,27 +28,44 @@ FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"
 BUSYBOX_IMAGE = "docker.io/library/busybox:latest"
 
 
+def import_command(config: Path, layout: Path, name: str | None = None) -> list[str]:
+    """The `cri-shim images import` command line for `layout`, to run from REPO."""
+    command = [sys.executable, "-m", "cri_shim.cli", "images", "import"]
+    command += ["--config", str(config), str(layout)]
+    if name is not None:
+        command += ["--name", name]
+    return command
+
+
 def import_image(daemon: Daemon, layout: Path, name: str = BUSYBOX_IMAGE) -> None:
     """`cri-shim images import` into a daemon's store, as an operator of an offline node
     does; the running daemon sees the image at once."""
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cri_shim.cli",
-            "images",
-            "import",
-            "--config",
-            str(daemon.config_path),
-            str(layout),
-            "--name",
-            name,
-        ],
+        import_command(daemon.config_path, layout, name),
         check=True,
         cwd=REPO,
         capture_output=True,
         timeout=120,
     )
+
+
+def host_local_allocations(ipam_dir: Path, network: str) -> list[str]:
+    """IPs host-local still holds for `network` (its files named after addresses)."""
+    net_dir = ipam_dir / network
+    if not net_dir.exists():
+        return []
+    return sorted(p.name for p in net_dir.iterdir() if p.name[0].isdigit())
+
+
+def bridge_veths(bridge: str) -> list[str]:
+    """The interfaces attached to `bridge` (the host ends of the pods' veths)."""
+    out = subprocess.run(
+        ["ip", "-o", "link", "show", "master", bridge],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line]
 
 
 @dataclass
@@ -80,19 +97,10 @@ class CniTestNetwork:
 
     def allocations(self) -> list[str]:
         """IPs host-local still holds (its files named after addresses)."""
-        net_dir = self.ipam_dir / "crishim-test"
-        if not net_dir.exists():
-            return []
-        return sorted(p.name for p in net_dir.iterdir() if p.name[0].isdigit())
+        return host_local_allocations(self.ipam_dir, "crishim-test")
 
     def veths(self) -> list[str]:
-        out = subprocess.run(
-            ["ip", "-o", "link", "show", "master", self.bridge],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line]
+        return bridge_veths(self.bridge)
 
     def remove(self) -> None:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import grpc
 from cri_api.v1 import api_pb2
@@ -34,13 +34,53 @@ NETWORK_LABELS = (*LABELS, "interface")
 COUNTER, GAUGE = api_pb2.COUNTER, api_pb2.GAUGE
 _NS_PER_SECOND = 1_000_000_000
 
+_S = TypeVar("_S")
+
 
 @dataclass(frozen=True)
-class _Container:
+class _Spec(Generic[_S]):
+    """One metric, declared once. Both RPCs read it, so a descriptor cannot drift from the
+    values it describes: the label values are looked up by the declared label keys."""
+
     name: str
     help: str
     kind: api_pb2.MetricType.ValueType
-    value: Callable[[CgroupFigures, ContainerRecord], int | None]
+    labels: tuple[str, ...]
+    read: Callable[[_S], int | None]
+
+    def descriptor(self) -> api_pb2.MetricDescriptor:
+        return api_pb2.MetricDescriptor(name=self.name, help=self.help, label_keys=self.labels)
+
+    def sample(self, labels: Mapping[str, str], source: _S) -> api_pb2.Metric | None:
+        """The live value (timestamp 0), or None where the source lacks the figure."""
+        value = self.read(source)
+        if value is None:
+            return None
+        return api_pb2.Metric(
+            name=self.name,
+            metric_type=self.kind,
+            label_values=[labels[key] for key in self.labels],
+            value=api_pb2.UInt64Value(value=value),
+        )
+
+
+class _Running(NamedTuple):
+    """What a container's metrics are read from."""
+
+    figures: CgroupFigures
+    record: ContainerRecord
+
+
+def _container(
+    name: str, help: str, kind: api_pb2.MetricType.ValueType, read: Callable[[_Running], int | None]
+) -> _Spec[_Running]:
+    return _Spec(name, help, kind, LABELS, read)
+
+
+def _network(
+    name: str, help: str, read: Callable[[InterfaceCounters], int]
+) -> _Spec[InterfaceCounters]:
+    return _Spec(name, help, COUNTER, NETWORK_LABELS, read)
 
 
 def _seconds(ns: int | None) -> int | None:
@@ -48,130 +88,138 @@ def _seconds(ns: int | None) -> int | None:
 
 
 _CONTAINER_METRICS = (
-    _Container(
+    _container(
         "container_cpu_usage_seconds_total",
         "Cumulative cpu time consumed in seconds.",
         COUNTER,
-        lambda f, c: _seconds(f.cpu_usage_ns),
+        lambda r: _seconds(r.figures.cpu_usage_ns),
     ),
-    _Container(
+    _container(
         "container_cpu_user_seconds_total",
         "Cumulative user cpu time consumed in seconds.",
         COUNTER,
-        lambda f, c: _seconds(f.cpu_user_ns),
+        lambda r: _seconds(r.figures.cpu_user_ns),
     ),
-    _Container(
+    _container(
         "container_cpu_system_seconds_total",
         "Cumulative system cpu time consumed in seconds.",
         COUNTER,
-        lambda f, c: _seconds(f.cpu_system_ns),
+        lambda r: _seconds(r.figures.cpu_system_ns),
     ),
-    _Container(
+    _container(
         "container_memory_usage_bytes",
         "Current memory usage in bytes, including all memory regardless of when it was accessed",
         GAUGE,
-        lambda f, c: f.memory_usage_bytes,
+        lambda r: r.figures.memory_usage_bytes,
     ),
-    _Container(
+    _container(
         "container_memory_working_set_bytes",
         "Current working set in bytes.",
         GAUGE,
-        lambda f, c: f.memory_working_set_bytes,
+        lambda r: r.figures.memory_working_set_bytes,
     ),
-    _Container(
+    _container(
         "container_memory_rss",
         "Size of RSS in bytes.",
         GAUGE,
-        lambda f, c: f.memory_rss_bytes,
+        lambda r: r.figures.memory_rss_bytes,
     ),
-    _Container(
+    _container(
         "container_memory_cache",
         "Number of bytes of page cache memory.",
         GAUGE,
-        lambda f, c: f.memory_cache_bytes,
+        lambda r: r.figures.memory_cache_bytes,
     ),
-    _Container(
+    _container(
         "container_memory_max_usage_bytes",
         "Maximum memory usage recorded in bytes",
         GAUGE,
-        lambda f, c: f.memory_max_usage_bytes,
+        lambda r: r.figures.memory_max_usage_bytes,
     ),
-    _Container(
+    _container(
         "container_spec_memory_limit_bytes",
         "Memory limit for the container.",
         GAUGE,
-        lambda f, c: f.memory_limit_bytes,
+        lambda r: r.figures.memory_limit_bytes,
     ),
-    _Container(
+    _container(
         "container_oom_events_total",
         "Count of out of memory events observed for the container",
         COUNTER,
-        lambda f, c: f.oom_kills,
+        lambda r: r.figures.oom_kills,
     ),
-    _Container(
+    _container(
         "container_processes",
         "Number of processes running inside the container.",
         GAUGE,
-        lambda f, c: f.processes,
+        lambda r: r.figures.processes,
     ),
-    _Container(
+    _container(
         "container_threads",
         "Number of threads running inside the container",
         GAUGE,
-        lambda f, c: f.threads,
+        lambda r: r.figures.threads,
     ),
-    _Container(
+    _container(
         "container_start_time_seconds",
         "Start time of the container since unix epoch in seconds.",
         GAUGE,
-        lambda f, c: _seconds(c.started_at) if c.started_at else None,
+        lambda r: _seconds(r.record.started_at) if r.record.started_at else None,
     ),
 )
 
-_NETWORK_METRICS: tuple[tuple[str, str, str], ...] = (
-    ("container_network_receive_bytes_total", "Cumulative count of bytes received", "rx_bytes"),
-    (
+_NETWORK_METRICS = (
+    _network(
+        "container_network_receive_bytes_total",
+        "Cumulative count of bytes received",
+        lambda n: n.rx_bytes,
+    ),
+    _network(
         "container_network_receive_packets_total",
         "Cumulative count of packets received",
-        "rx_packets",
+        lambda n: n.rx_packets,
     ),
-    (
+    _network(
         "container_network_receive_errors_total",
         "Cumulative count of errors encountered while receiving",
-        "rx_errors",
+        lambda n: n.rx_errors,
     ),
-    (
+    _network(
         "container_network_receive_packets_dropped_total",
         "Cumulative count of packets dropped while receiving",
-        "rx_dropped",
+        lambda n: n.rx_dropped,
     ),
-    ("container_network_transmit_bytes_total", "Cumulative count of bytes transmitted", "tx_bytes"),
-    (
+    _network(
+        "container_network_transmit_bytes_total",
+        "Cumulative count of bytes transmitted",
+        lambda n: n.tx_bytes,
+    ),
+    _network(
         "container_network_transmit_packets_total",
         "Cumulative count of packets transmitted",
-        "tx_packets",
+        lambda n: n.tx_packets,
     ),
-    (
+    _network(
         "container_network_transmit_errors_total",
         "Cumulative count of errors encountered while transmitting",
-        "tx_errors",
+        lambda n: n.tx_errors,
     ),
-    (
+    _network(
         "container_network_transmit_packets_dropped_total",
         "Cumulative count of packets dropped while transmitting",
-        "tx_dropped",
+        lambda n: n.tx_dropped,
     ),
 )
 
 
 def metric_descriptors() -> list[api_pb2.MetricDescriptor]:
-    return [
-        api_pb2.MetricDescriptor(name=m.name, help=m.help, label_keys=LABELS)
-        for m in _CONTAINER_METRICS
-    ] + [
-        api_pb2.MetricDescriptor(name=name, help=text, label_keys=NETWORK_LABELS)
-        for name, text, _ in _NETWORK_METRICS
-    ]
+    return [spec.descriptor() for spec in (*_CONTAINER_METRICS, *_NETWORK_METRICS)]
+
+
+def _samples(
+    specs: Iterable[_Spec[_S]], labels: Mapping[str, str], source: _S
+) -> list[api_pb2.Metric]:
+    return [metric for spec in specs if (metric := spec.sample(labels, source)) is not None]
 
 
 async def list_metric_descriptors(
@@ -201,6 +249,7 @@ def _pod_metrics(
     services: Services, sandbox: SandboxRecord, containers: list[ContainerRecord]
 ) -> api_pb2.PodSandboxMetrics:
     meta = sandbox.config.metadata
+    pod = {"namespace": meta.namespace, "pod": meta.name}
     metrics = api_pb2.PodSandboxMetrics(pod_sandbox_id=sandbox.id)
     if sandbox.netns_path is not None:
         try:
@@ -208,8 +257,10 @@ def _pod_metrics(
         except (OSError, TimeoutError) as err:
             log.warning("network metrics of pod %s: %s", sandbox.id, err)
             interfaces = {}
-        labels = ["POD", sandbox.id, "", sandbox.name, meta.namespace, meta.name]
-        metrics.metrics.extend(_network(labels, interfaces))
+        labels = {**pod, "container": "POD", "id": sandbox.id, "image": "", "name": sandbox.name}
+        for interface, counters in sorted(interfaces.items()):
+            with_interface = {**labels, "interface": interface}
+            metrics.metrics.extend(_samples(_NETWORK_METRICS, with_interface, counters))
     for container in containers:
         if container.state != "running":
             continue
@@ -218,40 +269,15 @@ def _pod_metrics(
         if path is None:
             continue
         figures = read_cgroup_figures(path, backend.cgroup_root, cgroup_v2=backend.cgroup_v2)
-        labels = [
-            container.config.metadata.name,
-            container.id,
-            container.image_ref,
-            container.name,
-            meta.namespace,
-            meta.name,
-        ]
-        values = [
-            api_pb2.Metric(
-                name=m.name,
-                metric_type=m.kind,
-                label_values=labels,
-                value=api_pb2.UInt64Value(value=value),
-            )
-            for m in _CONTAINER_METRICS
-            if (value := m.value(figures, container)) is not None
-        ]
+        labels = {
+            **pod,
+            "container": container.config.metadata.name,
+            "id": container.id,
+            "image": container.image_ref,
+            "name": container.name,
+        }
+        values = _samples(_CONTAINER_METRICS, labels, _Running(figures, container))
         metrics.container_metrics.append(
             api_pb2.ContainerMetrics(container_id=container.id, metrics=values)
         )
     return metrics
-
-
-def _network(labels: list[str], interfaces: dict[str, InterfaceCounters]) -> list[api_pb2.Metric]:
-    out = []
-    for interface, counters in sorted(interfaces.items()):
-        for name, _help, attribute in _NETWORK_METRICS:
-            out.append(
-                api_pb2.Metric(
-                    name=name,
-                    metric_type=COUNTER,
-                    label_values=[*labels, interface],
-                    value=api_pb2.UInt64Value(value=getattr(counters, attribute)),
-                )
-            )
-    return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import tempfile
 import tomllib
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 import tomli_w
 from cri_api.v1 import api_pb2
 
-from tests.harness import REPO, Daemon
+from tests.harness import REPO, Daemon, import_command
 from tests.hostile_layers import (
     HOSTILE_CASES,
     HostileCase,
@@ -110,16 +109,7 @@ def test_import_of_a_hostile_layer_fails_naming_the_entry(
     layout = write_layout(image, daemon.base / f"layout-{case.id}", f"hostile/{case.id}:v1")
     try:
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "cri_shim.cli",
-                "images",
-                "import",
-                "--config",
-                str(import_config(daemon, case)),
-                str(layout),
-            ],
+            import_command(import_config(daemon, case), layout),
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.network.cni import CniNetwork
+from tests.harness import bridge_veths, host_local_allocations
 
 REPO = Path(__file__).resolve().parents[3]
 MNT_DETACH = 2
@@ -91,19 +92,10 @@ class BridgeNetwork:
     count_file: Path
 
     def allocations(self) -> list[str]:
-        net_dir = self.ipam_dir / "crishim-nettest"
-        if not net_dir.exists():
-            return []
-        return sorted(p.name for p in net_dir.iterdir() if p.name[0].isdigit())
+        return host_local_allocations(self.ipam_dir, "crishim-nettest")
 
     def veths(self) -> list[str]:
-        out = subprocess.run(
-            ["ip", "-o", "link", "show", "master", self.bridge],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line]
+        return bridge_veths(self.bridge)
 
     def calls(self) -> list[str]:
         if not self.count_file.exists():

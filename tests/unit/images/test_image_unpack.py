@@ -11,52 +11,14 @@ import os
 import stat
 import tarfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zstandard
 
 from cri_shim.images.unpack import OPAQUE_XATTR, LayerError, UnpackPolicy, unpack_layer
+from tests.hostile_layers import MTIME, Tar
 
 pytestmark = [pytest.mark.root]  # chown to other users, mknod, trusted.* xattrs
-
-MTIME = 1_600_000_000
-
-
-class Tar:
-    """Builds a layer tar entry by entry, including entries no sane tool would write."""
-
-    def __init__(self) -> None:
-        self.buffer = io.BytesIO()
-        self.tar = tarfile.open(fileobj=self.buffer, mode="w", format=tarfile.PAX_FORMAT)
-
-    def _add(self, name: str, kind: bytes, data: bytes = b"", **attrs: Any) -> Tar:
-        info = tarfile.TarInfo(name)
-        info.type = kind
-        info.mode = int(attrs.pop("mode", 0o644))
-        info.mtime = MTIME
-        info.size = len(data)
-        for key, value in attrs.items():
-            setattr(info, key, value)
-        self.tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
-        return self
-
-    def dir(self, name: str, **attrs: Any) -> Tar:
-        attrs.setdefault("mode", 0o755)
-        return self._add(name, tarfile.DIRTYPE, b"", **attrs)
-
-    def file(self, name: str, data: bytes = b"x", **attrs: Any) -> Tar:
-        return self._add(name, tarfile.REGTYPE, data, **attrs)
-
-    def symlink(self, name: str, target: str) -> Tar:
-        return self._add(name, tarfile.SYMTYPE, linkname=target, mode=0o777)
-
-    def hardlink(self, name: str, target: str) -> Tar:
-        return self._add(name, tarfile.LNKTYPE, linkname=target)
-
-    def bytes(self) -> bytes:
-        self.tar.close()
-        return self.buffer.getvalue()
 
 
 def unpack(tmp_path: Path, data: bytes) -> tuple[Path, str]:
@@ -74,8 +36,8 @@ def test_files_dirs_links_keep_content_mode_owner_and_mtime(tmp_path: Path) -> N
         .symlink("usr/bin/alias", "tool")
         .symlink("abs", "/etc/passwd")  # absolute targets are data, kept as written
         .hardlink("usr/bin/same", "usr/bin/tool")
-        ._add("pipe", tarfile.FIFOTYPE, mode=0o600)
-        ._add("null", tarfile.CHRTYPE, mode=0o666, devmajor=1, devminor=3)
+        .add("pipe", tarfile.FIFOTYPE, mode=0o600)
+        .add("null", tarfile.CHRTYPE, mode=0o666, devmajor=1, devminor=3)
         .bytes()
     )
     # Device nodes only by policy (issue 9; refusal tested in test_hardening_unpack.py).
