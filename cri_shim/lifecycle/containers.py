@@ -48,7 +48,7 @@ from cri_shim.runtime.features import handler_features, require_features
 from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
-from cri_shim.runtime.userns import UserNamespaceMappings, pod_mappings
+from cri_shim.runtime.userns import pod_mappings
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.records import ContainerRecord, SandboxRecord
@@ -195,8 +195,8 @@ class ContainerService(PersistedCreationHooks):
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._journal.record(container_id, "rootfs_unmount", path=str(rootfs))
         lower = self._images.lower_dirs(image)
-        userns = pod_mappings(sandbox.config) if sandbox.userns_path else None
-        if userns is None or sandbox.userns_path is None:
+        context = self._sandbox_context(sandbox)
+        if context.userns is None or context.userns_path is None:
             await asyncio.to_thread(
                 overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
             )
@@ -208,8 +208,8 @@ class ContainerService(PersistedCreationHooks):
                     bundle / "upper",
                     bundle / "work",
                     rootfs,
-                    userns_path=sandbox.userns_path,
-                    root_owner=_mapped_root(userns),
+                    userns_path=context.userns_path,
+                    root_owner=context.userns.root_ids(),
                     staging=bundle / "idmap-layers",
                 )
             )
@@ -221,11 +221,10 @@ class ContainerService(PersistedCreationHooks):
             container_id,
             bundle,
             config,
-            userns_path=sandbox.userns_path,
+            userns_path=context.userns_path,
         )
 
         stage.set(STAGE_SPEC)
-        context = self._sandbox_context(sandbox)
         if self._sandboxes.pause is not None:
             # A pod sharing one PID namespace: the container joins its pause process's.
             context = await self._sandboxes.pause.join(sandbox, context)
@@ -247,7 +246,7 @@ class ContainerService(PersistedCreationHooks):
         # Host paths opened once and mounted by fd, so a swap cannot redirect runc's bind
         # mounts (issue 9); staging mounts left by a failure go with the bundle directory.
         pinned = pin_bind_sources(
-            spec, config.mounts, bundle / "mounts", userns_path=sandbox.userns_path
+            spec, config.mounts, bundle / "mounts", userns_path=context.userns_path
         )
         pid = await backend.create(
             container_id,
@@ -565,13 +564,6 @@ class ContainerService(PersistedCreationHooks):
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)
-
-
-def _mapped_root(userns: UserNamespaceMappings) -> tuple[int, int]:
-    """The host uid and gid of the pod's root (validation made sure both are mapped)."""
-    uid, gid = userns.host_uid(0), userns.host_gid(0)
-    assert uid is not None and gid is not None
-    return uid, gid
 
 
 def _image_view(image: ImageRecord) -> ImageConfigView:

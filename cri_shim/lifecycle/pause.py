@@ -171,8 +171,7 @@ class PauseProcesses:
         if context.userns is not None:
             # runc makes the mount points from inside the pod's user namespace, as the
             # pod's root: the directory must be that root's (the program stays the host's).
-            uid, gid = context.userns.host_uid(0), context.userns.host_gid(0)
-            os.chown(rootfs, -1 if uid is None else uid, -1 if gid is None else gid)
+            os.chown(rootfs, *context.userns.root_ids())
         spec = build_spec(
             _pause_container_config(config),
             context,

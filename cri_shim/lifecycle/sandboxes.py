@@ -39,7 +39,7 @@ from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
-from cri_shim.runtime.userns import pod_mappings, require_searchable
+from cri_shim.runtime.userns import UserNamespaceMappings, pod_mappings, require_searchable
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
@@ -123,13 +123,14 @@ class SandboxService(PersistedCreationHooks):
             known = ", ".join(sorted(self._config.runtime.handlers))
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
         features = self.handler_features(handler) if self.handler_features else HandlerFeatures()
-        require_pod_features(config, handler, features)
-        if pod_mappings(config) is not None:
+        userns = pod_mappings(config)
+        require_pod_features(userns, handler, features)
+        if userns is not None:
             require_searchable(self._config.root)
         name = sandbox_name(meta.name, meta.namespace, meta.uid, meta.attempt)
 
         async def create(sandbox_id: str, stage: Stage) -> None:
-            await self._create(sandbox_id, name, config, handler, stage)
+            await self._create(sandbox_id, name, config, handler, userns, stage)
 
         return await self.coordinator.create(name, deadline, create)
 
@@ -139,6 +140,7 @@ class SandboxService(PersistedCreationHooks):
         name: str,
         config: api_pb2.PodSandboxConfig,
         handler: str,
+        userns: UserNamespaceMappings | None,
         stage: Stage,
     ) -> None:
         sandbox_dir = self._dir / sandbox_id
@@ -176,7 +178,6 @@ class SandboxService(PersistedCreationHooks):
         stage.set(STAGE_NAMESPACES)
         options = config.linux.security_context.namespace_options
         hostnet = host_network(config)
-        userns = pod_mappings(config)
         pins = self.pinner
         for kind, wanted in (
             ("netns", not hostnet),
@@ -205,7 +206,7 @@ class SandboxService(PersistedCreationHooks):
 
         if shares_pid_namespace(config):
             stage.set(STAGE_PID_NAMESPACE)
-            await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned)
+            await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned, userns)
 
         ips: list[str] = []
         result: dict[str, Any] | None = None
@@ -238,6 +239,7 @@ class SandboxService(PersistedCreationHooks):
         config: api_pb2.PodSandboxConfig,
         handler: str,
         pinned: PinnedNamespaces,
+        userns: UserNamespaceMappings | None,
     ) -> None:
         if self.pause is None:
             raise InvalidArgument(
@@ -250,7 +252,7 @@ class SandboxService(PersistedCreationHooks):
             ipc_ns_path=pinned.ipc,
             uts_ns_path=pinned.uts,
             userns_path=pinned.user,
-            userns=pod_mappings(config),
+            userns=userns,
             cgroup_parent=config.linux.cgroup_parent,
         )
         await self.pause.start(sandbox_id, sandbox_dir, config, handler, context)

@@ -23,7 +23,7 @@ from pathlib import Path
 from cri_api.v1 import api_pb2
 
 from cri_shim.errors import InvalidArgument
-from cri_shim.runtime.userns import IDMAP_KERNEL, pod_mappings
+from cri_shim.runtime.userns import IDMAP_KERNEL, UserNamespaceMappings
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,12 @@ def to_cri(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
 
 
 def require_pod_features(
-    config: api_pb2.PodSandboxConfig, handler: str, features: HandlerFeatures
+    userns: UserNamespaceMappings | None, handler: str, features: HandlerFeatures
 ) -> None:
     """Refuse a pod whose namespaces its handler cannot give it, rather than run it in
-    the host's user namespace while it believes itself isolated."""
-    if pod_mappings(config) is not None and not features.user_namespaces:
+    the host's user namespace while it believes itself isolated. `userns` is the pod's
+    user namespace (pod_mappings), None for the host's."""
+    if userns is not None and not features.user_namespaces:
         raise InvalidArgument(
             "linux.security_context.namespace_options.userns_options: user namespaces are "
             f"not supported by runtime handler {handler!r} (Status advertises "

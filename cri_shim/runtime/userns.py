@@ -93,6 +93,13 @@ class UserNamespaceMappings:
         ranges = self.uids if kind == "uid" else self.gids
         return "".join(f"{r.container_id} {r.host_id} {r.size}\n" for r in ranges)
 
+    def root_ids(self) -> tuple[int, int]:
+        """The host uid and gid of the pod's root (pod_mappings made sure both exist)."""
+        uid, gid = self.host_uid(0), self.host_gid(0)
+        if uid is None or gid is None:
+            raise InvalidArgument(f"{_FIELD}: container id 0 (the pod's root) must be mapped")
+        return uid, gid
+
     def host_uid(self, container_uid: int) -> int | None:
         return _to_host(self.uids, container_uid)
 

@@ -175,9 +175,9 @@ def test_user_namespaces_turned_off_by_the_sysctl_are_no_feature(tmp_path: Path)
 
 def test_a_handler_without_user_namespaces_refuses_the_pod() -> None:
     with pytest.raises(InvalidArgument, match="not supported by runtime handler 'crun'"):
-        require_pod_features(_pod(), "crun", HandlerFeatures())
-    require_pod_features(_pod(), "runc", HandlerFeatures(user_namespaces=True))
-    require_pod_features(api_pb2.PodSandboxConfig(), "crun", HandlerFeatures())
+        require_pod_features(pod_mappings(_pod()), "crun", HandlerFeatures())
+    require_pod_features(pod_mappings(_pod()), "runc", HandlerFeatures(user_namespaces=True))
+    require_pod_features(None, "crun", HandlerFeatures())
 
 
 def test_a_state_root_others_cannot_search_is_named(short_tmp: Path) -> None:
