@@ -412,8 +412,7 @@ class NamespacePinner:
         _check(_libc.unshare(flags), "unshare")
         try:
             if "uts" in kinds:
-                name = hostname.encode()
-                _check(_libc.sethostname(name, len(name)), "sethostname")
+                _sethostname(hostname.encode())
             if "net" in kinds:
                 _loopback_up()
             for kind, target in targets.items():
@@ -448,8 +447,7 @@ class NamespacePinner:
                 with open(f"/proc/{helper.pid}/{kind}_map", "w") as map_file:
                     map_file.write(userns.map_text(kind))
             if "uts" in kinds:
-                name = hostname.encode()
-                _inside(thread, "uts", f"{ns_dir}/uts", lambda: _sethostname(name))
+                _inside(thread, "uts", f"{ns_dir}/uts", lambda: _sethostname(hostname.encode()))
             if "net" in kinds:
                 _inside(thread, "net", f"{ns_dir}/net", _loopback_up)
             for kind, target in targets.items():
