@@ -80,11 +80,9 @@ def pin_bind_sources(
     wanted = {
         (mount.container_path, mount.host_path): index
         for index, mount in enumerate(requested)
-        if not (mount.HasField("image") and mount.image.image)
+        if not _is_image_volume(mount)
     }
-    image_volumes = {
-        mount.container_path for mount in requested if mount.HasField("image") and mount.image.image
-    }
+    image_volumes = {mount.container_path for mount in requested if _is_image_volume(mount)}
     try:
         with contextlib.ExitStack() as stack:
             userns_fd = None
@@ -108,6 +106,10 @@ def pin_bind_sources(
         pinned.release()
         raise
     return pinned
+
+
+def _is_image_volume(mount: api_pb2.Mount) -> bool:
+    return mount.HasField("image") and bool(mount.image.image)
 
 
 def _pin(
