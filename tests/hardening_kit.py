@@ -11,8 +11,9 @@ import grpc
 from cri_api.v1 import api_pb2
 
 from tests.harness import Daemon, pod_config, wait_until
-
-IMAGE = "docker.io/library/busybox:latest"
+from tests.integration.cri_testkit import IMAGE as IMAGE  # re-exported for the tests
+from tests.integration.cri_testkit import container_config as container_config
+from tests.integration.cri_testkit import create, start, status
 
 
 def code_of(call: object) -> tuple[grpc.StatusCode, str]:
@@ -42,17 +43,6 @@ def running_pod(
         )
 
 
-def container_config(name: str, script: str, **kwargs: object) -> api_pb2.ContainerConfig:
-    return api_pb2.ContainerConfig(
-        metadata=api_pb2.ContainerMetadata(name=name),
-        image=api_pb2.ImageSpec(image=str(kwargs.pop("image", IMAGE))),
-        command=["/bin/sh", "-c"],
-        args=[script],
-        log_path=f"{name}.log",
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
 def create_request(
     pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
 ) -> api_pb2.CreateContainerRequest:
@@ -64,15 +54,12 @@ def create_request(
 def run_to_exit(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], config: api_pb2.ContainerConfig
 ) -> tuple[str, api_pb2.ContainerStatus]:
-    runtime = daemon.runtime()
-    container_id = runtime.CreateContainer(create_request(pod, config), timeout=60).container_id
-    runtime.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=30)
+    container_id = create(daemon, pod, config)
+    start(daemon, container_id)
 
     def exited() -> api_pb2.ContainerStatus | None:
-        status = runtime.ContainerStatus(
-            api_pb2.ContainerStatusRequest(container_id=container_id), timeout=10
-        ).status
-        return status if status.state == api_pb2.CONTAINER_EXITED else None
+        current = status(daemon, container_id)
+        return current if current.state == api_pb2.CONTAINER_EXITED else None
 
     return container_id, wait_until(exited, timeout=30)
 
