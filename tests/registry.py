@@ -548,17 +548,20 @@ class Pusher:
         entries = []
         for image, platform in images:
             self.push_image(repository, image, None)
-            entries.append(
-                {
-                    "mediaType": image.manifest_media_type,
-                    "digest": image.manifest_digest,
-                    "size": len(image.manifest),
-                    "platform": platform,
-                }
-            )
+            entries.append(_index_entry(image, platform))
         index = {"schemaVersion": 2, "mediaType": media_type, "manifests": entries}
         data = json.dumps(index, sort_keys=True).encode()
         return self.push_manifest(repository, tag, data, media_type)
+
+
+def _index_entry(image: BuiltImage, platform: dict[str, str]) -> dict[str, object]:
+    """An image's entry in an image index (the manifest by digest, with its platform)."""
+    return {
+        "mediaType": image.manifest_media_type,
+        "digest": image.manifest_digest,
+        "size": len(image.manifest),
+        "platform": platform,
+    }
 
 
 def start_registry(
@@ -610,14 +613,7 @@ class FakeRegistry:
         entries = []
         for image, platform in images:
             self.put_image(repository, image, None)
-            entries.append(
-                {
-                    "mediaType": image.manifest_media_type,
-                    "digest": image.manifest_digest,
-                    "size": len(image.manifest),
-                    "platform": platform,
-                }
-            )
+            entries.append(_index_entry(image, platform))
         data = json.dumps(
             {"schemaVersion": 2, "mediaType": media_type, "manifests": entries}
         ).encode()
