@@ -58,13 +58,25 @@ def unmount(target: Path) -> None:
             raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
 
+def unescape_mountinfo(field: str) -> str:
+    """A path as mountinfo writes it, with space, tab, newline and backslash as \\ooo
+    octal, turned back into the path."""
+    out, i = [], 0
+    while i < len(field):
+        code = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(code) == 3 and code.isdigit():
+            out.append(chr(int(code, 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
 def mount_points() -> list[Path]:
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            raw = line.split()[4]
-            points.append(Path(raw.encode().decode("unicode_escape")))
-    return points
+    """Every mount point of this mount namespace, in mount order."""
+    with open("/proc/self/mountinfo", errors="surrogateescape") as mountinfo:
+        return [Path(unescape_mountinfo(line.split(" ")[4])) for line in mountinfo if line.strip()]
 
 
 def is_mounted(target: Path) -> bool:

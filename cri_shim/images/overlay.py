@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cri_shim.errors import Internal, InvalidArgument
+from cri_shim.mounts import is_mounted as is_mounted  # re-exported for callers of unmount
+from cri_shim.mounts import mount_points as mount_points
 from cri_shim.runtime.userns import idmapped_layers
 
 MS_RDONLY = 0x1
@@ -159,28 +161,3 @@ def unmount(target: Path) -> None:
         if not is_mounted(target):
             return
     raise Internal(f"unmount {target}: still mounted after 8 unmounts (mounts stacked there?)")
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
-    out, i = [], 0
-    while i < len(field):
-        code = field[i + 1 : i + 4]
-        if field[i] == "\\" and len(code) == 3 and code.isdigit():
-            out.append(chr(int(code, 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def mount_points() -> list[str]:
-    with open("/proc/self/mountinfo", errors="surrogateescape") as mountinfo:
-        return [_unescape(line.split(" ")[4]) for line in mountinfo if line.strip()]
-
-
-def is_mounted(path: Path) -> bool:
-    """Whether `path` is a mount point in this mount namespace."""
-    wanted = os.path.realpath(path)
-    return wanted in mount_points()

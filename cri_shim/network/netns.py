@@ -40,6 +40,7 @@ from pyroute2.netlink.rtnl import RTM_NEWLINK
 from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
 
 from cri_shim.errors import Internal, InvalidArgument
+from cri_shim.mounts import unescape_mountinfo
 from cri_shim.runtime.userns import UserNamespaceMappings
 
 log = logging.getLogger(__name__)
@@ -144,26 +145,13 @@ def _loopback_up() -> None:
         raise OSError(-reply["error"], f"bring up lo: {os.strerror(-reply['error'])}")
 
 
-def _unescape_mountinfo(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def _mount_propagation(path: Path) -> str | None:
     """The optional fields of the last mount at exactly `path`, or None if not a mount point."""
     found: str | None = None
     with open("/proc/self/mountinfo") as mountinfo:
         for line in mountinfo:
             fields = line.split()
-            if _unescape_mountinfo(fields[4]) == str(path):
+            if unescape_mountinfo(fields[4]) == str(path):
                 sep = fields.index("-")
                 # The last entry wins: it is the mount on top, the one lookups see.
                 found = " ".join(fields[6:sep])

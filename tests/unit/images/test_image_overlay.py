@@ -33,8 +33,8 @@ def container(tmp_path: Path) -> Iterator[Path]:
     directory.mkdir()
     yield directory
     for point in reversed(mount_points()):
-        if point.startswith(str(directory)):
-            unmount(Path(point))
+        if point == directory or directory in point.parents:
+            unmount(point)
 
 
 def sh(rootfs: Path, script: str) -> subprocess.CompletedProcess[str]:

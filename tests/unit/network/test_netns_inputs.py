@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import Internal, InvalidArgument
-from cri_shim.network.netns import NamespacePinner, PinnedNamespaces, _unescape_mountinfo
+from cri_shim.mounts import unescape_mountinfo
+from cri_shim.network.netns import NamespacePinner, PinnedNamespaces
 
 
 @pytest.fixture
@@ -62,6 +63,7 @@ async def test_closed_pinner_refuses_work(pinner: NamespacePinner) -> None:
 
 
 def test_mountinfo_escapes_are_decoded() -> None:
-    assert _unescape_mountinfo(r"/run/my\040dir/a\134b") == "/run/my dir/a\\b"
-    assert _unescape_mountinfo("/plain/path") == "/plain/path"
-    assert _unescape_mountinfo("/trailing\\04") == "/trailing\\04"
+    assert unescape_mountinfo(r"/run/my\040dir/a\134b") == "/run/my dir/a\\b"
+    assert unescape_mountinfo("/plain/path") == "/plain/path"
+    assert unescape_mountinfo("/trailing\\04") == "/trailing\\04"
+    assert unescape_mountinfo("/ends/in\\040") == "/ends/in "
