@@ -270,7 +270,7 @@ class ContainerService(PersistedCreationHooks):
         options = sc.namespace_options
         return SandboxContext(
             pod_id=sandbox.id,
-            hostname=sandbox.config.hostname or sandbox.config.metadata.name,
+            hostname=sandbox.hostname,
             netns_path=sandbox.netns_path,
             ipc_ns_path=sandbox.ipc_path,
             uts_ns_path=sandbox.uts_path,

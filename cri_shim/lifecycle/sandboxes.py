@@ -43,7 +43,7 @@ from cri_shim.runtime.userns import UserNamespaceMappings, pod_mappings, require
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
-from cri_shim.state.records import SandboxRecord, host_network
+from cri_shim.state.records import SandboxRecord, host_network, pod_hostname
 
 log = logging.getLogger("cri_shim.sandbox")
 
@@ -165,7 +165,7 @@ class SandboxService(PersistedCreationHooks):
         fault_point("sandbox:row")
         self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
         sandbox_dir.mkdir(parents=True, exist_ok=True)
-        self._write_files(sandbox_dir, config)
+        self._write_files(sandbox_id, sandbox_dir, config)
         if config.log_directory:
             os.makedirs(config.log_directory, exist_ok=True)
         fault_point("sandbox:files")
@@ -194,7 +194,7 @@ class SandboxService(PersistedCreationHooks):
             net=not hostnet,
             uts=not hostnet,
             ipc=options.ipc != api_pb2.NODE,
-            hostname=config.hostname or config.metadata.name,
+            hostname=pod_hostname(config, sandbox_id),
             userns=userns,
         )
         self._db.execute(
@@ -247,7 +247,7 @@ class SandboxService(PersistedCreationHooks):
             )
         context = SandboxContext(
             pod_id=sandbox_id,
-            hostname=config.hostname or config.metadata.name,
+            hostname=pod_hostname(config, sandbox_id),
             netns_path=pinned.net,
             ipc_ns_path=pinned.ipc,
             uts_ns_path=pinned.uts,
@@ -279,7 +279,9 @@ class SandboxService(PersistedCreationHooks):
             port_mappings=ports,
         )
 
-    def _write_files(self, sandbox_dir: Path, config: api_pb2.PodSandboxConfig) -> None:
+    def _write_files(
+        self, sandbox_id: str, sandbox_dir: Path, config: api_pb2.PodSandboxConfig
+    ) -> None:
         dns = config.dns_config
         if dns.servers or dns.searches or dns.options:
             lines = [f"nameserver {s}" for s in dns.servers]
@@ -295,9 +297,7 @@ class SandboxService(PersistedCreationHooks):
             except OSError:
                 resolv = ""
         (sandbox_dir / "resolv.conf").write_text(resolv)
-        hostname = config.hostname or config.metadata.name
-        if host_network(config):
-            hostname = os.uname().nodename
+        hostname = pod_hostname(config, sandbox_id)
         (sandbox_dir / "hostname").write_text(hostname + "\n")
         (sandbox_dir / "hosts").write_text(
             "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"

@@ -196,12 +196,8 @@ def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
     where = "PodSandboxConfig"
     for name in ("name", "namespace", "uid"):
         _max_length(getattr(config.metadata, name), MAX_NAME, f"{where}.metadata.{name}")
-    hostnet = host_network(config)
     if config.hostname:
         _hostname(config.hostname, f"{where}.hostname")
-    elif not hostnet and config.metadata.name:
-        # The pod's UTS namespace is named after the pod then: sethostname takes it.
-        _hostname(config.metadata.name, f"{where}.hostname (empty, so metadata.name)")
     _absolute_path(config.log_directory, f"{where}.log_directory")
     _dns(config.dns_config, f"{where}.dns_config")
     for index, mapping in enumerate(config.port_mappings):
@@ -225,7 +221,7 @@ def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
     if sc.HasField("run_as_group"):
         _ids([sc.run_as_group.value], f"{where}.linux.security_context.run_as_group")
     _ids(sc.supplemental_groups, f"{where}.linux.security_context.supplemental_groups")
-    _sysctls(config, hostnet, f"{where}.linux.sysctls")
+    _sysctls(config, host_network(config), f"{where}.linux.sysctls")
 
 
 def _ip(value: str, field: str) -> None:
