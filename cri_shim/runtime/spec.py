@@ -676,14 +676,15 @@ def _check_recursive_read_only(field: str, mount: api_pb2.Mount) -> None:
 
 
 def _image_mount(field: str, mount: api_pb2.Mount, source: Path | None) -> dict[str, Any]:
-    """An image volume: the image's files, read-only and not executable (KEP 4639)."""
+    """An image volume: the image's files, read-only (KEP 4639). Not noexec: Kubernetes
+    lets a container run binaries from an image volume."""
     if source is None:
         raise InvalidArgument(f"{field}.image: image volumes are not supported here")
     if mount.host_path:
         raise InvalidArgument(f"{field}: host_path and image are mutually exclusive")
     if not mount.readonly:
         raise InvalidArgument(f"{field}.readonly: an image volume is always mounted read-only")
-    options = ["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"]
+    options = ["rbind", "rprivate", "ro", "nosuid", "nodev"]
     if mount.recursive_read_only:
         _check_recursive_read_only(field, mount)
         options.append("rro")

@@ -43,13 +43,18 @@ async def status(
             type="NetworkReady", status=net_ready, reason=net_reason, message=net_message
         ),
     ]
+    # Clients look the default handler up under the empty name (a request naming no
+    # handler), so it is listed under "" too, beside its own name.
+    default = services.config.runtime.default_handler
+    names = ([""] if default in backends else []) + sorted(backends)
     response = api_pb2.StatusResponse(
         status=api_pb2.RuntimeStatus(conditions=conditions),
         runtime_handlers=[
             api_pb2.RuntimeHandler(
-                name=name, features=to_cri(handler_features(backends[name].runtime_path))
+                name=name,
+                features=to_cri(handler_features(backends[name or default].runtime_path)),
             )
-            for name in sorted(backends)
+            for name in names
         ],
         features=api_pb2.RuntimeFeatures(supplemental_groups_policy=True),
     )

@@ -337,6 +337,13 @@ def check_container_config(config: api_pb2.ContainerConfig) -> None:
         _ids([sc.run_as_user.value], f"{prefix}.run_as_user")
     if sc.HasField("run_as_group"):
         _ids([sc.run_as_group.value], f"{prefix}.run_as_group")
+        # A group alone would pair with whatever user the image names, which is not what
+        # was asked for; containerd and CRI-O refuse it too.
+        if not sc.HasField("run_as_user") and not sc.run_as_username:
+            raise InvalidArgument(
+                f"{prefix}.run_as_group is set without run_as_user or run_as_username: "
+                "name the user the group goes with"
+            )
     _ids(sc.supplemental_groups, f"{prefix}.supplemental_groups")
     _max_length(sc.run_as_username, MAX_NAME, f"{prefix}.run_as_username")
     for name in ("masked_paths", "readonly_paths"):

@@ -42,7 +42,9 @@ def two_handlers(make_daemon: Any, busybox_layout: Path) -> Iterator[Daemon]:
 def test_each_handler_is_reported_with_its_own_features(two_handlers: Daemon) -> None:
     response = two_handlers.runtime().Status(api_pb2.StatusRequest(), timeout=10)
     features = {h.name: h.features for h in response.runtime_handlers}
-    assert sorted(features) == ["crun", "runc", "second"]
+    # The default handler (runc) is listed under "" too: clients look it up there.
+    assert sorted(features) == ["", "crun", "runc", "second"]
+    assert features[""] == features["runc"]
     # runc 1.1 lists "rro" in `runc features`; crun 1.8 has no such command.
     assert features["runc"].recursive_read_only_mounts
     assert features["second"].recursive_read_only_mounts
@@ -50,6 +52,21 @@ def test_each_handler_is_reported_with_its_own_features(two_handlers: Daemon) ->
     # runc lists the user namespace in `runc features` and the kernel idmaps tmpfs.
     assert features["runc"].user_namespaces
     assert not features["crun"].user_namespaces
+
+
+def test_the_empty_name_is_the_configured_default_handler(make_daemon: Any) -> None:
+    if shutil.which("crun") is None:
+        pytest.skip("crun is not installed")
+    handlers = {"runc": {"path": "runc"}, "crun": {"path": "crun"}}
+    daemon: Daemon = make_daemon(
+        settings={"runtime": {"handlers": handlers, "default_handler": "crun"}}
+    )
+    daemon.start()
+    response = daemon.runtime().Status(api_pb2.StatusRequest(), timeout=10)
+    features = {h.name: h.features for h in response.runtime_handlers}
+    assert sorted(features) == ["", "crun", "runc"]
+    assert features[""] == features["crun"]
+    assert not features[""].recursive_read_only_mounts
 
 
 def test_a_pod_runs_under_the_handler_it_names(two_handlers: Daemon, short_tmp: Path) -> None:

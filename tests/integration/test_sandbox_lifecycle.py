@@ -190,6 +190,35 @@ def test_host_network_pod_skips_netns_and_cni(daemon: Daemon, test_network: CniT
     assert daemon.leaks() == {}
 
 
+def test_a_pod_without_hostname_is_named_after_its_id(daemon: Daemon) -> None:
+    # critest's pod names are longer than a hostname may be, and kubelet may send none.
+    config = pod_config("PodSandbox-for-a-long-test-name-" + "x" * 60, hostname="")
+    sandbox_id = run_pod(daemon, config)
+    info = json.loads(status(daemon, sandbox_id, verbose=True).info["info"])
+    hostname = subprocess.run(
+        ["nsenter", f"--uts={info['utsns']}", "hostname"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert hostname == sandbox_id[:12]
+    sandbox_dir = Path(info["sandboxDir"])
+    assert (sandbox_dir / "hostname").read_text() == sandbox_id[:12] + "\n"
+    linux = api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(network=api_pb2.NODE)
+        )
+    )
+    host_id = run_pod(daemon, pod_config("hostnet-nameless", hostname="", linux=linux))
+    host_dir = Path(json.loads(status(daemon, host_id, verbose=True).info["info"])["sandboxDir"])
+    assert (host_dir / "hostname").read_text() == os.uname().nodename + "\n"
+    for pod_id in (sandbox_id, host_id):
+        daemon.runtime().RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod_id), timeout=30
+        )
+    assert daemon.leaks() == {}
+
+
 def test_restart_keeps_sandbox_with_its_ip(daemon: Daemon) -> None:
     sandbox_id = run_pod(daemon, pod_config("keeper"))
     ip = status(daemon, sandbox_id).status.network.ip

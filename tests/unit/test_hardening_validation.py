@@ -60,7 +60,6 @@ HOST_NET = {"linux.security_context.namespace_options.network": api_pb2.NODE}
         ({"log_directory": "/var/log/pods/../../../etc"}, "log_directory"),
         ({"hostname": "web\n10.0.0.1 kubernetes"}, "hostname"),
         ({"hostname": "h" * 65}, "hostname"),
-        ({"hostname": "", "metadata.name": "not_a_hostname"}, "metadata.name"),
         ({"dns_config.servers": ["8.8.8.8\nnameserver 6.6.6.6"]}, "dns_config.servers[0]"),
         ({"dns_config.searches": ["corp evil.example"]}, "dns_config.searches[0]"),
         ({"dns_config.options": ["ndots:5\nnameserver 1.1.1.1"]}, "dns_config.options[0]"),
@@ -100,6 +99,9 @@ def test_hostile_sandbox_fields_are_named(fields: dict[str, object], named: str)
         {"linux.sysctls": {"net.ipv4.ip_unprivileged_port_start": "0", "kernel.sem": "1 2 3 4"}},
         {"linux.sysctls": {"net/ipv4/conf/eth0.100/rp_filter": "1"}},
         {"hostname": "", **HOST_NET, "metadata.name": "Any_Name.is-fine_on-the-host-network"},
+        # No hostname: the pod's is derived from its ID, whatever its name (critest's are
+        # longer than a hostname may be).
+        {"hostname": "", "metadata.name": "PodSandbox-for-a-test-" + "x" * 60},
         {"annotations": {"kubectl.kubernetes.io/last-applied-configuration": "x" * 200_000}},
     ],
 )
@@ -160,6 +162,19 @@ def test_hostile_container_fields_are_named(tmp_path: Path) -> None:
     hostile.config.linux.security_context.run_as_user.value = -1
     with pytest.raises(InvalidArgument, match="run_as_user"):
         validate_request("CreateContainer", hostile)
+    hostile = container()
+    hostile.config.linux.security_context.run_as_group.value = 1000
+    with pytest.raises(InvalidArgument, match="run_as_group is set without run_as_user"):
+        validate_request("CreateContainer", hostile)
+    for user in ("run_as_user", "run_as_username"):
+        paired = container()
+        sc = paired.config.linux.security_context
+        sc.run_as_group.value = 1000
+        if user == "run_as_user":
+            sc.run_as_user.value = 1000
+        else:
+            sc.run_as_username = "app"
+        validate_request("CreateContainer", paired)
 
 
 def test_a_symlinked_host_path_is_accepted_as_kubelet_expects(tmp_path: Path) -> None:
