@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import grpc
 from cri_api.v1 import api_pb2
 
 from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
-from cri_shim.runtime.cgroup_metrics import CgroupFigures, read_cgroup_figures
+from cri_shim.runtime.cgroup_metrics import (
+    CgroupFigures,
+    block_device_name,
+    count_descriptors,
+    read_cgroup_figures,
+)
+from cri_shim.runtime.stats import writable_layer_usage
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
@@ -40,28 +49,40 @@ _S = TypeVar("_S")
 @dataclass(frozen=True)
 class _Spec(Generic[_S]):
     """One metric, declared once. Both RPCs read it, so a descriptor cannot drift from the
-    values it describes: the label values are looked up by the declared label keys."""
+    values it describes: the label values are looked up by the declared label keys.
+    `read` gives the metric's series: each with the values of the labels beyond the
+    object's own (a device, an operation) and its value; none where the source lacks it."""
 
     name: str
     help: str
     kind: api_pb2.MetricType.ValueType
     labels: tuple[str, ...]
-    read: Callable[[_S], int | None]
+    read: Callable[[_S], Iterable[tuple[Mapping[str, str], int]]]
 
     def descriptor(self) -> api_pb2.MetricDescriptor:
         return api_pb2.MetricDescriptor(name=self.name, help=self.help, label_keys=self.labels)
 
-    def sample(self, labels: Mapping[str, str], source: _S) -> api_pb2.Metric | None:
-        """The live value (timestamp 0), or None where the source lacks the figure."""
-        value = self.read(source)
-        if value is None:
-            return None
-        return api_pb2.Metric(
-            name=self.name,
-            metric_type=self.kind,
-            label_values=[labels[key] for key in self.labels],
-            value=api_pb2.UInt64Value(value=value),
-        )
+    def samples(self, labels: Mapping[str, str], source: _S) -> Iterator[api_pb2.Metric]:
+        """The live values (timestamp 0)."""
+        for extra, value in self.read(source):
+            values = {**labels, **extra}
+            yield api_pb2.Metric(
+                name=self.name,
+                metric_type=self.kind,
+                label_values=[values[key] for key in self.labels],
+                value=api_pb2.UInt64Value(value=value),
+            )
+
+
+@dataclass(frozen=True)
+class _Filesystem:
+    """The filesystem that holds a container's writable layer."""
+
+    device: str
+    limit_bytes: int
+    inodes_total: int
+    inodes_free: int
+    usage_bytes: int
 
 
 class _Running(NamedTuple):
@@ -69,18 +90,82 @@ class _Running(NamedTuple):
 
     figures: CgroupFigures
     record: ContainerRecord
+    filesystem: _Filesystem | None
+    descriptors: tuple[int, int]  # open files, sockets
+    seen_at: int  # seconds since the epoch
+
+
+def _single(
+    read: Callable[[_S], int | None],
+) -> Callable[[_S], list[tuple[Mapping[str, str], int]]]:
+    def series(source: _S) -> list[tuple[Mapping[str, str], int]]:
+        value = read(source)
+        return [] if value is None else [({}, value)]
+
+    return series
 
 
 def _container(
     name: str, help: str, kind: api_pb2.MetricType.ValueType, read: Callable[[_Running], int | None]
 ) -> _Spec[_Running]:
-    return _Spec(name, help, kind, LABELS, read)
+    return _Spec(name, help, kind, LABELS, _single(read))
+
+
+def _on_filesystem(
+    name: str, help: str, kind: api_pb2.MetricType.ValueType, read: Callable[[_Filesystem], int]
+) -> _Spec[_Running]:
+    def series(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+        fs = r.filesystem
+        return [] if fs is None else [({"device": fs.device}, read(fs))]
+
+    return _Spec(name, help, kind, (*LABELS, "device"), series)
+
+
+def _per_device(
+    name: str,
+    help: str,
+    figures: Callable[[CgroupFigures], dict[tuple[int, int], dict[str, int]]],
+    operation: str,
+) -> _Spec[_Running]:
+    """A block I/O counter of one operation, per device (cAdvisor's container_fs_*)."""
+
+    def series(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+        return [
+            ({"device": block_device_name(*device)}, ops[operation])
+            for device, ops in sorted(figures(r.figures).items())
+            if operation in ops
+        ]
+
+    return _Spec(name, help, COUNTER, (*LABELS, "device"), series)
+
+
+def _blkio_usage(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+    return [
+        (
+            {
+                "device": block_device_name(*device),
+                "major": str(device[0]),
+                "minor": str(device[1]),
+                "operation": operation,
+            },
+            value,
+        )
+        for device, ops in sorted(r.figures.io_bytes.items())
+        for operation, value in sorted(ops.items())
+    ]
+
+
+def _page_faults(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+    return [
+        ({"failure_type": fault, "scope": scope}, value)
+        for (fault, scope), value in sorted(r.figures.page_faults.items())
+    ]
 
 
 def _network(
     name: str, help: str, read: Callable[[InterfaceCounters], int]
 ) -> _Spec[InterfaceCounters]:
-    return _Spec(name, help, COUNTER, NETWORK_LABELS, read)
+    return _Spec(name, help, COUNTER, NETWORK_LABELS, _single(read))
 
 
 def _seconds(ns: int | None) -> int | None:
@@ -107,6 +192,24 @@ _CONTAINER_METRICS = (
         lambda r: _seconds(r.figures.cpu_system_ns),
     ),
     _container(
+        "container_cpu_cfs_periods_total",
+        "Number of elapsed enforcement period intervals.",
+        COUNTER,
+        lambda r: r.figures.cpu_periods,
+    ),
+    _container(
+        "container_cpu_cfs_throttled_periods_total",
+        "Number of throttled period intervals.",
+        COUNTER,
+        lambda r: r.figures.cpu_throttled_periods,
+    ),
+    _container(
+        "container_cpu_cfs_throttled_seconds_total",
+        "Total time duration the container has been throttled.",
+        COUNTER,
+        lambda r: _seconds(r.figures.cpu_throttled_ns),
+    ),
+    _container(
         "container_memory_usage_bytes",
         "Current memory usage in bytes, including all memory regardless of when it was accessed",
         GAUGE,
@@ -131,6 +234,37 @@ _CONTAINER_METRICS = (
         lambda r: r.figures.memory_cache_bytes,
     ),
     _container(
+        "container_memory_mapped_file",
+        "Size of memory mapped files in bytes.",
+        GAUGE,
+        lambda r: r.figures.memory_mapped_file_bytes,
+    ),
+    _container(
+        "container_memory_kernel_usage",
+        "Size of kernel memory allocated in bytes.",
+        GAUGE,
+        lambda r: r.figures.memory_kernel_bytes,
+    ),
+    _container(
+        "container_memory_swap",
+        "Container swap usage in bytes.",
+        GAUGE,
+        lambda r: r.figures.memory_swap_bytes,
+    ),
+    _container(
+        "container_memory_failcnt",
+        "Number of memory usage hits limits",
+        COUNTER,
+        lambda r: r.figures.memory_failcnt,
+    ),
+    _Spec(
+        "container_memory_failures_total",
+        "Cumulative count of memory allocation failures.",
+        COUNTER,
+        (*LABELS, "failure_type", "scope"),
+        _page_faults,
+    ),
+    _container(
         "container_memory_max_usage_bytes",
         "Maximum memory usage recorded in bytes",
         GAUGE,
@@ -141,6 +275,24 @@ _CONTAINER_METRICS = (
         "Memory limit for the container.",
         GAUGE,
         lambda r: r.figures.memory_limit_bytes,
+    ),
+    _container(
+        "container_spec_memory_swap_limit_bytes",
+        "Memory swap limit for the container.",
+        GAUGE,
+        lambda r: r.figures.memory_swap_limit_bytes,
+    ),
+    _container(
+        "container_spec_cpu_period",
+        "CPU period of the container.",
+        GAUGE,
+        lambda r: r.figures.cpu_period_us,
+    ),
+    _container(
+        "container_spec_cpu_shares",
+        "CPU share of the container.",
+        GAUGE,
+        lambda r: r.figures.cpu_shares,
     ),
     _container(
         "container_oom_events_total",
@@ -161,10 +313,89 @@ _CONTAINER_METRICS = (
         lambda r: r.figures.threads,
     ),
     _container(
+        "container_threads_max",
+        "Maximum number of threads allowed inside the container, infinity if value is zero",
+        GAUGE,
+        lambda r: r.figures.threads_max,
+    ),
+    _container(
+        "container_file_descriptors",
+        "Number of open file descriptors for the container.",
+        GAUGE,
+        lambda r: r.descriptors[0] if r.figures.pids else None,
+    ),
+    _container(
+        "container_sockets",
+        "Number of open sockets for the container.",
+        GAUGE,
+        lambda r: r.descriptors[1] if r.figures.pids else None,
+    ),
+    _on_filesystem(
+        "container_fs_usage_bytes",
+        "Number of bytes that are consumed by the container on this filesystem.",
+        GAUGE,
+        lambda fs: fs.usage_bytes,
+    ),
+    _on_filesystem(
+        "container_fs_limit_bytes",
+        "Number of bytes that can be consumed by the container on this filesystem.",
+        GAUGE,
+        lambda fs: fs.limit_bytes,
+    ),
+    _on_filesystem(
+        "container_fs_inodes_total",
+        "Number of available Inodes",
+        GAUGE,
+        lambda fs: fs.inodes_total,
+    ),
+    _on_filesystem(
+        "container_fs_inodes_free",
+        "Number of available Inodes",
+        GAUGE,
+        lambda fs: fs.inodes_free,
+    ),
+    _per_device(
+        "container_fs_reads_bytes_total",
+        "Cumulative count of bytes read",
+        lambda f: f.io_bytes,
+        "Read",
+    ),
+    _per_device(
+        "container_fs_reads_total",
+        "Cumulative count of reads completed",
+        lambda f: f.io_ops,
+        "Read",
+    ),
+    _per_device(
+        "container_fs_writes_bytes_total",
+        "Cumulative count of bytes written",
+        lambda f: f.io_bytes,
+        "Write",
+    ),
+    _per_device(
+        "container_fs_writes_total",
+        "Cumulative count of writes completed",
+        lambda f: f.io_ops,
+        "Write",
+    ),
+    _Spec(
+        "container_blkio_device_usage_total",
+        "Blkio Device bytes usage",
+        COUNTER,
+        (*LABELS, "device", "major", "minor", "operation"),
+        _blkio_usage,
+    ),
+    _container(
         "container_start_time_seconds",
         "Start time of the container since unix epoch in seconds.",
         GAUGE,
         lambda r: _seconds(r.record.started_at) if r.record.started_at else None,
+    ),
+    _container(
+        "container_last_seen",
+        "Last time a container was seen by the exporter",
+        GAUGE,
+        lambda r: r.seen_at,
     ),
 )
 
@@ -219,7 +450,7 @@ def metric_descriptors() -> list[api_pb2.MetricDescriptor]:
 def _samples(
     specs: Iterable[_Spec[_S]], labels: Mapping[str, str], source: _S
 ) -> list[api_pb2.Metric]:
-    return [metric for spec in specs if (metric := spec.sample(labels, source)) is not None]
+    return [metric for spec in specs for metric in spec.samples(labels, source)]
 
 
 async def list_metric_descriptors(
@@ -269,6 +500,13 @@ def _pod_metrics(
         if path is None:
             continue
         figures = read_cgroup_figures(path, backend.cgroup_root, cgroup_v2=backend.cgroup_v2)
+        running = _Running(
+            figures,
+            container,
+            _writable_layer_filesystem(container.bundle_dir / "upper"),
+            count_descriptors(figures.pids),
+            int(time.time()),
+        )
         labels = {
             **pod,
             "container": container.config.metadata.name,
@@ -276,8 +514,23 @@ def _pod_metrics(
             "image": container.image_ref,
             "name": container.name,
         }
-        values = _samples(_CONTAINER_METRICS, labels, _Running(figures, container))
+        values = _samples(_CONTAINER_METRICS, labels, running)
         metrics.container_metrics.append(
             api_pb2.ContainerMetrics(container_id=container.id, metrics=values)
         )
     return metrics
+
+
+def _writable_layer_filesystem(upper: Path) -> _Filesystem | None:
+    try:
+        info = os.statvfs(upper)
+        device = upper.stat().st_dev
+    except OSError:
+        return None
+    return _Filesystem(
+        device=block_device_name(os.major(device), os.minor(device)),
+        limit_bytes=info.f_blocks * info.f_frsize,
+        inodes_total=info.f_files,
+        inodes_free=info.f_ffree,
+        usage_bytes=writable_layer_usage(upper).used_bytes,
+    )

@@ -149,3 +149,109 @@ def test_a_stopped_pod_reports_no_metrics(daemon: Daemon, short_tmp: Path) -> No
             api_pb2.ListPodSandboxMetricsRequest(), timeout=10
         )
         assert [m.pod_sandbox_id for m in response.pod_metrics] == []
+
+
+# cAdvisor's container metrics as kubelet shows them (critest's list), less those that no
+# runtime serves yet (hugetlb, pressure, CPU quota, memory reservation, ulimits).
+CADVISOR_METRICS = {
+    "container_blkio_device_usage_total",
+    "container_cpu_cfs_periods_total",
+    "container_cpu_cfs_throttled_periods_total",
+    "container_cpu_cfs_throttled_seconds_total",
+    "container_cpu_system_seconds_total",
+    "container_cpu_usage_seconds_total",
+    "container_cpu_user_seconds_total",
+    "container_file_descriptors",
+    "container_fs_inodes_free",
+    "container_fs_inodes_total",
+    "container_fs_limit_bytes",
+    "container_fs_reads_bytes_total",
+    "container_fs_reads_total",
+    "container_fs_usage_bytes",
+    "container_fs_writes_bytes_total",
+    "container_fs_writes_total",
+    "container_last_seen",
+    "container_memory_cache",
+    "container_memory_failcnt",
+    "container_memory_failures_total",
+    "container_memory_kernel_usage",
+    "container_memory_mapped_file",
+    "container_memory_max_usage_bytes",
+    "container_memory_rss",
+    "container_memory_swap",
+    "container_memory_usage_bytes",
+    "container_memory_working_set_bytes",
+    "container_oom_events_total",
+    "container_processes",
+    "container_sockets",
+    "container_spec_cpu_period",
+    "container_spec_cpu_shares",
+    "container_spec_memory_limit_bytes",
+    "container_spec_memory_swap_limit_bytes",
+    "container_start_time_seconds",
+    "container_threads",
+    "container_threads_max",
+}
+# Block I/O is counted only where the writable layer's disk reports per-cgroup I/O.
+BLOCK_IO = {
+    "container_blkio_device_usage_total",
+    "container_fs_reads_bytes_total",
+    "container_fs_reads_total",
+    "container_fs_writes_bytes_total",
+    "container_fs_writes_total",
+}
+
+
+def test_every_cadvisor_metric_is_described_and_served_with_its_labels(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> None:
+    import_image(daemon, busybox_layout)
+    descriptors = _descriptors(daemon)
+    assert CADVISOR_METRICS <= set(descriptors)
+    assert all(d.help and d.label_keys for d in descriptors.values())
+    resources = api_pb2.LinuxContainerResources(
+        cpu_period=100000,
+        cpu_quota=20000,
+        cpu_shares=512,
+        memory_limit_in_bytes=64 * MIB,
+        memory_swap_limit_in_bytes=64 * MIB,
+    )
+    with pod(daemon, "cadvisor", short_tmp) as p:
+        # A listening socket and a file written to the writable layer.
+        script = "echo hi > /written; nc -l -p 8080 & sleep 300"
+        linux = api_pb2.LinuxContainerConfig(resources=resources)
+        container_id = create(daemon, p, container_config("full", script, linux=linux))
+        start(daemon, container_id)
+
+        def served() -> dict[str, list[api_pb2.Metric]]:
+            found: dict[str, list[api_pb2.Metric]] = {}
+            for metric in _metrics(daemon, p[0]).container_metrics[0].metrics:
+                found.setdefault(metric.name, []).append(metric)
+            return found
+
+        wait_until(lambda: served().get("container_sockets", [None])[0] is not None, timeout=10)
+        wait_until(lambda: served()["container_sockets"][0].value.value >= 1, timeout=10)
+        metrics = served()
+        assert CADVISOR_METRICS - BLOCK_IO <= set(metrics)
+        for name, series in metrics.items():
+            for metric in series:
+                assert len(metric.label_values) == len(descriptors[name].label_keys), name
+
+        def value(name: str, **labels: str) -> int:
+            keys = list(descriptors[name].label_keys)
+            for metric in metrics[name]:
+                values = dict(zip(keys, metric.label_values, strict=True))
+                if all(values[k] == v for k, v in labels.items()):
+                    return metric.value.value
+            raise AssertionError(f"no {name} with {labels}")
+
+        # The cgroup's settings are the container's resources.
+        assert value("container_spec_cpu_period") == 100000
+        assert value("container_spec_cpu_shares") == 512
+        assert value("container_spec_memory_swap_limit_bytes") == 64 * MIB
+        assert value("container_file_descriptors") >= 3
+        assert value("container_fs_usage_bytes") > 0
+        assert value("container_fs_limit_bytes") > value("container_fs_usage_bytes")
+        assert 0 < value("container_fs_inodes_free") < value("container_fs_inodes_total")
+        assert value("container_memory_failures_total", failure_type="pgfault") > 0
+        assert abs(value("container_last_seen") - time.time()) < 60
