@@ -377,9 +377,15 @@ class ContainerService(PersistedCreationHooks):
             await backend.stop(container.id, 0, signal.SIGKILL)
         else:
             image = self._images.get(container.image_id)
-            stop_signal = resolve_stop_signal(
-                container.config, _image_view(image) if image else ImageConfigView()
-            )
+            try:
+                stop_signal = resolve_stop_signal(
+                    container.config, _image_view(image) if image else ImageConfigView()
+                )
+            except InvalidArgument as err:
+                # Created before stop signals were checked: nothing may make a container
+                # unkillable.
+                log.warning("container %s: %s; stopping it with SIGKILL", container.id, err)
+                stop_signal, timeout = signal.SIGKILL, 0
             await backend.stop(container.id, max(0.0, timeout), stop_signal)
         self._mark_exited(container, backend)
         log.info("container %s (%s) stopped", container.id, container.name)

@@ -142,6 +142,8 @@ def build_spec(
     linux_cfg = cfg.linux if cfg.HasField("linux") else api_pb2.LinuxContainerConfig()
     sc = linux_cfg.security_context
     name = cfg.metadata.name or container_id
+    # A stop signal that cannot be sent is refused now, not at the first StopContainer.
+    resolve_stop_signal(cfg, image)
     privileged = sc.privileged
     if privileged and not sandbox.privileged:
         raise InvalidArgument(
@@ -753,13 +755,17 @@ def resolve_stop_signal(cfg: api_pb2.ContainerConfig, image: ImageConfigView) ->
         return signal_number(api_pb2.Signal.Name(cfg.stop_signal), "stop_signal")
     if not image.stop_signal.strip():
         return int(signal.SIGTERM)
-    return signal_number(image.stop_signal, "image StopSignal")
+    return signal_number(image.stop_signal, "image config StopSignal")
 
 
 def signal_number(text: str, field: str) -> int:
     """ "15", "TERM", "SIGTERM", "SIGRTMIN+3" and CRI's "SIGRTMINPLUS3" all work."""
     name = text.strip().upper()
     if name.isdigit():
+        if not 1 <= int(name) <= signal.SIGRTMAX:
+            raise InvalidArgument(
+                f"{field}: {text!r} is not a signal number (1 to {signal.SIGRTMAX})"
+            )
         return int(name)
     if not name.startswith("SIG"):
         name = f"SIG{name}"
@@ -768,7 +774,10 @@ def signal_number(text: str, field: str) -> int:
         if name.startswith(base) and name != base:
             offset = name[len(base) :]
             if offset[:1] in "+-" and offset[1:].isdigit():
-                return int(getattr(signal, base)) + int(offset)
+                number = int(getattr(signal, base)) + int(offset)
+                if signal.SIGRTMIN <= number <= signal.SIGRTMAX:
+                    return number
+                raise InvalidArgument(f"{field}: {text!r} is outside SIGRTMIN..SIGRTMAX")
     if not hasattr(signal, name) or not isinstance(getattr(signal, name), signal.Signals):
         raise InvalidArgument(f"{field}: unknown signal {text!r}")
     return int(getattr(signal, name))

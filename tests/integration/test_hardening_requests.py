@@ -8,7 +8,9 @@ from __future__ import annotations
 import grp
 import json
 import os
+import sqlite3
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +30,8 @@ from tests.hardening_kit import (
 )
 from tests.harness import REPO, Daemon, import_image, pod_config
 from tests.hostile_layers import Tar, image_of_layers, write_layout
-from tests.imagebuild import base_layer_tar
+from tests.imagebuild import base_layer_tar, build_oci_layout
+from tests.integration.cri_testkit import create, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -282,3 +285,54 @@ def test_a_socket_directory_others_can_write_is_refused(make_daemon: type) -> No
     assert daemon.proc.wait(timeout=60) == 2
     assert "writable by others" in daemon.log()
     assert not daemon.socket.exists()
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGFOO", "99999", "SIGRTMAX+5"])
+def test_an_image_stop_signal_that_cannot_be_sent_is_refused_at_creation(
+    daemon: Daemon, short_tmp: Path, stop_signal: str
+) -> None:
+    layout = build_oci_layout(short_tmp / "layout", stop_signal=stop_signal)
+    import_image(daemon, layout, "docker.io/library/badstop:v1")
+    with running_pod(daemon, "badstop", short_tmp / "logs") as pod:
+        config = container_config("badstop", "sleep 60", image="docker.io/library/badstop:v1")
+        request = create_request(pod, config)
+        code, details = code_of(lambda: daemon.runtime().CreateContainer(request, timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "image config StopSignal" in details and stop_signal in details
+        assert container_traces(daemon) == {}
+    assert daemon.leaks() == {}
+
+
+def test_a_container_whose_stop_signal_cannot_be_sent_is_still_stopped(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> None:
+    # An image recorded before stop signals were checked at creation.
+    import_image(daemon, busybox_layout)
+    with running_pod(daemon, "stoppable", short_tmp / "logs") as pod:
+        container_id = create(daemon, pod, container_config("stoppable", "exec sleep 300"))
+        start(daemon, container_id)
+        daemon.stop()
+        conn = sqlite3.connect(daemon.root / "state.db")
+        with conn:
+            for image_id, config in conn.execute("SELECT id, config FROM images").fetchall():
+                document = json.loads(config)
+                document.setdefault("config", {})["StopSignal"] = "SIGFOO"
+                conn.execute(
+                    "UPDATE images SET config = ? WHERE id = ?", (json.dumps(document), image_id)
+                )
+        conn.close()
+        daemon.start()
+        started = time.monotonic()
+        daemon.runtime().StopContainer(
+            api_pb2.StopContainerRequest(container_id=container_id, timeout=60), timeout=30
+        )
+        assert time.monotonic() - started < 20  # killed, not waited on for 60 s
+        status = daemon.runtime().ContainerStatus(
+            api_pb2.ContainerStatusRequest(container_id=container_id), timeout=10
+        )
+        assert status.status.state == api_pb2.CONTAINER_EXITED
+        assert status.status.exit_code == 137
+        daemon.runtime().RemoveContainer(
+            api_pb2.RemoveContainerRequest(container_id=container_id), timeout=30
+        )
+    assert daemon.leaks() == {}

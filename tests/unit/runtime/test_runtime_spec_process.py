@@ -360,3 +360,9 @@ def test_probe_reads_this_host() -> None:
     with open("/proc/self/oom_score_adj") as handle:
         assert limits.oom_score_adj == int(handle.read())
     assert "CAP_CHOWN" in limits.capability_bounding_set or os.geteuid() != 0
+
+
+@pytest.mark.parametrize("image", ["0", "99999", "65", "SIGRTMAX+1", "SIGRTMIN-1", "SIGFOO"])
+def test_a_stop_signal_that_cannot_be_sent_is_invalid(image: str) -> None:
+    with pytest.raises(InvalidArgument, match="image config StopSignal"):
+        resolve_stop_signal(container_config(), ImageConfigView(stop_signal=image))
