@@ -6,6 +6,12 @@ new mounts and namespaces). A call whose capability the container holds is allow
 so that adding CAP_SYS_ADMIN or CAP_SYS_PTRACE works as users expect. A deny-list cannot
 break a workload by missing a new harmless system call, which an allow-list kept by hand
 here would.
+
+New namespaces are refused on every path without CAP_SYS_ADMIN, as in Docker's and
+containerd's default profiles: `unshare` and `setns` outright, `clone` when its flags ask
+for a namespace (a user namespace needs no capability, so only seccomp stops it), and
+`clone3`, whose flags sit in memory a filter cannot read, with ENOSYS so that the C
+library falls back to `clone`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,18 @@ from typing import Any
 from cri_shim.errors import InvalidArgument
 
 EPERM = 1
+ENOSYS = 38
+
+# The CLONE_NEW* flags: mount, cgroup, UTS, IPC, user, PID and network namespaces.
+_CLONE_NAMESPACE_FLAGS = (
+    0x00020000,
+    0x02000000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 
 # Always refused: no capability makes these safe inside a container.
 _ALWAYS_DENIED = (
@@ -107,13 +125,36 @@ def default_profile(capabilities: Iterable[str], machine: str | None = None) -> 
         ):
             continue
         denied.extend(calls)
+    machine = machine or platform.machine()
+    rules: list[dict[str, Any]] = [
+        {"names": sorted(denied), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
+    ]
+    if "CAP_SYS_ADMIN" not in held:
+        rules.extend(_clone_rules(machine))
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": _ARCHITECTURES.get(machine or platform.machine(), []),
-        "syscalls": [
-            {"names": sorted(denied), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
-        ],
+        "architectures": _ARCHITECTURES.get(machine, []),
+        "syscalls": rules,
     }
+
+
+def _clone_rules(machine: str) -> list[dict[str, Any]]:
+    # s390x passes the stack first and the flags second.
+    index = 1 if machine == "s390x" else 0
+    # Conditions in one rule are all required, so each flag is a rule of its own.
+    rules: list[dict[str, Any]] = [
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": EPERM,
+            "args": [
+                {"index": index, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}
+            ],
+        }
+        for flag in _CLONE_NAMESPACE_FLAGS
+    ]
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS})
+    return rules
 
 
 # Real profiles are tens of KiB; the path comes from a request (issue 9).

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2
 
-from tests.harness import Daemon
+from tests.harness import REPO, Daemon
 from tests.imagebuild import build_oci_layout
 from tests.integration.cri_testkit import (
     container_config,
@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.root]
 
 APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
 GROUPS_IMAGE = "docker.io/library/busybox:groups"
+PROGRAMS = REPO / "tests" / "fixtures" / "programs"
 
 
 def _security(**fields: object) -> api_pb2.LinuxContainerConfig:
@@ -110,6 +111,38 @@ def test_runtime_default_refuses_what_unconfined_allows(
         container_config("unconfined2", script, linux=_seccomp(api_pb2.SecurityProfile.Unconfined)),
     )
     assert output(unconfined) == ["allowed"]
+
+
+def test_runtime_default_refuses_clone_into_a_new_namespace(
+    daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+) -> None:
+    probe = short_tmp / "clone_probe"
+    subprocess.run(
+        ["gcc", "-static", "-O", "-o", str(probe), str(PROGRAMS / "clone_probe.c")], check=True
+    )
+    layout = build_oci_layout(
+        short_tmp / "probe-layout", tag="probe", extra_files={"bin/clone_probe": probe.read_bytes()}
+    )
+    import_image(daemon, layout, "docker.io/library/busybox:probe")
+
+    def probe_in(name: str, linux: api_pb2.LinuxContainerConfig) -> list[str]:
+        config = container_config(
+            name,
+            "chmod +x /bin/clone_probe && /bin/clone_probe",
+            image="docker.io/library/busybox:probe",
+            linux=linux,
+        )
+        return output(run_to_exit(daemon, p, config))
+
+    default = _seccomp(api_pb2.SecurityProfile.RuntimeDefault)
+    assert probe_in("cloner", default) == [
+        "clone(CLONE_NEWUSER): Operation not permitted",
+        "fork: ok",
+        "clone3: Function not implemented",
+    ]
+    unconfined = probe_in("cloner-unconfined", _seccomp(api_pb2.SecurityProfile.Unconfined))
+    assert unconfined[:2] == ["clone(CLONE_NEWUSER): ok", "fork: ok"]
+    assert unconfined[2] != "clone3: Function not implemented"
 
 
 def test_a_missing_localhost_profile_is_refused_by_name(

@@ -19,14 +19,26 @@ SpecOf = Callable[..., dict[str, Any]]
 
 
 def _denied(spec: dict[str, Any]) -> set[str]:
+    """The system calls refused whatever their arguments."""
     seccomp = spec["linux"]["seccomp"]
     assert seccomp["defaultAction"] == "SCMP_ACT_ALLOW"
     return {
         name
         for rule in seccomp["syscalls"]
-        if rule["action"] == "SCMP_ACT_ERRNO"
+        if rule["action"] == "SCMP_ACT_ERRNO" and not rule.get("args")
         for name in rule["names"]
     }
+
+
+def _clone_flags_refused(spec: dict[str, Any]) -> int:
+    """The clone flags any of which makes clone fail."""
+    flags = 0
+    for rule in spec["linux"]["seccomp"]["syscalls"]:
+        if rule["names"] == ["clone"] and rule["action"] == "SCMP_ACT_ERRNO":
+            (arg,) = rule["args"]
+            assert arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] == arg["valueTwo"]
+            flags |= arg["value"]
+    return flags
 
 
 # ---- seccomp --------------------------------------------------------------------------
@@ -48,6 +60,21 @@ def test_runtime_default_denies_dangerous_syscalls(spec_of: SpecOf) -> None:
         "reboot",
     } <= denied
     assert not {"read", "write", "clone", "execve", "openat"} & denied
+
+
+def test_runtime_default_refuses_clone_into_new_namespaces(spec_of: SpecOf) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.seccomp.profile_type = api_pb2.SecurityProfile.RuntimeDefault
+    spec = spec_of(cfg)
+    # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID and NEWNET; a thread or a
+    # fork (CLONE_VM, CLONE_THREAD, SIGCHLD, ...) is not among them.
+    assert _clone_flags_refused(spec) == 0x7E020000
+    (clone3,) = [r for r in spec["linux"]["seccomp"]["syscalls"] if r["names"] == ["clone3"]]
+    assert clone3["errnoRet"] == 38  # ENOSYS: the C library falls back to clone
+    cfg.linux.security_context.capabilities.add_capabilities.append("SYS_ADMIN")
+    admin = spec_of(cfg)
+    assert _clone_flags_refused(admin) == 0
+    assert not [r for r in admin["linux"]["seccomp"]["syscalls"] if "clone3" in r["names"]]
 
 
 @pytest.mark.parametrize(
