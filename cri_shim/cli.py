@@ -18,6 +18,11 @@ from cri_shim.config import (
     load_config,
 )
 from cri_shim.logsetup import setup_logging
+from cri_shim.state.db import DamagedDatabase
+
+# Exit statuses a service manager must not restart on: the next start fails the same way.
+EXIT_CONFIG = 2
+EXIT_DAMAGED_STATE = 3
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _load(args)
     except ConfigError as exc:
         print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if args.command == "config":
         sys.stdout.write(config_to_toml(cfg))
         return 0
@@ -101,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     except ConfigError as exc:  # found only when serving, e.g. an unsafe socket directory
         print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except DamagedDatabase as exc:
+        print(f"cri-shim: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED_STATE
     return 0
 
 

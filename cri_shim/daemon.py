@@ -101,7 +101,10 @@ def notify_systemd(message: str) -> None:
 
 def build_services(config: Config) -> Services:
     for path in (config.root, config.run_root):
-        path.mkdir(parents=True, exist_ok=True)
+        # Made so that others may pass through (a container in a user namespace of its
+        # own reaches its root filesystem as an unprivileged id) but neither list nor
+        # read. An existing directory keeps the mode its operator gave it.
+        path.mkdir(mode=0o711, parents=True, exist_ok=True)
     db = Database(config.state_db)
     journal = Journal(db)
     ledger = Ledger(db)

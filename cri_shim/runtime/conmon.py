@@ -683,6 +683,9 @@ def _tail(path: Path, limit: int = 2000) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Written 0600: the spec holds the container's environment, which carries secrets."""
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(data)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
     os.replace(temporary, path)

@@ -2,8 +2,9 @@
 directory nobody else can write to.
 
 Whoever can connect to the socket can run containers as root, so:
-- The directory must not be writable by others nor owned by another user: either could
-  replace the socket with their own between two of our steps, or after them.
+- The directory must not be writable by its group or others, nor owned by another user:
+  any of them could replace the socket with their own between two of our steps, or after
+  them.
 - gRPC creates the socket with the process umask's mode, and only afterwards could we
   chmod it; a client that connected in between would keep its connection. So the socket
   is bound in a private (0700) directory beside the final path, given its mode and group
@@ -29,10 +30,11 @@ def prepare_socket_dir(directory: Path) -> None:
     """Create the socket's directory (0755) or check that an existing one is safe."""
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     info = directory.stat()
-    if info.st_mode & stat.S_IWOTH:
+    if info.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+        who = "others" if info.st_mode & stat.S_IWOTH else "its group"
         raise ConfigError(
-            f"listen: the socket's directory {directory} is writable by others (mode "
-            f"{stat.S_IMODE(info.st_mode):o}): anyone could replace the socket; use a "
+            f"listen: the socket's directory {directory} is writable by {who} (mode "
+            f"{stat.S_IMODE(info.st_mode):o}): they could replace the socket; use a "
             "directory only root can write to, such as /run/cri-shim"
         )
     if info.st_uid not in (0, os.geteuid()):

@@ -3,10 +3,16 @@
 Rows are written before the side effect they describe, so that a crash leaves a record of
 everything that may need undoing. The connection is used from the event loop thread; each
 statement is short, and WAL lets `cri-shim images import` write from another process.
+
+The file is 0600 (SQLite gives its -wal and -shm files the same mode): rows hold
+container environments, which carry secrets. A damaged file stops the start with one
+line that says which file and what to do (`DamagedDatabase`), rather than a traceback
+that a service manager would restart for ever.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -17,20 +23,40 @@ from typing import Any
 from cri_shim.state.schema import MIGRATIONS
 
 
+class DamagedDatabase(Exception):
+    """The state database cannot be read; the message says which file and what to do."""
+
+
 class Database:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        os.chmod(path, 0o600)  # a file made by an older version, or by hand
         self._conn = sqlite3.connect(
             str(path), isolation_level=None, check_same_thread=False, timeout=30.0
         )
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        self._conn.execute("PRAGMA busy_timeout=30000")
-        self._migrate()
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.execute("PRAGMA busy_timeout=30000")
+            problems = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("; ".join(problems[:3]))
+            self._migrate()
+        except sqlite3.DatabaseError as err:
+            self._conn.close()
+            if isinstance(err, sqlite3.OperationalError) and "locked" in str(err):
+                raise
+            raise DamagedDatabase(
+                f"state database {path} is damaged ({err}). Stop cri-shim, move {path} "
+                f"(and {path.name}-wal, {path.name}-shm beside it) aside, then either put a "
+                "backup in its place or start with an empty state: running containers are "
+                "then found as orphans and removed"
+            ) from None
 
     @property
     def schema_version(self) -> int:
@@ -60,10 +86,13 @@ class Database:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self._conn
+                self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                # SQLite rolls some failures back itself (a full disk): then there is
+                # nothing left to roll back, and the original error is the one to report.
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
 
     def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> int:
         with self._lock:

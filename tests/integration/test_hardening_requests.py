@@ -276,14 +276,17 @@ def test_socket_is_0660_with_its_group(make_daemon: type) -> None:
     assert not daemon.socket.exists()
 
 
-def test_a_socket_directory_others_can_write_is_refused(make_daemon: type) -> None:
+@pytest.mark.parametrize(("mode", "who"), [(0o777, "others"), (0o775, "its group")])
+def test_a_socket_directory_others_can_write_is_refused(
+    make_daemon: type, mode: int, who: str
+) -> None:
     daemon: Daemon = make_daemon()
     daemon.run_root.mkdir(parents=True)
-    os.chmod(daemon.run_root, 0o777)
+    os.chmod(daemon.run_root, mode)
     daemon.start(wait=False)
     assert daemon.proc is not None
     assert daemon.proc.wait(timeout=60) == 2
-    assert "writable by others" in daemon.log()
+    assert f"writable by {who}" in daemon.log()
     assert not daemon.socket.exists()
 
 
@@ -336,3 +339,35 @@ def test_a_container_whose_stop_signal_cannot_be_sent_is_still_stopped(
             api_pb2.RemoveContainerRequest(container_id=container_id), timeout=30
         )
     assert daemon.leaks() == {}
+
+
+def test_state_that_holds_secrets_is_private(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> None:
+    import_image(daemon, busybox_layout)
+    assert stat.S_IMODE(daemon.root.stat().st_mode) == 0o711
+    assert stat.S_IMODE((daemon.root / "state.db").stat().st_mode) == 0o600
+    with running_pod(daemon, "secret", short_tmp / "logs") as pod:
+        config = container_config(
+            "secret", "sleep 60", envs=[api_pb2.KeyValue(key="TOKEN", value="hunter2")]
+        )
+        container_id = create(daemon, pod, config)
+        (spec,) = daemon.root.glob(f"containers/{container_id}/config.json")
+        assert stat.S_IMODE(spec.stat().st_mode) == 0o600
+        daemon.runtime().RemoveContainer(
+            api_pb2.RemoveContainerRequest(container_id=container_id), timeout=30
+        )
+
+
+def test_a_damaged_state_database_stops_the_start_with_one_line(make_daemon: type) -> None:
+    daemon: Daemon = make_daemon()
+    daemon.root.mkdir(parents=True)
+    (daemon.root / "state.db").write_bytes(b"not a database" * 512)
+    daemon.start(wait=False)
+    assert daemon.proc is not None
+    assert daemon.proc.wait(timeout=60) == 3
+    log = daemon.log()
+    assert "Traceback" not in log
+    (line,) = [text for text in log.splitlines() if "damaged" in text]
+    assert str(daemon.root / "state.db") in line and "backup" in line
+    assert not daemon.socket.exists()
