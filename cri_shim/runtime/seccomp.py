@@ -147,9 +147,7 @@ def _clone_rules(machine: str) -> list[dict[str, Any]]:
             "names": ["clone"],
             "action": "SCMP_ACT_ERRNO",
             "errnoRet": EPERM,
-            "args": [
-                {"index": index, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}
-            ],
+            "args": [{"index": index, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
         }
         for flag in _CLONE_NAMESPACE_FLAGS
     ]
