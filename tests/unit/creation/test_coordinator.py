@@ -242,6 +242,39 @@ async def test_every_duplicate_waiting_at_the_finish_gets_the_object() -> None:
     await coordinator.aclose()
 
 
+class LosesTheHandOff(FakeHooks):
+    """Cancels `victim` as the object is published: the response to the request it was
+    handed to is lost on the way (its client gave up in that very instant)."""
+
+    victim: asyncio.Task[Any] | None = None
+
+    def publish(self, object_id: str) -> None:
+        super().publish(object_id)
+        if self.victim is not None:
+            self.victim.cancel()
+
+
+@in_virtual_time
+async def test_a_hand_off_whose_response_is_lost_is_recovered_by_the_next_retry() -> None:
+    hooks = LosesTheHandOff()
+    coordinator, _ = make(hooks)
+    creator = FakeCreator(steps=[("sandbox network", 10.0)])
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, 2.0, creator)
+    hooks.victim = asyncio.create_task(coordinator.create(NAME, 30.0, creator))
+    with pytest.raises(asyncio.CancelledError):
+        await hooks.victim
+
+    # Nobody got the ID, but the object is visible, not cached: it cannot expire, and the
+    # next retry gets it.
+    assert hooks.rows["id1"].phase == "visible" and hooks.count("cached") == 0
+    assert await coordinator.create(NAME, 40.0, creator) == "id1"
+    await advance_to(10_000.0)
+    assert hooks.count("cleanup") == 0
+    assert creator.calls == ["id1"]
+    await coordinator.aclose()
+
+
 @in_virtual_time
 async def test_a_cancelled_duplicate_does_not_keep_the_object_from_the_cache() -> None:
     coordinator, hooks = make()
