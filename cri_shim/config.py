@@ -101,6 +101,7 @@ class NetworkConfig:
 class CreationConfig:
     claim_grace: float = 120.0
     keep_on_timeout: bool = True
+    hand_off: bool = True
     cleanup_timeout: float = 120.0
 
 
@@ -228,15 +229,14 @@ def _load_network(table: dict[str, Any]) -> NetworkConfig:
 
 
 def _load_creation(table: dict[str, Any]) -> CreationConfig:
-    _unknown(table, {"claim_grace", "keep_on_timeout", "cleanup_timeout"}, "creation.")
+    _unknown(table, {"claim_grace", "keep_on_timeout", "hand_off", "cleanup_timeout"}, "creation.")
     creation = CreationConfig()
     for key in ("claim_grace", "cleanup_timeout"):
         if key in table:
             setattr(creation, key, parse_duration(table[key], f"creation.{key}"))
-    if "keep_on_timeout" in table:
-        creation.keep_on_timeout = _expect(
-            table["keep_on_timeout"], bool, "creation.keep_on_timeout", "true or false"
-        )
+    for key in ("keep_on_timeout", "hand_off"):
+        if key in table:
+            setattr(creation, key, _expect(table[key], bool, f"creation.{key}", "true or false"))
     return creation
 
 
@@ -523,6 +523,10 @@ KEY_DOCS: dict[str, str] = {
     "waiting request's deadline",
     "creation.keep_on_timeout": "`false` throws timed-out work away and refuses duplicates at once "
     "(containerd's behaviour, for comparison)",
+    "creation.hand_off": "a duplicate request waiting on a creation gets the object as soon as "
+    'it is finished within its deadline; `false` answers it "name is reserved" and only its '
+    "next retry gets the object (CRI-O's behaviour, for comparison). No effect when "
+    "`keep_on_timeout` is `false`",
     "creation.cleanup_timeout": "budget of one object's cleanup (each step retried with backoff)",
     "runtime.default_handler": "the handler used when a request names none",
     "runtime.conmon": "the conmon binary",

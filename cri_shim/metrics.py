@@ -127,7 +127,8 @@ class ServicesCollector:
         events = CounterMetricFamily(
             "cri_shim_creation_events",
             "Creation events by kind: reserved, created, timed_out, cached, claimed (a retry "
-            "took a cached object), name_reserved (a duplicate was told `name is reserved`), "
+            "took a cached object), handed_off (a waiting duplicate got the finished object), "
+            "name_reserved (a duplicate was told `name is reserved`), "
             "expired, failed, released, ...",
             labels=["kind", "event"],
         )

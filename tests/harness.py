@@ -365,7 +365,7 @@ def identical_requests(call: Callable[[], str], times: int) -> list[str | grpc.S
 
 
 def assert_one_created(results: list[str | grpc.StatusCode]) -> None:
-    """One object for all; the rest arrived while it was in flight: `name is reserved`."""
+    """One object for all; any request not given its ID was told `name is reserved`."""
     assert len({r for r in results if isinstance(r, str)}) == 1, results
     assert all(r == grpc.StatusCode.ALREADY_EXISTS for r in results if not isinstance(r, str))
 

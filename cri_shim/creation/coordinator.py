@@ -8,8 +8,8 @@ persists every decision through `CreationHooks`, in the same step as the memory 
 
 A name is in one of four phases:
 
-    (free) --create--> IN_FLIGHT --done, requester waiting--> VISIBLE --release()--> (free)
-                           |  \\--done, requester gone------> CACHED --claim--> VISIBLE
+    (free) --create--> IN_FLIGHT --done, someone waiting--> VISIBLE --release()--> (free)
+                           |  \\--done, nobody waiting-----> CACHED --claim--> VISIBLE
                            |                                    \\--expiry--> CLEANING
                            \\--failed / abandoned-----------------------------> CLEANING
                                                           CLEANING --cleanup--> (free)
@@ -44,6 +44,7 @@ STAGE_CLEANUP = "cleanup"
 COUNTERS = (
     "reserved",  # a new name was reserved and its creation started
     "created",  # finished while its request waited: published and returned
+    "handed_off",  # a duplicate that waited on the creation was given the finished object
     "timed_out",  # the request's deadline passed before its creation finished
     "client_gone",  # the request was cancelled before its creation finished
     "cached",  # finished after its request had gone: kept for the retry
@@ -190,6 +191,10 @@ class CreationCoordinator:
 
     `keep_on_timeout=False` is the containerd-like comparison mode: a creation whose request
     gives up is cancelled and rolled back, and duplicates are refused at once.
+
+    `hand_off=False` is the CRI-O-like comparison mode: a duplicate that waits on a creation
+    is refused with `name is reserved` even when the creation finishes while it waits, and
+    only its next retry gets the object (from the cache).
     """
 
     def __init__(
@@ -199,6 +204,7 @@ class CreationCoordinator:
         *,
         claim_grace: float = 120.0,
         keep_on_timeout: bool = True,
+        hand_off: bool = True,
         cleanup_timeout: float = 120.0,
         clock: Callable[[], float] | None = None,
         new_id: Callable[[], str] | None = None,
@@ -207,6 +213,7 @@ class CreationCoordinator:
         self._hooks = hooks
         self._claim_grace = claim_grace
         self._keep_on_timeout = keep_on_timeout
+        self._hand_off = hand_off
         self._cleanup_timeout = cleanup_timeout
         self._clock = clock if clock is not None else _loop_time
         self._new_id = new_id if new_id is not None else _random_id
@@ -227,7 +234,9 @@ class CreationCoordinator:
         coordinator's clock; None means the request waits as long as the creation takes.
         Raises DeadlineExceeded when the deadline passes first (the creation goes on and the
         next request with this name gets the object), NameReserved to a duplicate of a
-        creation in flight, and the creator's own error when the creation failed.
+        creation that is still in flight at its deadline, and the creator's own error when
+        the creation failed. A duplicate that is waiting when the creation finishes gets the
+        object's ID (unless `hand_off` is off).
         """
         if self._closing:
             raise Unavailable(f"cri-shim is shutting down; retry {name!r} once it is back")
@@ -243,7 +252,7 @@ class CreationCoordinator:
             return entry.object_id
         if entry.phase is Phase.CACHED:
             return self._claim_cached(entry)
-        await self._watch(entry, deadline)
+        return await self._watch(entry, deadline)
 
     def _reserve(self, name: str, run: Creator) -> _Entry:
         # Synchronous up to the spawn: no other request can see the name free in between.
@@ -327,14 +336,14 @@ class CreationCoordinator:
         self._count("claimed", entry, "claimed from the cache, now visible")
         return entry.object_id
 
-    async def _watch(self, entry: _Entry, deadline: float | None) -> NoReturn:
-        """A duplicate of a creation in flight: wait, then refuse (or pass on its failure).
+    async def _watch(self, entry: _Entry, deadline: float | None) -> str:
+        """A duplicate of a creation in flight: wait, then take the object, or be refused.
 
-        The duplicate is refused even when the creation finished while it waited. Handing
-        the object to a request whose own deadline is nearly spent risks the response being
-        lost on the way, and then nobody knows the object exists: it leaks. Refusing costs
-        the client one more retry, which then claims the object from the cache with its
-        whole deadline ahead of it.
+        A creation that finishes while the duplicate waits is handed to it (the *hand-off*):
+        refusing it, as CRI-O does, makes kubelet back off before the retry that would get
+        the object, so the pod starts a whole back-off period later. Handing it over cannot
+        leak the object even if this response is lost on the way: it is visible from now on,
+        and the next retry with the name gets the same ID (rule 5).
         """
         if not self._keep_on_timeout:
             # containerd-like: no cache to hand the object to later, so waiting buys nothing.
@@ -356,7 +365,16 @@ class CreationCoordinator:
             # never come (CRI-O does), hand it the creation's error at once.
             log.info("%s %r: duplicate request gets the creation's error", self._kind, entry.name)
             raise self._error_of(entry)
+        if self._hand_off and self._handed_over(entry):
+            self._count("handed_off", entry, "duplicate request gets the finished object")
+            return entry.object_id
         self._refuse(entry)
+
+    def _handed_over(self, entry: _Entry) -> bool:
+        """Whether a watcher just woken may be given the object: it was published while it
+        waited and still holds the name (not removed in the same instant). A watcher of an
+        expiry cleanup wakes with the entry still CLEANING and is refused."""
+        return entry.phase is Phase.VISIBLE and self._entries.get(entry.name) is entry
 
     def _refuse(self, entry: _Entry) -> NoReturn:
         self._count("name_reserved", entry, f"refused: name is reserved (stage: {entry.stage})")
@@ -417,11 +435,26 @@ class CreationCoordinator:
         await self._undo(entry, error)
 
     def _finish(self, entry: _Entry) -> None:
-        """The creator is done: the waiting requester gets the object, else the cache."""
+        """The creator is done: whoever waits on it gets the object, else the cache.
+
+        Waiting duplicates count only with `hand_off`: without it they are refused, and the
+        object is kept in the cache for their next retry.
+        """
         if entry.requester_waiting:
             self._hooks.publish(entry.object_id)
             entry.phase = Phase.VISIBLE
             self._count("created", entry, "created, now visible")
+        elif self._hand_off and entry.watchers > 0:
+            self._hooks.publish(entry.object_id)
+            entry.phase = Phase.VISIBLE
+            log.info(
+                "%s %r (%s): finished after its request gave up, while %d duplicate "
+                "request(s) waited; handed to them, now visible",
+                self._kind,
+                entry.name,
+                entry.object_id,
+                entry.watchers,
+            )
         elif not self._keep_on_timeout:
             # Finished in the instant its request gave up; without a cache it goes.
             raise self._abandoned_error(entry)

@@ -97,6 +97,7 @@ class ContainerService(PersistedCreationHooks):
             self,
             claim_grace=config.creation.claim_grace,
             keep_on_timeout=config.creation.keep_on_timeout,
+            hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
         )
         sandboxes.stop_containers = self.stop_all_in

@@ -65,6 +65,7 @@ async def status(
                 "run_root": str(services.config.run_root),
                 "cgroup_manager": services.config.cgroup_manager,
                 "keep_on_timeout": services.config.creation.keep_on_timeout,
+                "hand_off": services.config.creation.hand_off,
             },
             "creation": services.creation_stats(),
         }

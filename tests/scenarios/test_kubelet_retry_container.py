@@ -32,11 +32,20 @@ SLOW_RUNC = REPO / "tests" / "fixtures" / "runtime" / "slow-runc"
 
 @pytest.fixture
 def slow_pod(
-    make_daemon: Callable[..., Daemon], short_tmp: Path, busybox_layout: Path
+    request: pytest.FixtureRequest,
+    make_daemon: Callable[..., Daemon],
+    short_tmp: Path,
+    busybox_layout: Path,
 ) -> tuple[Daemon, str, api_pb2.PodSandboxConfig, Path, Path]:
+    """A daemon with a pod on the slow handler; parametrize it indirectly with a
+    `[creation]` table to change the creation settings."""
     delay, count = short_tmp / "runc-delay", short_tmp / "runc-count"
+    creation: dict[str, object] = getattr(request, "param", {})
     daemon = make_daemon(
-        settings={"runtime": {"handlers": {"slow": {"path": str(SLOW_RUNC)}}}},
+        settings={
+            "runtime": {"handlers": {"slow": {"path": str(SLOW_RUNC)}}},
+            "creation": creation,
+        },
         env={"SLOW_RUNC_DELAY_FILE": str(delay), "SLOW_RUNC_COUNT_FILE": str(count)},
     )
     daemon.start()
@@ -86,7 +95,66 @@ def creates(count: Path) -> int:
     return len(count.read_text().splitlines()) if count.exists() else 0
 
 
-def test_timeout_then_reserved_then_claimed(slow_pod) -> None:  # type: ignore[no-untyped-def]
+def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+    )
+
+
+def test_timeout_then_the_waiting_retry_gets_the_container(slow_pod) -> None:  # type: ignore[no-untyped-def]
+    daemon, sandbox_id, config, delay, count = slow_pod
+    delay.write_text("3")
+    with pytest.raises(grpc.RpcError) as first:
+        create(daemon, sandbox_id, config, timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert listed(daemon) == []
+
+    # The retry waits on the creation and is handed the container when it finishes.
+    t0 = time.monotonic()
+    container_id = create(daemon, sandbox_id, config, timeout=10)
+    waited = time.monotonic() - t0
+    assert waited < 6, f"the waiting retry got the container only after {waited:.1f}s"
+    assert listed(daemon) == [container_id]
+    assert creates(count) == 1
+    # a third request (the response to the second was lost) gets the same container
+    assert create(daemon, sandbox_id, config, timeout=5) == container_id
+    assert creates(count) == 1
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+    )
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}
+
+
+@pytest.mark.parametrize("slow_pod", [{"hand_off": False}], indirect=True)
+def test_without_hand_off_the_waiting_retry_is_refused_and_the_next_one_claims(slow_pod) -> None:  # type: ignore[no-untyped-def]
+    """CRI-O's answer, kept behind `[creation] hand_off = false` for comparison."""
+    daemon, sandbox_id, config, delay, count = slow_pod
+    delay.write_text("3")
+    with pytest.raises(grpc.RpcError) as first:
+        create(daemon, sandbox_id, config, timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    # Refused once the creation finishes, although its deadline is far off.
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as second:
+        create(daemon, sandbox_id, config, timeout=10)
+    waited = time.monotonic() - t0
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "is reserved for" in second.value.details()
+    assert waited < 6, f"the refusal came only after {waited:.1f}s"
+    assert listed(daemon) == []  # cached, invisible until claimed
+
+    container_id = create(daemon, sandbox_id, config, timeout=5)
+    assert listed(daemon) == [container_id]
+    assert creates(count) == 1
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}
+
+
+def test_a_retry_whose_deadline_passes_first_is_told_the_stage_then_the_next_claims(  # type: ignore[no-untyped-def]
+    slow_pod,
+) -> None:
     daemon, sandbox_id, config, delay, count = slow_pod
     delay.write_text("4")
     started = time.monotonic()
@@ -95,6 +163,7 @@ def test_timeout_then_reserved_then_claimed(slow_pod) -> None:  # type: ignore[n
     assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert listed(daemon) == []
 
+    # Its deadline (~3s) passes before the creation finishes (~4s): `name is reserved`.
     with pytest.raises(grpc.RpcError) as second:
         create(daemon, sandbox_id, config, timeout=1.5)
     assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -115,19 +184,18 @@ def test_timeout_then_reserved_then_claimed(slow_pod) -> None:  # type: ignore[n
         .status.state
     )
     assert state == api_pb2.CONTAINER_RUNNING
-    daemon.runtime().RemovePodSandbox(
-        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
-    )
+    remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}
 
 
 def test_twenty_concurrent_requests_create_one_container(slow_pod) -> None:  # type: ignore[no-untyped-def]
     daemon, sandbox_id, config, delay, count = slow_pod
     delay.write_text("1")
-    assert_one_created(identical_requests(lambda: create(daemon, sandbox_id, config, 30), 20))
+    results = identical_requests(lambda: create(daemon, sandbox_id, config, 30), 20)
+    assert_one_created(results)
+    # Those that waited on the creation were handed the container too.
+    assert all(isinstance(r, str) for r in results), results
     assert creates(count) == 1
     assert len(listed(daemon)) == 1
-    daemon.runtime().RemovePodSandbox(
-        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
-    )
+    remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}

@@ -46,18 +46,86 @@ def remove_all(daemon: Daemon) -> None:
         )
 
 
-def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: CniTestNetwork) -> None:
-    test_network.delay_file.write_text("4")
-    started = time.monotonic()
+def assert_ready(daemon: Daemon, sandbox_id: str) -> None:
+    status = (
+        daemon.runtime()
+        .PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5)
+        .status
+    )
+    assert status.state == api_pb2.SANDBOX_READY
+    assert status.network.ip
+
+
+def test_timeout_then_the_waiting_retry_gets_the_sandbox(
+    daemon: Daemon, test_network: CniTestNetwork
+) -> None:
+    test_network.delay_file.write_text("3")
     with pytest.raises(grpc.RpcError) as first:
         run_pod(daemon, "slow", timeout=1.5)
     assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert listed(daemon) == []  # kubelet must see "no sandbox" and retry with the same name
 
+    # The retry waits on the creation and is handed the sandbox when it finishes (at ~3s),
+    # not at its own deadline and not with `name is reserved`.
+    t0 = time.monotonic()
+    sandbox_id = run_pod(daemon, "slow", timeout=10)
+    waited = time.monotonic() - t0
+    assert waited < 6, f"the waiting retry got the sandbox only after {waited:.1f}s"
+    assert_ready(daemon, sandbox_id)
+    assert test_network.adds() == 1
+    assert listed(daemon) == [sandbox_id]
+    # a third request (the response to the second was lost) gets the same sandbox
+    assert run_pod(daemon, "slow", timeout=5) == sandbox_id
+    assert test_network.adds() == 1
+    remove_all(daemon)
+    assert daemon.leaks() == {}
+
+
+def test_without_hand_off_the_waiting_retry_is_refused_and_the_next_one_claims(
+    make_daemon,
+    test_network: CniTestNetwork,  # type: ignore[no-untyped-def]
+) -> None:
+    """CRI-O's answer, kept behind `[creation] hand_off = false` for comparison."""
+    daemon: Daemon = make_daemon(settings={"creation": {"hand_off": False}})
+    daemon.start()
+    test_network.delay_file.write_text("3")
+    with pytest.raises(grpc.RpcError) as first:
+        run_pod(daemon, "slow", timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    # Refused once the creation finishes (at ~3s), although its deadline is far off.
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as second:
+        run_pod(daemon, "slow", timeout=10)
+    waited = time.monotonic() - t0
+    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "is reserved for" in second.value.details()
+    assert waited < 6, f"the refusal came only after {waited:.1f}s"
+    assert listed(daemon) == []  # cached, invisible until claimed
+
+    sandbox_id = run_pod(daemon, "slow", timeout=5)
+    assert_ready(daemon, sandbox_id)
+    assert test_network.adds() == 1
+    assert listed(daemon) == [sandbox_id]
+    remove_all(daemon)
+    assert daemon.leaks() == {}
+
+
+def test_a_retry_whose_deadline_passes_first_is_told_the_stage_then_the_next_claims(
+    daemon: Daemon, test_network: CniTestNetwork
+) -> None:
+    test_network.delay_file.write_text("4")
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as first:
+        run_pod(daemon, "slow", timeout=1.5)
+    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert listed(daemon) == []
+
+    # Its deadline (~3s) passes before the creation finishes (~4s): `name is reserved`.
     with pytest.raises(grpc.RpcError) as second:
         run_pod(daemon, "slow", timeout=1.5)
     assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "name is reserved" in second.value.details() or "reserved" in second.value.details()
+    assert "is reserved for" in second.value.details()
     assert "stage: sandbox network" in second.value.details()
     assert listed(daemon) == []
 
@@ -67,13 +135,7 @@ def test_timeout_then_reserved_then_claimed(daemon: Daemon, test_network: CniTes
     sandbox_id = run_pod(daemon, "slow", timeout=10)
     claim_time = time.monotonic() - t0
     assert claim_time < 1.0, f"claiming the cached sandbox took {claim_time:.2f}s"
-    status = (
-        daemon.runtime()
-        .PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=5)
-        .status
-    )
-    assert status.state == api_pb2.SANDBOX_READY
-    assert status.network.ip
+    assert_ready(daemon, sandbox_id)
     assert test_network.adds() == 1
     assert listed(daemon) == [sandbox_id]
     # a fourth request (the response to the third was lost) gets the same sandbox
@@ -87,7 +149,10 @@ def test_twenty_concurrent_requests_create_one_sandbox(
     daemon: Daemon, test_network: CniTestNetwork
 ) -> None:
     test_network.delay_file.write_text("1")
-    assert_one_created(identical_requests(lambda: run_pod(daemon, "crowd", 30), 20))
+    results = identical_requests(lambda: run_pod(daemon, "crowd", 30), 20)
+    assert_one_created(results)
+    # Those that waited on the creation were handed the sandbox too.
+    assert all(isinstance(r, str) for r in results), results
     assert test_network.adds() == 1
     assert len(listed(daemon)) == 1
     remove_all(daemon)

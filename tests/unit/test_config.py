@@ -30,6 +30,7 @@ def test_defaults_match_the_documented_contract() -> None:
     assert cfg.network.setup_timeout == 300
     assert cfg.creation.claim_grace == 120
     assert cfg.creation.keep_on_timeout is True
+    assert cfg.creation.hand_off is True
     assert cfg.runtime.default_handler == "runc"
 
 
@@ -56,7 +57,7 @@ def test_every_key_is_read() -> None:
             "log_level": "DEBUG",
             "cgroup_manager": "systemd",
             "network": {"config_dir": "/n", "bin_dirs": ["/b"], "setup_timeout": "90s"},
-            "creation": {"claim_grace": "30s", "keep_on_timeout": False},
+            "creation": {"claim_grace": "30s", "keep_on_timeout": False, "hand_off": False},
             "runtime": {
                 "default_handler": "slow",
                 "conmon": "/usr/bin/conmon",
@@ -72,6 +73,7 @@ def test_every_key_is_read() -> None:
     assert cfg.log_level == "debug"
     assert cfg.network.setup_timeout == 90
     assert cfg.creation.keep_on_timeout is False
+    assert cfg.creation.hand_off is False
     assert cfg.runtime.handlers["slow"].path == Path("/usr/local/bin/slow-runc")
     assert "runc" in cfg.runtime.handlers
     assert cfg.images.mirrors == {"docker.io": ["http://127.0.0.1:5000"]}
@@ -87,6 +89,7 @@ def test_every_key_is_read() -> None:
         ({"root": "relative/dir"}, "root"),
         ({"listen": "tcp://0.0.0.0:1"}, "listen"),
         ({"creation": {"keep_on_timeout": "yes"}}, "creation.keep_on_timeout"),
+        ({"creation": {"hand_off": 1}}, "creation.hand_off"),
         ({"runtime": {"default_handler": "kata"}}, "runtime.default_handler"),
         ({"images": {"mirrors": {"docker.io": "http://x"}}}, "images.mirrors.docker.io"),
     ],

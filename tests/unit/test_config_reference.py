@@ -68,6 +68,7 @@ def test_the_reference_shows_defaults_and_types() -> None:
     table = config_reference_markdown()
     assert '| `[network] setup_timeout` | duration | `"5m"` |' in table
     assert "| `[creation] keep_on_timeout` | boolean | `true` |" in table
+    assert "| `[creation] hand_off` | boolean | `true` |" in table
     assert '| `[network] bin_dirs` | list of paths | `["/usr/lib/cni", "/opt/cni/bin"]` |' in table
     assert "| `[runtime.handlers.NAME] root` | path | `<run_root>/runtime/NAME` |" in table
     assert "**undocumented**" not in table

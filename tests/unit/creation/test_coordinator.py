@@ -107,7 +107,7 @@ async def test_a_failing_reserve_hook_leaves_the_name_free() -> None:
 
 
 @in_virtual_time
-async def test_kubelet_retry_sequence_timeout_then_name_reserved_then_the_object() -> None:
+async def test_kubelet_retry_sequence_timeout_then_the_waiting_retry_gets_the_object() -> None:
     coordinator, hooks = make()
     creator = FakeCreator(steps=[("sandbox network", 6.0)])
 
@@ -117,8 +117,37 @@ async def test_kubelet_retry_sequence_timeout_then_name_reserved_then_the_object
     assert "continues in the background" in str(first)
     assert "stage: sandbox network" in str(first)
 
+    # 2nd request (deadline t=8): waits; the creation finishes at t=6 and is handed to it
+    # then, without going through the cache.
+    second, at = await outcome(coordinator.create(NAME, 8.0, creator))
+    assert (second, at) == ("id1", 6.0)
+    assert hooks.count("publish", "id1") == 1 and hooks.count("cached") == 0
+    assert hooks.rows["id1"].phase == "visible"
+
+    # Its response lost on the way, the 3rd request gets the same object at once.
+    third, at = await outcome(coordinator.create(NAME, 20.0, creator))
+    assert (third, at) == ("id1", 6.0)
+    assert creator.calls == ["id1"]
+    assert hooks.count("publish") == 1
+    counters = coordinator.stats()["counters"]
+    assert (counters["timed_out"], counters["handed_off"], counters["name_reserved"]) == (1, 1, 0)
+    assert (counters["cached"], counters["claimed"], counters["returned_existing"]) == (0, 0, 1)
+    await advance_to(10_000.0)
+    assert hooks.count("cleanup") == 0  # handed off: never expires
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_without_hand_off_the_waiting_retry_is_refused_and_the_next_claims() -> None:
+    coordinator, hooks = make(hand_off=False)
+    creator = FakeCreator(steps=[("sandbox network", 6.0)])
+
+    # 1st request: its deadline passes at t=4, the creation goes on.
+    first, at = await outcome(coordinator.create(NAME, 4.0, creator))
+    assert isinstance(first, DeadlineExceeded) and at == 4.0
+
     # 2nd request (deadline t=8): waits, and is refused even though the creation finished
-    # at t=6 while it waited; it comes back at once then, not at its deadline.
+    # at t=6 while it waited (CRI-O's answer); it comes back at once then, not at its deadline.
     second, at = await outcome(coordinator.create(NAME, 8.0, creator))
     assert isinstance(second, NameReserved) and at == 6.0
     assert "reserved for id1" in str(second) and "stage: sandbox network" in str(second)
@@ -133,6 +162,7 @@ async def test_kubelet_retry_sequence_timeout_then_name_reserved_then_the_object
     assert hooks.rows["id1"].phase == "visible"
     counters = coordinator.stats()["counters"]
     assert (counters["timed_out"], counters["name_reserved"], counters["claimed"]) == (1, 1, 1)
+    assert counters["handed_off"] == 0
     await coordinator.aclose()
 
 
@@ -178,6 +208,93 @@ async def test_a_duplicate_waits_until_its_own_deadline_and_is_told_the_stage() 
 
 
 @in_virtual_time
+async def test_a_duplicate_whose_deadline_passes_first_is_refused_and_the_object_cached() -> None:
+    coordinator, hooks = make()
+    creator = FakeCreator(steps=[("sandbox network", 10.0)])
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, 2.0, creator)
+
+    refused, at = await outcome(coordinator.create(NAME, 6.0, creator))
+
+    assert isinstance(refused, NameReserved) and at == 6.0
+    await advance_to(11.0)
+    assert hooks.rows["id1"].phase == "cached" and hooks.count("publish") == 0
+    assert await coordinator.create(NAME, 20.0, creator) == "id1"  # claimed
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_every_duplicate_waiting_at_the_finish_gets_the_object() -> None:
+    coordinator, hooks = make()
+    creator = FakeCreator(steps=[("sandbox network", 10.0)])
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, 2.0, creator)
+    early = asyncio.create_task(outcome(coordinator.create(NAME, 5.0, creator)))
+    late = [asyncio.create_task(outcome(coordinator.create(NAME, d, creator))) for d in (30, 40)]
+    endless = asyncio.create_task(outcome(coordinator.create(NAME, None, creator)))
+
+    refused, at = await early
+    assert isinstance(refused, NameReserved) and at == 5.0
+    for waiter in (*late, endless):
+        assert await waiter == ("id1", 10.0)
+    assert hooks.count("publish") == 1 and hooks.count("cached") == 0
+    assert coordinator.stats()["counters"]["handed_off"] == 3
+    await coordinator.aclose()
+
+
+class LosesTheHandOff(FakeHooks):
+    """Cancels `victim` as the object is published: the response to the request it was
+    handed to is lost on the way (its client gave up in that very instant)."""
+
+    victim: asyncio.Task[Any] | None = None
+
+    def publish(self, object_id: str) -> None:
+        super().publish(object_id)
+        if self.victim is not None:
+            self.victim.cancel()
+
+
+@in_virtual_time
+async def test_a_hand_off_whose_response_is_lost_is_recovered_by_the_next_retry() -> None:
+    hooks = LosesTheHandOff()
+    coordinator, _ = make(hooks)
+    creator = FakeCreator(steps=[("sandbox network", 10.0)])
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, 2.0, creator)
+    hooks.victim = asyncio.create_task(coordinator.create(NAME, 30.0, creator))
+    with pytest.raises(asyncio.CancelledError):
+        await hooks.victim
+
+    # Nobody got the ID, but the object is visible, not cached: it cannot expire, and the
+    # next retry gets it.
+    assert hooks.rows["id1"].phase == "visible" and hooks.count("cached") == 0
+    assert await coordinator.create(NAME, 40.0, creator) == "id1"
+    await advance_to(10_000.0)
+    assert hooks.count("cleanup") == 0
+    assert creator.calls == ["id1"]
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_a_cancelled_duplicate_does_not_keep_the_object_from_the_cache() -> None:
+    coordinator, hooks = make()
+    creator = FakeCreator(steps=[("sandbox network", 10.0)])
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, 2.0, creator)
+    watcher = asyncio.create_task(coordinator.create(NAME, 30.0, creator))
+    await advance_to(3.0)
+    watcher.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await watcher
+
+    await advance_to(11.0)
+    assert hooks.rows["id1"].phase == "cached" and hooks.count("publish") == 0
+    assert hooks.rows["id1"].expires_at == 30.0 + GRACE  # its deadline still counts
+    assert await coordinator.create(NAME, 40.0, creator) == "id1"
+    await coordinator.aclose()
+
+
+@in_virtual_time
 async def test_twenty_concurrent_identical_requests_make_one_creation() -> None:
     coordinator, hooks = make()
     creator = FakeCreator(steps=[("sandbox network", 1.0)])
@@ -187,7 +304,24 @@ async def test_twenty_concurrent_identical_requests_make_one_creation() -> None:
     )
 
     assert creator.calls == ["id1"]
-    assert hooks.count("reserve") == 1
+    assert hooks.count("reserve") == 1 and hooks.count("publish") == 1
+    # The one that created it got it, and so did the 19 that waited on it.
+    assert results == ["id1"] * 20
+    assert coordinator.stats()["counters"]["handed_off"] == 19
+    assert await coordinator.create(NAME, 40.0, creator) == "id1"
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_without_hand_off_twenty_concurrent_requests_get_one_id_and_19_refusals() -> None:
+    coordinator, hooks = make(hand_off=False)
+    creator = FakeCreator(steps=[("sandbox network", 1.0)])
+
+    results = await asyncio.gather(
+        *(coordinator.create(NAME, 30.0, creator) for _ in range(20)), return_exceptions=True
+    )
+
+    assert creator.calls == ["id1"] and hooks.count("publish") == 1
     assert results.count("id1") == 1
     assert sum(isinstance(r, NameReserved) for r in results) == 19
     # The one that created it got it; anyone asking again gets the same object.
@@ -231,8 +365,22 @@ async def test_on_the_real_loop_a_failure_wakes_a_waiter_well_before_its_deadlin
     await coordinator.aclose()
 
 
-async def test_on_the_real_loop_timeout_then_reserved_then_claimed() -> None:
+async def test_on_the_real_loop_timeout_then_handed_off_well_before_the_deadline() -> None:
     coordinator = CreationCoordinator("sandbox", FakeHooks())
+    creator = FakeCreator(steps=[("sandbox network", 0.2)])
+    loop = asyncio.get_running_loop()
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, loop.time() + 0.05, creator)
+    started = time.monotonic()
+    object_id = await coordinator.create(NAME, loop.time() + 5.0, creator)
+    assert time.monotonic() - started < 1.0
+    assert creator.calls == [object_id]
+    assert await coordinator.create(NAME, loop.time() + 5.0, creator) == object_id
+    await coordinator.aclose()
+
+
+async def test_on_the_real_loop_without_hand_off_timeout_then_reserved_then_claimed() -> None:
+    coordinator = CreationCoordinator("sandbox", FakeHooks(), hand_off=False)
     creator = FakeCreator(steps=[("sandbox network", 0.2)])
     loop = asyncio.get_running_loop()
     with pytest.raises(DeadlineExceeded):
@@ -282,7 +430,10 @@ async def test_a_claimed_object_is_never_cleaned_up() -> None:
 
 @in_virtual_time
 async def test_expiry_starts_after_the_last_waiters_deadline_plus_grace() -> None:
-    coordinator, hooks = make()
+    # Without the hand-off, so that a waiter can outlast the creation and still be refused
+    # (with it, a waiter outlasting the creation is given the object; a cancelled one still
+    # counts, as test_a_cancelled_duplicate_does_not_keep_the_object_from_the_cache shows).
+    coordinator, hooks = make(hand_off=False)
     creator = FakeCreator(steps=[("sandbox network", 10.0)])
     owner = asyncio.create_task(outcome(coordinator.create(NAME, 2.0, creator)))
     await advance_to(2.0)
@@ -559,13 +710,17 @@ async def test_every_decision_is_logged_with_the_name(caplog: pytest.LogCaptureF
     creator = FakeCreator(steps=[("sandbox network", 6.0)])
     with caplog.at_level(logging.INFO, logger="cri_shim.creation"):
         await outcome(coordinator.create(NAME, 4.0, creator))  # reserved, timed out
-        await outcome(coordinator.create(NAME, 8.0, creator))  # waiting, cached, refused
-        await coordinator.create(NAME, 10.0, creator)  # claimed
+        await outcome(coordinator.create(NAME, 8.0, creator))  # waiting, handed off
         await coordinator.create(NAME, 10.0, creator)  # returned existing
         await outcome(coordinator.create("other", 10.0, FakeCreator(error=Internal("x"))))
         with pytest.raises(DeadlineExceeded):
             await coordinator.create("third", 6.5, creator)
-        await advance_to(1000.0)  # expired, released
+        await outcome(coordinator.create("third", 7.0, creator))  # refused
+        await advance_to(1000.0)  # cached, expired, released
+        with pytest.raises(DeadlineExceeded):
+            await coordinator.create("fourth", 1001.0, creator)
+        await advance_to(1010.0)
+        await coordinator.create("fourth", 1020.0, creator)  # claimed
 
     messages = [r.getMessage() for r in caplog.records if r.name == "cri_shim.creation"]
 
@@ -576,13 +731,15 @@ async def test_every_decision_is_logged_with_the_name(caplog: pytest.LogCaptureF
     assert logged(NAME, "stage sandbox network")
     assert logged(NAME, "deadline passed")
     assert logged(NAME, "waits")
-    assert logged(NAME, "cached")
-    assert logged(NAME, "refused")
-    assert logged(NAME, "claimed")
+    assert logged(NAME, "handed to them")
+    assert logged(NAME, "gets the finished object")
     assert logged(NAME, "already visible")
     assert logged("other", "failed")
     assert logged("other", "released")
+    assert logged("third", "refused")
+    assert logged("third", "cached")
     assert logged("third", "never claimed")
+    assert logged("fourth", "claimed")
     assert logged("third", "released")
     await coordinator.aclose()
 

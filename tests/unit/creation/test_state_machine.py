@@ -9,7 +9,10 @@ daemon. After every step it checks the invariants of DESIGN §2:
 - an object handed to a client is never cleaned up;
 - every object nobody claimed is cleaned up exactly once, and its name released after;
 - every request returns by its own deadline, at the moment the contract says;
-- every answer is one the contract allows for what the name was when the request came.
+- every answer is one the contract allows for what the name was when the request came;
+- a duplicate waiting when its creation finishes is handed the object (unless hand_off is
+  off), every later retry gets that same ID, and a handed-off object is never cached,
+  expired or cleaned up; with keep_on_timeout or hand_off off, no waiter gets an ID.
 """
 
 from __future__ import annotations
@@ -107,6 +110,11 @@ class CreationContract(RuleBasedStateMachine):
         self.generation = 0
         self.last_name = NAMES[0]
         self.keep_on_timeout = True
+        self.hand_off = True
+        # Objects a waiting duplicate was handed: the request, and how many requests had
+        # been sent when its answer was seen (every one sent since came after the hand-off).
+        self.handed_off: dict[str, tuple[Request, int]] = {}
+        self.removed_after: dict[str, int] = {}  # object ID -> requests sent before removal
         self.coordinator: CreationCoordinator
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -120,6 +128,7 @@ class CreationContract(RuleBasedStateMachine):
             self.hooks,
             claim_grace=GRACE,
             keep_on_timeout=self.keep_on_timeout,
+            hand_off=self.hand_off,
             cleanup_timeout=CLEANUP_TIMEOUT,
             new_id=lambda: f"id{next(self.ids)}",
         )
@@ -151,9 +160,10 @@ class CreationContract(RuleBasedStateMachine):
 
     # ---- rules -----------------------------------------------------------------------------
 
-    @initialize(keep_on_timeout=st.booleans())
-    def start(self, keep_on_timeout: bool) -> None:
+    @initialize(keep_on_timeout=st.booleans(), hand_off=st.booleans())
+    def start(self, keep_on_timeout: bool, hand_off: bool) -> None:
         self.keep_on_timeout = keep_on_timeout
+        self.hand_off = hand_off
         self.coordinator = self._new_coordinator()
 
     def _send(self, name: str, deadline: float | None, script: Script) -> Request:
@@ -231,6 +241,7 @@ class CreationContract(RuleBasedStateMachine):
             return
         self.hooks.rows.pop(info.object_id)
         self.removed.add(info.object_id)
+        self.removed_after[info.object_id] = len(self.requests)
         self.coordinator.release(name, object_id=info.object_id)
 
     @precondition(lambda self: self.generation < MAX_RESTARTS)
@@ -335,6 +346,52 @@ class CreationContract(RuleBasedStateMachine):
                 gave_up = r.task is not None and (r.task.cancelled() or r.task.exception())
                 if gave_up:
                     assert r.reserved_id not in self.running.values()
+
+    def _handed_off_requests(self) -> None:
+        """Note every duplicate of a creation in flight that came back with an ID."""
+        for r in self.requests:
+            if (
+                r.done
+                and r.reserved_id is None
+                and r.before is not None
+                and r.before.phase is Phase.IN_FLIGHT
+                and r.task is not None
+                and not r.task.cancelled()
+                and r.task.exception() is None
+            ):
+                self.handed_off.setdefault(r.task.result(), (r, len(self.requests)))
+
+    @invariant()
+    def only_a_hand_off_gives_a_waiting_duplicate_the_object(self) -> None:
+        self._handed_off_requests()
+        if not (self.keep_on_timeout and self.hand_off):
+            assert self.handed_off == {}, "a waiting duplicate was given the object"
+
+    @invariant()
+    def a_handed_off_object_is_what_every_later_retry_gets(self) -> None:
+        """The hand-off is safe only because a lost response is recovered: until the domain
+        removes it, the object keeps the name, and each later request gets its ID."""
+        self._handed_off_requests()
+        for object_id, (handed, sent_before) in self.handed_off.items():
+            removed = self.removed_after.get(object_id, len(self.requests))
+            for r in self.requests[sent_before:removed]:
+                if r.name != handed.name:
+                    continue
+                assert r.before is not None and r.before.phase is Phase.VISIBLE, (
+                    f"{object_id} was handed off, yet a later request found {r.before}"
+                )
+                assert r.before.object_id == object_id
+                if r.task is not None and r.task.done() and not r.task.cancelled():
+                    assert r.task.exception() is None and r.task.result() == object_id
+
+    @invariant()
+    def a_handed_off_object_is_never_cached_expired_or_cleaned(self) -> None:
+        self._handed_off_requests()
+        for object_id in self.handed_off:
+            assert object_id in self.hooks.published
+            assert self.hooks.count("cached", object_id) == 0, f"{object_id} also cached"
+            assert self.hooks.cleanup_started[object_id] == 0, f"{object_id} also cleaned"
+            assert self.rolled_back[object_id] == 0, f"{object_id} rolled back at restart"
 
     @invariant()
     def claimed_objects_are_never_cleaned_up(self) -> None:
@@ -455,10 +512,10 @@ class CreationContract(RuleBasedStateMachine):
         error: BaseException | None,
         deadline: float,
     ) -> None:
-        assert result is None, "a duplicate of a creation in flight was handed the object"
-        event(f"answer to a duplicate ({before.phase}): {type(error).__name__}")
+        event(f"answer to a duplicate ({before.phase}): {type(error).__name__ if error else 'id'}")
         holder = before.object_id
         if not self.keep_on_timeout:
+            assert result is None, "without keep_on_timeout a duplicate was handed the object"
             assert isinstance(error, NameReserved) and r.finished_at == r.started_at
             return
         released = self._event_time(("released",), holder, r.started_at)
@@ -467,8 +524,24 @@ class CreationContract(RuleBasedStateMachine):
         else:
             settled = released
         expected = min(deadline, settled if settled is not None else float("inf"))
-        if isinstance(error, NameReserved):
+        # When the creation it waited on finished (published or cached), if it did.
+        finished = None
+        if before.phase is Phase.IN_FLIGHT:
+            finished = self._event_time(("publish", "cached"), holder, r.started_at)
+        if result is not None:
+            assert self.hand_off, "without hand_off a duplicate was handed the object"
+            assert result == holder, f"handed {result}, not the {holder} it waited on"
+            assert self.hooks.first_time("publish", holder) == finished == r.finished_at
+            event("answer to a duplicate: handed the object")
+        elif isinstance(error, NameReserved):
             assert holder in str(error) and "stage:" in str(error)
+            if self.hand_off and finished is not None:
+                # Finished while it waited: it must have been handed the object (and the
+                # object not cached meanwhile); only a tie with its deadline may go either way.
+                assert finished >= deadline, (
+                    f"refused at {r.finished_at} although {holder} was finished at "
+                    f"{finished}, before its deadline {deadline}"
+                )
         elif isinstance(error, FakeCreationFailed):
             assert holder in str(error), "a duplicate was given another creation's error"
         else:
