@@ -281,6 +281,17 @@ class Daemon:
         finally:
             conn.close()
 
+    def runc_containers(self) -> list[str]:
+        """The containers runc still knows under the daemon's default handler."""
+        listed = subprocess.run(
+            ["runc", "--root", str(self.run_root / "runtime" / "runc"), "list", "-q"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+        return listed.stdout.split()
+
     def leaks(self) -> dict[str, list[str]]:
         """Everything a daemon with no objects must not hold any more."""
         found: dict[str, list[str]] = {}

@@ -1,0 +1,300 @@
+"""The README's crictl session, run with the real crictl against the real daemon.
+
+The session is read from the README (its files and its command lines) and every command
+line the test runs is checked against it, so the README stays what a user can type. The
+image is built by the test and pushed to a docker-registry on 127.0.0.1. crictl comes
+from the conformance kit beside the repository (`../shared/conformance/bin/crictl`);
+without it the tests skip.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cri_api.v1 import api_pb2
+
+from tests.conformance import DEFAULT_KIT
+from tests.harness import REPO, Daemon, wait_until
+from tests.imagebuild import build_image
+from tests.integration.cri_testkit import remove_pod, status
+from tests.registry import RegistryServer, free_port, start_registry
+
+CRICTL = DEFAULT_KIT / "bin" / "crictl"
+COMMAND_TIMEOUT = 60.0
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.root,
+    pytest.mark.skipif(
+        not CRICTL.exists(),
+        reason=f"crictl not found at {CRICTL} (the conformance kit beside the repository)",
+    ),
+]
+
+# What the README's session names, and what the test puts in its place.
+README_SOCKET = "/run/cri-shim/cri-shim.sock"
+README_REGISTRY = "127.0.0.1:5000"
+README_LOG_DIR = "/tmp/web-logs"
+README_LOCAL_PORT = "8081:"
+INDEX_HTML = b"hello from the pod\n"
+
+
+@dataclass
+class ReadmeSession:
+    """The shell block of the README's crictl section: its here-documents and the command
+    lines (comments stripped) that run crictl, in order."""
+
+    files: dict[str, str]
+    commands: list[str]
+
+
+def readme_session() -> ReadmeSession:
+    section = (REPO / "README.md").read_text().split("## Using it with crictl\n", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    files: dict[str, str] = {}
+    commands: list[str] = []
+    lines = iter(block.splitlines())
+    for line in lines:
+        if heredoc := re.fullmatch(r"cat > (\S+) <<EOF", line):
+            body = []
+            for inner in lines:
+                if inner == "EOF":
+                    break
+                body.append(inner)
+            files[Path(heredoc[1]).name] = "\n".join(body) + "\n"
+        elif "crictl " in line:
+            commands.append(re.sub(r"\s+#\s.*$", "", line).strip())
+    return ReadmeSession(files, commands)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+@dataclass
+class Session:
+    """Runs the README's command lines with the real crictl, pointed at the test daemon
+    by a config file of its own, and records them for the comparison with the README."""
+
+    workdir: Path
+    config: Path
+    substitutions: dict[str, str]
+    variables: dict[str, str] = field(default_factory=dict)
+    ran: list[str] = field(default_factory=list)
+    background: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def _argv(self, line: str) -> tuple[str | None, bytes | None, list[str]]:
+        self.ran.append(line)
+        assign, stdin = None, None
+        if captured := re.fullmatch(r"(\w+)=\$\((.*)\)", line):
+            assign, line = captured[1], captured[2]
+        if piped := re.fullmatch(r"echo (\S+) \| (.*)", line):
+            stdin, line = piped[1].encode() + b"\n", piped[2]
+        line = line.removesuffix(" &")
+        for old, new in {**self.substitutions, **self.variables}.items():
+            line = line.replace(old, new)
+        words = shlex.split(line)
+        assert words[0] == "crictl", line
+        return assign, stdin, [str(CRICTL), "--config", str(self.config), *words[1:]]
+
+    def run(self, line: str) -> Result:
+        """A command line, to its end; `VAR=$(…)` keeps the output as `$VAR`."""
+        assign, stdin, argv = self._argv(line)
+        done = subprocess.run(
+            argv,
+            input=stdin,
+            capture_output=True,
+            cwd=self.workdir,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+        result = Result(done.returncode, done.stdout.decode(), done.stderr.decode())
+        if assign is not None:
+            assert result.returncode == 0, (line, result)
+            self.variables[f"${assign}"] = result.stdout.strip()
+        return result
+
+    def ok(self, line: str) -> Result:
+        result = self.run(line)
+        assert result.returncode == 0, (line, result)
+        return result
+
+    def start(self, line: str) -> subprocess.Popen[bytes]:
+        """A command line ending in `&`: runs on until the session ends."""
+        assert line.endswith(" &"), line
+        _, _, argv = self._argv(line)
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.background.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.background:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    server = start_registry(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+def _remove_everything(daemon: Daemon) -> None:
+    """After a failed step: what the session made must not outlive the test."""
+    runtime = daemon.runtime()
+    for sandbox in runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10).items:
+        remove_pod(daemon, sandbox.id)
+
+
+@pytest.fixture
+def session(
+    make_daemon: Any, registry: RegistryServer, short_tmp: Path
+) -> Iterator[tuple[Session, Daemon]]:
+    daemon: Daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
+    daemon.start()
+    workdir = short_tmp / "session"
+    workdir.mkdir()
+    log_dir = short_tmp / "web-logs"
+    substitutions = {
+        README_SOCKET: str(daemon.socket),
+        README_REGISTRY: registry.host,
+        README_LOG_DIR: str(log_dir),
+        README_LOCAL_PORT: f"{free_port()}:",
+    }
+    readme = readme_session()
+    for name, content in readme.files.items():
+        for old, new in substitutions.items():
+            content = content.replace(old, new)
+        (workdir / name).write_text(content)
+    made = Session(workdir, workdir / "crictl.yaml", substitutions)
+    try:
+        yield made, daemon
+    finally:
+        made.close()
+        _remove_everything(daemon)
+
+
+def _http_get(url: str) -> bytes | None:
+    try:
+        return httpx.get(url, timeout=2).content
+    except httpx.HTTPError:
+        return None
+
+
+def test_the_readme_session_with_crictl(
+    session: tuple[Session, Daemon], registry: RegistryServer
+) -> None:
+    crictl, daemon = session
+    image = build_image(extra_files={"www/index.html": INDEX_HTML})
+    manifest_digest = registry.push("web", image, "1")
+    reference = f"{registry.host}/web:1"
+
+    # The pod.
+    crictl.run("POD=$(crictl runp pod.json)")
+    pod_id = crictl.variables["$POD"]
+    assert re.fullmatch(r"[0-9a-f]{64}", pod_id), pod_id
+    [listed] = crictl.ok("crictl pods -o json").json()["items"]
+    assert listed["id"] == pod_id and listed["state"] == "SANDBOX_READY"
+    assert listed["metadata"] == {
+        "name": "web",
+        "namespace": "default",
+        "uid": "web-1",
+        "attempt": 0,
+    }
+    inspected = crictl.ok("crictl inspectp $POD").json()
+    assert inspected["status"]["id"] == pod_id
+    assert inspected["status"]["state"] == "SANDBOX_READY"
+    assert daemon.network is not None
+    prefix = daemon.network.subnet.rsplit(".", 1)[0] + "."
+    assert inspected["status"]["network"]["ip"].startswith(prefix), inspected["status"]
+    assert inspected["info"], inspected
+
+    # The image.
+    assert image.image_id in crictl.ok(f"crictl pull {README_REGISTRY}/web:1").stdout
+    [listed_image] = crictl.ok("crictl images -o json").json()["images"]
+    assert listed_image["id"] == image.image_id
+    assert listed_image["repoTags"] == [reference]
+    assert listed_image["repoDigests"] == [f"{registry.host}/web@{manifest_digest}"]
+    assert int(listed_image["size"]) > 1_000_000
+
+    # The container.
+    crictl.run("CTR=$(crictl create $POD container.json pod.json)")
+    container_id = crictl.variables["$CTR"]
+    assert re.fullmatch(r"[0-9a-f]{64}", container_id), container_id
+    assert crictl.ok("crictl start $CTR").stdout.strip() == container_id
+    [running] = crictl.ok("crictl ps -o json").json()["containers"]
+    assert running["id"] == container_id and running["podSandboxId"] == pod_id
+    assert running["state"] == "CONTAINER_RUNNING"
+    assert running["metadata"]["name"] == "app"
+    container = crictl.ok("crictl inspect $CTR").json()
+    assert container["status"]["state"] == "CONTAINER_RUNNING"
+    assert container["status"]["image"]["image"] == reference
+    assert container["status"]["logPath"] == str(crictl.workdir.parent / "web-logs" / "app.log")
+    assert container["info"]["pid"] > 0, container["info"]
+
+    logs = crictl.ok("crictl logs $CTR")
+    assert logs.stdout == "started\n", logs
+
+    # crictl exits with 1 whatever the command's code, and names the code.
+    synced = crictl.run("crictl exec -s $CTR sh -c 'exit 3'")
+    assert synced.returncode == 1 and "exited with 3" in synced.stderr, synced
+    streamed = crictl.run("crictl exec $CTR sh -c 'exit 4'")
+    assert streamed.returncode == 1 and "exit code 4" in streamed.stderr, streamed
+    streamed = crictl.ok("echo hello | crictl exec -i $CTR tr a-z A-Z")
+    assert streamed.stdout == "HELLO\n", streamed
+
+    forward = crictl.start("crictl port-forward $POD 8081:8080 &")
+    local = crictl.substitutions[README_LOCAL_PORT].rstrip(":")
+    served = wait_until(lambda: _http_get(f"http://127.0.0.1:{local}/"), timeout=20)
+    assert served == INDEX_HTML
+    assert forward.poll() is None, "crictl port-forward ended"
+
+    [stats] = crictl.ok("crictl stats -o json $CTR").json()["stats"]
+    assert stats["attributes"]["id"] == container_id
+    assert int(stats["memory"]["workingSetBytes"]["value"]) > 0, stats
+    assert "usageCoreNanoSeconds" in stats["cpu"], stats
+    assert int(stats["writableLayer"]["usedBytes"]["value"]) >= 0, stats
+
+    # And all of it away again.
+    assert crictl.ok("crictl stop $CTR").stdout.strip() == container_id
+    assert status(daemon, container_id).state == api_pb2.CONTAINER_EXITED
+    assert crictl.ok("crictl rm $CTR").stdout.strip() == container_id
+    assert crictl.ok("crictl stopp $POD").stdout.strip() == f"Stopped sandbox {pod_id}"
+    assert crictl.ok("crictl rmp $POD").stdout.strip() == f"Removed sandbox {pod_id}"
+    assert crictl.ok(f"crictl rmi {README_REGISTRY}/web:1").stdout.strip() == (
+        f"Deleted: {reference}"
+    )
+
+    assert crictl.ran == readme_session().commands
+    assert daemon.leaks() == {}
+    assert daemon.runc_containers() == []
+    assert list(daemon.images().ListImages(api_pb2.ListImagesRequest(), timeout=10).images) == []
