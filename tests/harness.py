@@ -152,6 +152,8 @@ class Daemon:
     network: CniTestNetwork | None
     settings: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # `run_root` when it is not `<base>/run` (the socket stays there: its path is short).
+    run_dir: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = None
 
@@ -165,7 +167,7 @@ class Daemon:
 
     @property
     def run_root(self) -> Path:
-        return self.base / "run"
+        return self.run_dir or self.base / "run"
 
     @property
     def config_path(self) -> Path:

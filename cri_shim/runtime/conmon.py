@@ -5,7 +5,7 @@ and outlives the daemon, so a restart loses nothing: every fact this module need
 file under `state_dir`, and nothing is kept in memory. Layout:
 
     state_dir/exits/<id>                      exit code written by conmon; mtime = finish time
-    state_dir/sockets/                        conmon's attach-socket links
+    state_dir/sockets/                        attach-socket links of earlier versions
     state_dir/runc-logs/                      per-call runc logs (removed after each call)
     state_dir/containers/<id>/meta.json       bundle, log path, cgroup, conmon's identity
     state_dir/containers/<id>/conmon.pid      written by conmon
@@ -191,8 +191,11 @@ class RuntimeBackend:
             str(cdir / "persist"),
             "--exit-dir",
             str(self._exits),
-            "--socket-dir-path",
-            str(self._sockets),
+            # The attach socket in the bundle, whatever its path's length: without this,
+            # conmon links it as <socket dir>/<id> and cuts the id short when that path
+            # exceeds sun_path's 108 bytes, so nobody could find it. Clients connect
+            # through an fd of the bundle (/proc/self/fd/N/attach), as CRI-O does.
+            "--full-attach",
             "-l",
             f"k8s-file:{log_path}",
             "--log-level",
@@ -367,6 +370,7 @@ class RuntimeBackend:
                 await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
         if conmon is not None:
             _reap(conmon)
+        # (A link in sockets/ is there for containers started by an earlier version.)
         for leftover in (self._exits / container_id, self._sockets / container_id):
             with contextlib.suppress(FileNotFoundError):
                 leftover.unlink()
@@ -498,8 +502,12 @@ class RuntimeBackend:
         return self._host_limits().cgroup_v2
 
     def attach_socket(self, container_id: str) -> Path:
-        """conmon's attach socket for the container (under --socket-dir-path)."""
-        return self._sockets / container_id / "attach"
+        """conmon's attach socket for the container: `attach` in its bundle. The path may
+        exceed the 108 bytes of a unix socket address; connect through the directory."""
+        meta = self._read_meta(container_id)
+        if meta is None:
+            raise NotFound(f"container {container_id} has no monitor")
+        return Path(meta.bundle) / "attach"
 
     # ---- exec, logs, resources ------------------------------------------------------
 

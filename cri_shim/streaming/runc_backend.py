@@ -62,7 +62,7 @@ class ContainerEndpoint:
 
     runtime_path: Path
     runtime_root: Path
-    attach_socket: Path  # <conmon socket dir>/<container id>/attach
+    attach_socket: Path  # `attach` in the container's bundle (its path may be long)
     control_fifo: Path  # the bundle's `ctl` FIFO
     running: bool
 
