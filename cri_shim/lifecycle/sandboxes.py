@@ -435,12 +435,10 @@ class SandboxService(PersistedCreationHooks):
                 except UndoFailed as exc:
                     log.error("orphan journal of %s left work for GC: %s", object_id, exc)
 
-    def netns_of(self, ref: str) -> Path:
-        """The pinned network namespace of a ready pod (port-forward dials into it)."""
-        sandbox = self.get_ready(ref)
-        if sandbox.netns_path is None:
-            raise FailedPrecondition(f"pod sandbox {sandbox.id} uses the host network")
-        return sandbox.netns_path
+    def netns_of(self, ref: str) -> Path | None:
+        """The pinned network namespace of a ready pod (port-forward dials into it); None
+        for a host-network pod, which shares the daemon's own."""
+        return self.get_ready(ref).netns_path
 
     def notice_exit(self, sandbox_id: str | None) -> None:
         """An exit file appeared (None: some may have been missed). When it is the pause

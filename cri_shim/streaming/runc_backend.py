@@ -11,10 +11,11 @@
 - port-forward: a TCP connection to 127.0.0.1:PORT made inside the pod's network
   namespace, from a dedicated thread that enters the namespace and leaves it again. A
   socket stays in the namespace it was created in, so the daemon then uses it as usual.
+  A host-network pod has no namespace of its own: it shares the daemon's, dialled as is.
 
 The daemon wires two resolvers: container ID to `ContainerEndpoint`, sandbox ID to the
-path of its pinned network namespace. Both may be plain or async callables and raise
-`cri_shim.errors.NotFound` for an unknown ID.
+path of its pinned network namespace (None for a host-network pod). Both may be plain or
+async callables and raise `cri_shim.errors.NotFound` for an unknown ID.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class ContainerEndpoint:
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]
-NetnsResolver = Callable[[str], Path | Awaitable[Path]]
+NetnsResolver = Callable[[str], Path | Awaitable[Path | None] | None]
 
 
 async def _resolve(value: T | Awaitable[T]) -> T:
@@ -487,8 +488,10 @@ def _setns(fd: int, nstype: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def _connect_in_netns(netns: Path, port: int, timeout: float) -> socket.socket:
+def _connect_in_netns(netns: Path | None, port: int, timeout: float) -> socket.socket:
     """Runs in a thread of its own (see dial_in_netns): setns only changes the caller thread."""
+    if netns is None:
+        return _connect_loopback(port, timeout)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -524,9 +527,10 @@ def _connect_loopback(port: int, timeout: float) -> socket.socket:
 
 
 async def dial_in_netns(
-    netns: Path, port: int, connect_timeout: float = DIAL_TIMEOUT
+    netns: Path | None, port: int, connect_timeout: float = DIAL_TIMEOUT
 ) -> socket.socket:
-    """A connected, non-blocking socket to localhost:port inside the namespace at `netns`."""
+    """A connected, non-blocking socket to localhost:port inside the namespace at `netns`
+    (None: the daemon's own, which host-network pods share)."""
     loop = asyncio.get_running_loop()
     result: asyncio.Future[socket.socket] = loop.create_future()
 

@@ -1,6 +1,6 @@
 """Exec and port-forward end to end: the daemon's own Exec/PortForward RPCs hand out a URL,
 and a SPDY client (as kubelet's proxy would) reaches a real pod through it, with and
-without a user namespace of the pod's own."""
+without a user namespace of the pod's own, and in the host's network."""
 
 from __future__ import annotations
 
@@ -26,14 +26,20 @@ from tests.integration.streaming.clients import (
     spdy_exec,
     spdy_forward_once,
 )
+from tests.registry import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
 WEB_PORT = 8080
-SERVE = (
-    "mkdir -p /www && echo served-from-the-pod > /www/index.html && "
-    f"exec httpd -f -p {WEB_PORT} -h /www"
-)
+
+
+def serve(address: str) -> str:
+    return (
+        "mkdir -p /www && echo served-from-the-pod > /www/index.html && "
+        f"exec httpd -f -p {address} -h /www"
+    )
+
+
 POD_KINDS = {
     "host-users": {},
     "own-user-namespace": {"linux": userns_linux(65536 * 3400)},
@@ -45,19 +51,26 @@ def image(daemon: Daemon, busybox_layout: Path) -> None:
     import_image(daemon, busybox_layout)
 
 
-def _serving(daemon: Daemon, container_id: str) -> bool:
-    probe = exec_sync(
-        daemon, container_id, ["wget", "-q", "-O", "-", f"http://127.0.0.1:{WEB_PORT}/"]
-    )
+def _serving(daemon: Daemon, container_id: str, port: int = WEB_PORT) -> bool:
+    probe = exec_sync(daemon, container_id, ["wget", "-q", "-O", "-", f"http://127.0.0.1:{port}/"])
     return probe.exit_code == 0
 
 
-async def _forward(url: str) -> tuple[bytes, bytes]:
+async def _forward(url: str, port: int = WEB_PORT) -> tuple[bytes, bytes]:
     client = await SpdyClient.connect(url, [PORTFORWARD])
     try:
-        return await spdy_forward_once(client, WEB_PORT, 0, b"GET / HTTP/1.0\r\n\r\n")
+        return await spdy_forward_once(client, port, 0, b"GET / HTTP/1.0\r\n\r\n")
     finally:
         await client.close()
+
+
+def _forward_to_pod(daemon: Daemon, sandbox_id: str, port: int) -> bytes:
+    request = api_pb2.PortForwardRequest(pod_sandbox_id=sandbox_id, port=[port])
+    url = daemon.runtime().PortForward(request, timeout=10).url
+    data, error = asyncio.run(_forward(url, port))
+    assert error == b""
+    assert data.split(b"\r\n", 1)[0].endswith(b"200 OK"), data
+    return data
 
 
 @pytest.mark.parametrize("kind", POD_KINDS)
@@ -66,20 +79,30 @@ def test_port_forward_reaches_the_pods_server(
 ) -> None:
     extra: dict[str, Any] = POD_KINDS[kind]
     with pod(daemon, f"fwd-{kind}", short_tmp, **extra) as p:
-        container_id = create(daemon, p, container_config("web", SERVE))
+        container_id = create(daemon, p, container_config("web", serve(str(WEB_PORT))))
         start(daemon, container_id)
         wait_until(lambda: _serving(daemon, container_id), timeout=10)
-        url = (
-            daemon.runtime()
-            .PortForward(
-                api_pb2.PortForwardRequest(pod_sandbox_id=p[0], port=[WEB_PORT]), timeout=10
-            )
-            .url
+        assert _forward_to_pod(daemon, p[0], WEB_PORT).endswith(b"served-from-the-pod\n")
+    assert daemon.leaks() == {}
+
+
+def test_port_forward_to_a_host_network_pod_dials_the_host(
+    daemon: Daemon, image: None, short_tmp: Path
+) -> None:
+    # The pod has no network namespace of its own: its server listens in the host's, on
+    # loopback, where the daemon must dial (critest: "portforward in host network").
+    port = free_port()
+    host_network = api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(network=api_pb2.NODE)
         )
-        data, error = asyncio.run(_forward(url))
-        assert error == b""
-        assert data.split(b"\r\n", 1)[0].endswith(b"200 OK"), data
-        assert data.endswith(b"served-from-the-pod\n")
+    )
+    with pod(daemon, "fwd-host-network", short_tmp, linux=host_network) as p:
+        config = container_config("web", serve(f"127.0.0.1:{port}"))
+        container_id = create(daemon, p, config)
+        start(daemon, container_id)
+        wait_until(lambda: _serving(daemon, container_id, port), timeout=10)
+        assert _forward_to_pod(daemon, p[0], port).endswith(b"served-from-the-pod\n")
     assert daemon.leaks() == {}
 
 
