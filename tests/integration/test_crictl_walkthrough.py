@@ -25,16 +25,7 @@ from cri_api.v1 import api_pb2
 from tests.conformance import DEFAULT_KIT
 from tests.harness import REPO, Daemon, wait_until
 from tests.imagebuild import build_image
-from tests.integration.cri_testkit import (
-    container_config,
-    create,
-    import_image,
-    output,
-    pod,
-    remove_pod,
-    start,
-    status,
-)
+from tests.integration.cri_testkit import remove_pod, status
 from tests.registry import RegistryServer, free_port, start_registry
 
 CRICTL = DEFAULT_KIT / "bin" / "crictl"
@@ -312,35 +303,3 @@ def test_the_readme_session_with_crictl(
     assert daemon.leaks() == {}
     assert daemon.runc_containers() == []
     assert list(daemon.images().ListImages(api_pb2.ListImagesRequest(), timeout=10).images) == []
-
-
-# Without `--full-attach`, conmon links the bundle as <run_root>/conmon/runc/sockets/<id>
-# and binds `attach` in it; when that link's path is 107 bytes long (a 22-byte run_root),
-# it cuts the link's name one character short, and the socket was not where the daemon
-# looked ("No such file or directory"). A run_root past sun_path's 108 bytes must work too.
-@pytest.mark.parametrize("run_root_length", [22, 150])
-def test_crictl_attach_with_a_long_run_root(
-    make_daemon: Any, short_tmp: Path, busybox_layout: Path, run_root_length: int
-) -> None:
-    run_root = short_tmp / ("r" * (run_root_length - len(str(short_tmp)) - 1))
-    assert len(str(run_root)) == run_root_length
-    daemon: Daemon = make_daemon(run_dir=run_root)
-    daemon.start()
-    import_image(daemon, busybox_layout)
-    crictl = start_session(daemon, short_tmp / "session", {})
-    with pod(daemon, "attach", short_tmp) as sandbox:
-        config = container_config("echo", "echo ready; exec cat", stdin=True, stdin_once=True)
-        container_id = create(daemon, sandbox, config)
-        start(daemon, container_id)
-        wait_until(lambda: output(status(daemon, container_id)) == ["ready"], timeout=10)
-        crictl.variables["$CTR"] = container_id
-        attached = crictl.ok("echo through-attach | crictl attach -i $CTR")
-        assert attached.stdout == "through-attach\n", attached
-        # stdin_once: the end of crictl's stdin is the end of the container's.
-        exited = wait_until(
-            lambda: (s := status(daemon, container_id)).state == api_pb2.CONTAINER_EXITED and s,
-            timeout=10,
-        )
-        assert exited.exit_code == 0 and output(exited) == ["ready", "through-attach"]
-    assert daemon.leaks() == {}
-    assert daemon.runc_containers() == []

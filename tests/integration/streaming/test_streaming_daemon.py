@@ -1,6 +1,7 @@
-"""Exec and port-forward end to end: the daemon's own Exec/PortForward RPCs hand out a URL,
-and a SPDY client (as kubelet's proxy would) reaches a real pod through it, with and
-without a user namespace of the pod's own, and in the host's network."""
+"""Exec, attach and port-forward end to end: the daemon's own Exec/Attach/PortForward RPCs
+hand out a URL, and a SPDY client (as kubelet's proxy would) reaches a real pod through
+it, with and without a user namespace of the pod's own, in the host's network, and under
+a long run root."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from tests.integration.cri_testkit import (
     create,
     exec_sync,
     import_image,
+    output,
     pod,
     start,
+    status,
 )
 from tests.integration.streaming.clients import (
     PORTFORWARD,
@@ -128,3 +131,38 @@ def test_exec_runs_in_the_container_with_stdin(
         assert lines == ["0", mapped, "THROUGH STDIN"], result
         assert result.status == {"metadata": {}, "status": "Success"}, result
     assert daemon.leaks() == {}
+
+
+# Without `--full-attach`, conmon links the bundle as <run_root>/conmon/runc/sockets/<id>
+# and binds `attach` in it; when that link's path is 107 bytes long (a 22-byte run_root),
+# it cuts the link's name one character short, and the socket was not where the daemon
+# looked ("No such file or directory"). A run_root past sun_path's 108 bytes must work too.
+@pytest.mark.parametrize("run_root_length", [22, 150])
+def test_attach_under_a_long_run_root(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path, run_root_length: int
+) -> None:
+    run_root = short_tmp / ("r" * (run_root_length - len(str(short_tmp)) - 1))
+    assert len(str(run_root)) == run_root_length
+    daemon: Daemon = make_daemon(run_dir=run_root)
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    with pod(daemon, "attach", short_tmp) as p:
+        config = container_config("echo", "echo ready; exec cat", stdin=True, stdin_once=True)
+        container_id = create(daemon, p, config)
+        start(daemon, container_id)
+        wait_until(lambda: output(status(daemon, container_id)) == ["ready"], timeout=10)
+        request = api_pb2.AttachRequest(
+            container_id=container_id, stdin=True, stdout=True, stderr=True
+        )
+        url = daemon.runtime().Attach(request, timeout=10).url
+        # stdin_once: the end of the client's stdin is the end of the container's.
+        result = asyncio.run(spdy_exec(url, stdin=b"through attach\n"))
+        assert result.stdout == b"through attach\n", result
+        assert result.status == {"metadata": {}, "status": "Success"}, result
+        exited = wait_until(
+            lambda: (s := status(daemon, container_id)).state == api_pb2.CONTAINER_EXITED and s,
+            timeout=10,
+        )
+        assert exited.exit_code == 0 and output(exited) == ["ready", "through attach"]
+    assert daemon.leaks() == {}
+    assert daemon.runc_containers() == []
