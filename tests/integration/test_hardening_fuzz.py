@@ -292,9 +292,7 @@ def mutated(
 
 
 def _repeated(f: FieldDescriptor) -> bool:
-    if hasattr(FieldDescriptor, "is_repeated"):  # protobuf 6 deprecates `label`
-        return bool(f.is_repeated)
-    return bool(f.label == FieldDescriptor.LABEL_REPEATED)
+    return bool(f.is_repeated)
 
 
 def overrides_for(world: World) -> dict[str, st.SearchStrategy[Any]]:
