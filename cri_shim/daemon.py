@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from cri_api.v1 import api_pb2, api_pb2_grpc
 
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import UnpackPolicy

@@ -6,8 +6,8 @@ import json
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import ContainerRecord
 

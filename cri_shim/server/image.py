@@ -9,8 +9,8 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.auth import Credentials
 from cri_shim.images.pull import ImagePuller

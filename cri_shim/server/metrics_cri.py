@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
 from cri_shim.runtime.cgroup_metrics import (
     CgroupFigures,

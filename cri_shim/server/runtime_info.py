@@ -7,9 +7,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
 from cri_shim import __version__
+from cri_shim.api.v1 import api_pb2
 from cri_shim.runtime.features import handler_features, to_cri
 
 if TYPE_CHECKING:

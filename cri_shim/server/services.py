@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cri_api.v1 import api_pb2, api_pb2_grpc
-
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.server import (
     container,
     events,

@@ -10,8 +10,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
 from cri_shim.runtime.stats import writable_layer_usage
 from cri_shim.state.records import ContainerRecord

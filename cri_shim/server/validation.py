@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from cri_api.v1 import api_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.spec import SandboxContext, container_sysctls
 from cri_shim.state.records import host_network

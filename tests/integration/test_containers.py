@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.logs.crilog import join_partials, read_records
 from tests.harness import Daemon, import_image, pod_config, wait_until
 from tests.integration import cri_testkit

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, userns_linux, wait_until
 from tests.imagebuild import build_oci_layout
 from tests.integration.cri_testkit import (

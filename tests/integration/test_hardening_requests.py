@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.hardening_kit import (
     code_of,
     container_config,

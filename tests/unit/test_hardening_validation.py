@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.config import RequestsConfig
 from cri_shim.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from cri_shim.server.limits import READ_RPCS, RequestLimiter, _rpc_name

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 from runc_harness import Runtime, shell
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import Internal
 from cri_shim.logs.crilog import Stream
 from cri_shim.runtime.capabilities import capabilities_from_mask, capability_mask
