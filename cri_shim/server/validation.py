@@ -314,7 +314,9 @@ def check_container_config(config: api_pb2.ContainerConfig) -> None:
         field = f"{where}.envs[{index}]"
         if not pair.key or "=" in pair.key:
             raise InvalidArgument(f"{field}.key: {_short(pair.key)} is not a valid name")
-        if len(pair.key.encode()) + len(pair.value.encode()) + 1 > MAX_ARG:
+        if b"\x00" in pair.value:  # bytes, which the generic string check does not see
+            raise InvalidArgument(f"{field}.value: contains a NUL byte")
+        if len(pair.key.encode()) + len(pair.value) + 1 > MAX_ARG:
             raise InvalidArgument(f"{field}: longer than {MAX_ARG} bytes")
     for index, mount in enumerate(config.mounts):
         _mount(mount, f"{where}.mounts[{index}]")

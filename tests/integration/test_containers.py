@@ -90,7 +90,7 @@ def test_env_workdir_and_image_user(
         container_config(
             "env",
             ["echo $GREETING; pwd; id -u; id -un"],
-            envs=[api_pb2.KeyValue(key="GREETING", value="hello")],
+            envs=[api_pb2.KeyValue(key="GREETING", value=b"hello")],
             working_dir="/tmp",
             linux=api_pb2.LinuxContainerConfig(
                 security_context=api_pb2.LinuxContainerSecurityContext(run_as_username="app")

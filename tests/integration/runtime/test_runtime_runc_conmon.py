@@ -76,8 +76,8 @@ async def test_env_and_working_dir(runtime: Runtime) -> None:
     cfg = shell('echo "$FROM_IMAGE $SHARED $FROM_CRI"; pwd', working_dir="/tmp")
     cfg.envs.extend(
         [
-            api_pb2.KeyValue(key="SHARED", value="cri-wins"),
-            api_pb2.KeyValue(key="FROM_CRI", value="c"),
+            api_pb2.KeyValue(key="SHARED", value=b"cri-wins"),
+            api_pb2.KeyValue(key="FROM_CRI", value=b"c"),
         ]
     )
     image = ImageConfigView(env=("FROM_IMAGE=i", "SHARED=image-loses"), working_dir="/home")
