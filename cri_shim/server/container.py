@@ -126,10 +126,24 @@ def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
         message=container.message,
         labels=config.labels,
         annotations=config.annotations,
-        mounts=list(config.mounts),
+        mounts=status_mounts(config),
         log_path=container.log_path,
         user=container_user(container),
     )
+
+
+def status_mounts(config: api_pb2.ContainerConfig) -> list[api_pb2.Mount]:
+    """The container's mounts; an image volume's (resolved to its image ID when the
+    container was made) carries that ID in image_ref too, where CRI 1.36 reads it."""
+    mounts = []
+    for mount in config.mounts:
+        if mount.image.image and not mount.image.image_ref:
+            copy = api_pb2.Mount()
+            copy.CopyFrom(mount)
+            copy.image.image_ref = mount.image.image
+            mount = copy
+        mounts.append(mount)
+    return mounts
 
 
 def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:
