@@ -56,7 +56,10 @@ async def status(
             )
             for name in names
         ],
-        features=api_pb2.RuntimeFeatures(supplemental_groups_policy=True),
+        # A pod with its own user namespace is refused the host's network (runtime/userns.py).
+        features=api_pb2.RuntimeFeatures(
+            supplemental_groups_policy=True, user_namespaces_host_network=False
+        ),
     )
     if request.verbose:
         info = {
