@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from common import bench_daemon, percentiles
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.churn import IMAGE, Churn
 from tests.harness import Daemon, import_image, pod_config
 from tests.imagebuild import cached_oci_layout

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from common import bench_daemon, row, rss_mib
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import import_image, pod_config, userns_linux
 from tests.imagebuild import cached_oci_layout
 

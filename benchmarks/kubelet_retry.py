@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import grpc
 from common import bench_daemon
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, pod_config, wait_until
 
 # kubelet: 2 min deadline, retry after 10-15 s.

@@ -11,8 +11,8 @@ import argparse
 import time
 
 from common import bench_daemon, row, rss_mib
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import pod_config, userns_linux
 
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from cri_api.v1 import api_pb2, api_pb2_grpc
 
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import UnpackPolicy
@@ -37,6 +37,7 @@ from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.server.events import install_renderer
+from cri_shim.server.listing import reply_limit
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.unix_socket import bind_unix_socket
 from cri_shim.state.db import Database
@@ -48,7 +49,6 @@ from cri_shim.streaming.server import StreamingConfig, StreamingServer
 log = logging.getLogger("cri_shim.daemon")
 
 PR_SET_CHILD_SUBREAPER = 36
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Event streams (GetContainerEvents) take no admission slot; room for that many.
 STREAM_HEADROOM = 64
 
@@ -242,10 +242,8 @@ class Daemon:
             options=[
                 # A bigger request is refused (RESOURCE_EXHAUSTED) before it is parsed.
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
-                (
-                    "grpc.max_send_message_length",
-                    max(MAX_MESSAGE_BYTES, self.config.max_message_bytes),
-                ),
+                # The list RPCs refuse a bigger reply themselves, naming their stream.
+                ("grpc.max_send_message_length", reply_limit(self.config)),
             ],
             # A backstop behind the admission limits (server/limits.py), which refuse
             # first and with a better message: no flood can hold unbounded memory.

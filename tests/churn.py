@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, pod_config
 
 T = TypeVar("T")

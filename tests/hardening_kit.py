@@ -8,8 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, pod_config, wait_until
 from tests.integration.cri_testkit import IMAGE as IMAGE  # re-exported for the tests
 from tests.integration.cri_testkit import container_config as container_config

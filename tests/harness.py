@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from cri_api.v1 import api_pb2, api_pb2_grpc
+
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
 from cri_shim import mounts
+from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import container_name

@@ -17,9 +17,8 @@ import json
 import os
 from pathlib import Path, PurePosixPath
 
-from cri_api.v1 import api_pb2
-
 from cri_shim import mounts
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import Internal, InvalidArgument, NotFound
 from cri_shim.images.store import ImageStore
 from cri_shim.runtime.identity import resolve_in_root

@@ -29,8 +29,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec

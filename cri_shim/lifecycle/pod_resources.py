@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
 from google.protobuf import json_format
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.resources import linux_resources

@@ -18,9 +18,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
 from cri_shim import mounts
+from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import sandbox_name

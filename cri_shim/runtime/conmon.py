@@ -34,8 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message

@@ -20,8 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.userns import IDMAP_KERNEL, UserNamespaceMappings
 

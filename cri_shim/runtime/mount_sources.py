@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
 from cri_shim import mounts
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
 from cri_shim.runtime.userns import idmapped_mount, open_userns
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.host_limits import HostLimits
 

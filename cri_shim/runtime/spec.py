@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.capabilities import resolve_capabilities
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
@@ -302,7 +301,9 @@ def container_env(
     for index, pair in enumerate(cfg.envs):
         if not pair.key or "=" in pair.key:
             raise InvalidArgument(f"envs[{index}].key: {pair.key!r} is not a valid name")
-        merged[pair.key] = pair.value
+        # Bytes since CRI 1.36; config.json is JSON, where runc would see U+FFFD for
+        # bytes that are not UTF-8 anyway (as with containerd and CRI-O).
+        merged[pair.key] = pair.value.decode("utf-8", "replace")
     merged.setdefault("PATH", DEFAULT_PATH)
     merged.setdefault("HOME", home or "/")
     if cfg.tty:

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
 
 # The kernel takes at most this many lines in uid_map/gid_map (since Linux 4.15).

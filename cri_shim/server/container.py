@@ -1,13 +1,16 @@
-"""CreateContainer, Start/Stop/Remove, List, ContainerStatus, ExecSync, logs, resources."""
+"""CreateContainer, Start/Stop/Remove, List and Stream, ContainerStatus, ExecSync, logs,
+resources."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
+from cri_shim.server import listing
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import ContainerRecord
 
@@ -70,11 +73,10 @@ def to_container(container: ContainerRecord) -> api_pb2.Container:
     )
 
 
-async def list_containers(
-    services: Services, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.ListContainersResponse:
-    f = request.filter
-    items = []
+def containers_listed(
+    services: Services, f: api_pb2.ContainerFilter
+) -> Iterator[api_pb2.Container]:
+    """The containers `f` selects, one at a time: ListContainers and StreamContainers."""
     for container in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
         if f.id and not container.id.startswith(f.id):
             continue
@@ -82,8 +84,29 @@ async def list_containers(
             continue
         if any(container.config.labels.get(k) != v for k, v in f.label_selector.items()):
             continue
-        items.append(to_container(container))
+        yield to_container(container)
+
+
+async def list_containers(
+    services: Services, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ListContainersResponse:
+    items = await listing.collect(
+        containers_listed(services, request.filter),
+        "ListContainers",
+        "StreamContainers",
+        listing.reply_limit(services.config),
+    )
     return api_pb2.ListContainersResponse(containers=items)
+
+
+async def stream_containers(
+    services: Services, request: api_pb2.StreamContainersRequest, context: grpc.aio.ServicerContext
+) -> None:
+    await listing.stream(
+        containers_listed(services, request.filter),
+        context,
+        lambda c: api_pb2.StreamContainersResponse(containers=[c]),
+    )
 
 
 def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
@@ -103,10 +126,24 @@ def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
         message=container.message,
         labels=config.labels,
         annotations=config.annotations,
-        mounts=list(config.mounts),
+        mounts=status_mounts(config),
         log_path=container.log_path,
         user=container_user(container),
     )
+
+
+def status_mounts(config: api_pb2.ContainerConfig) -> list[api_pb2.Mount]:
+    """The container's mounts; an image volume's (resolved to its image ID when the
+    container was made) carries that ID in image_ref too, where CRI 1.36 reads it."""
+    mounts = []
+    for mount in config.mounts:
+        if mount.image.image and not mount.image.image_ref:
+            copy = api_pb2.Mount()
+            copy.CopyFrom(mount)
+            copy.image.image_ref = mount.image.image
+            mount = copy
+        mounts.append(mount)
+    return mounts
 
 
 def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:

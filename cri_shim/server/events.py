@@ -6,8 +6,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
 from cri_shim.lifecycle.events import ContainerEvent
 from cri_shim.server.sandbox import to_pod_sandbox_status

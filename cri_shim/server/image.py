@@ -1,4 +1,4 @@
-"""ListImages, ImageStatus, PullImage, RemoveImage, ImageFsInfo."""
+"""ListImages and StreamImages, ImageStatus, PullImage, RemoveImage, ImageFsInfo."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.auth import Credentials
 from cri_shim.images.pull import ImagePuller
 from cri_shim.images.store import ImageRecord
+from cri_shim.server import listing
 
 if TYPE_CHECKING:
     from cri_shim.daemon import Services
@@ -69,12 +71,32 @@ def cri_image(record: ImageRecord) -> api_pb2.Image:
     return image
 
 
+def images_listed(services: Services, f: api_pb2.ImageFilter) -> Iterator[api_pb2.Image]:
+    """The images `f` selects, one at a time: ListImages and StreamImages."""
+    for record in services.images.list(f.image.image.strip() or None):
+        yield cri_image(record)
+
+
 async def list_images(
     services: Services, request: api_pb2.ListImagesRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListImagesResponse:
-    wanted = request.filter.image.image.strip() if request.HasField("filter") else ""
-    records = services.images.list(wanted or None)
-    return api_pb2.ListImagesResponse(images=[cri_image(r) for r in records])
+    items = await listing.collect(
+        images_listed(services, request.filter),
+        "ListImages",
+        "StreamImages",
+        listing.reply_limit(services.config),
+    )
+    return api_pb2.ListImagesResponse(images=items)
+
+
+async def stream_images(
+    services: Services, request: api_pb2.StreamImagesRequest, context: grpc.aio.ServicerContext
+) -> None:
+    await listing.stream(
+        images_listed(services, request.filter),
+        context,
+        lambda image: api_pb2.StreamImagesResponse(images=[image]),
+    )
 
 
 async def image_status(

@@ -49,6 +49,13 @@ READ_RPCS = frozenset(
         "ImageFsInfo",
         "ListMetricDescriptors",
         "ListPodSandboxMetrics",
+        # The list RPCs' streaming twins (server/listing.py): bounded by their list.
+        "StreamPodSandboxes",
+        "StreamContainers",
+        "StreamContainerStats",
+        "StreamPodSandboxStats",
+        "StreamPodSandboxMetrics",
+        "StreamImages",
         # These only hand out a URL of the streaming server, which has its own limits.
         "Exec",
         "Attach",

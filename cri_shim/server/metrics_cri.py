@@ -1,4 +1,5 @@
-"""ListMetricDescriptors and ListPodSandboxMetrics: cAdvisor's container metrics over CRI.
+"""ListMetricDescriptors, ListPodSandboxMetrics and StreamPodSandboxMetrics: cAdvisor's
+container metrics over CRI.
 
 kubelet (PodAndContainerStatsFromCRI) serves /metrics/cadvisor from these instead of
 running cAdvisor. Names, help texts and label names follow cAdvisor, so dashboards and
@@ -15,14 +16,14 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
 from cri_shim.runtime.cgroup_metrics import (
     CgroupFigures,
@@ -31,6 +32,7 @@ from cri_shim.runtime.cgroup_metrics import (
     read_cgroup_figures,
 )
 from cri_shim.runtime.stats import writable_layer_usage
+from cri_shim.server import listing
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
@@ -461,19 +463,43 @@ async def list_metric_descriptors(
     return api_pb2.ListMetricDescriptorsResponse(descriptors=metric_descriptors())
 
 
-async def list_pod_sandbox_metrics(
+async def pod_sandbox_metrics_listed(
     services: Services,
-    request: api_pb2.ListPodSandboxMetricsRequest,
-    context: grpc.aio.ServicerContext,
-) -> api_pb2.ListPodSandboxMetricsResponse:
-    pods = []
+) -> AsyncIterator[api_pb2.PodSandboxMetrics]:
+    """Each ready pod's metrics, read when it is its turn: ListPodSandboxMetrics and
+    StreamPodSandboxMetrics."""
     for sandbox in services.sandboxes.list():
         if not sandbox.ready:
             continue  # a stopped pod has no processes and no network left to measure
         containers = services.containers.list(sandbox_id=sandbox.id)
         # cgroup files and a namespace switch: off the event loop.
-        pods.append(await asyncio.to_thread(_pod_metrics, services, sandbox, containers))
+        yield await asyncio.to_thread(_pod_metrics, services, sandbox, containers)
+
+
+async def list_pod_sandbox_metrics(
+    services: Services,
+    request: api_pb2.ListPodSandboxMetricsRequest,
+    context: grpc.aio.ServicerContext,
+) -> api_pb2.ListPodSandboxMetricsResponse:
+    pods = await listing.collect(
+        pod_sandbox_metrics_listed(services),
+        "ListPodSandboxMetrics",
+        "StreamPodSandboxMetrics",
+        listing.reply_limit(services.config),
+    )
     return api_pb2.ListPodSandboxMetricsResponse(pod_metrics=pods)
+
+
+async def stream_pod_sandbox_metrics(
+    services: Services,
+    request: api_pb2.StreamPodSandboxMetricsRequest,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    await listing.stream(
+        pod_sandbox_metrics_listed(services),
+        context,
+        lambda pod: api_pb2.StreamPodSandboxMetricsResponse(pod_sandbox_metrics=[pod]),
+    )
 
 
 def _pod_metrics(

@@ -7,9 +7,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
 from cri_shim import __version__
+from cri_shim.api.v1 import api_pb2
 from cri_shim.runtime.features import handler_features, to_cri
 
 if TYPE_CHECKING:
@@ -56,7 +56,10 @@ async def status(
             )
             for name in names
         ],
-        features=api_pb2.RuntimeFeatures(supplemental_groups_policy=True),
+        # A pod with its own user namespace is refused the host's network (runtime/userns.py).
+        features=api_pb2.RuntimeFeatures(
+            supplemental_groups_policy=True, user_namespaces_host_network=False
+        ),
     )
     if request.verbose:
         info = {

@@ -1,14 +1,17 @@
-"""RunPodSandbox, StopPodSandbox, RemovePodSandbox, PodSandboxStatus, ListPodSandbox."""
+"""RunPodSandbox, StopPodSandbox, RemovePodSandbox, PodSandboxStatus, ListPodSandbox and
+StreamPodSandboxes."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.lifecycle.pod_resources import recorded_pod_resources
+from cri_shim.server import listing
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import SandboxRecord
 
@@ -91,11 +94,10 @@ async def pod_sandbox_status(
     return response
 
 
-async def list_pod_sandbox(
-    services: Services, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.ListPodSandboxResponse:
-    f = request.filter
-    items = []
+def pod_sandboxes_listed(
+    services: Services, f: api_pb2.PodSandboxFilter
+) -> Iterator[api_pb2.PodSandbox]:
+    """The sandboxes `f` selects, one at a time: ListPodSandbox and StreamPodSandboxes."""
     for sandbox in services.sandboxes.list():
         if f.id and not sandbox.id.startswith(f.id):
             continue
@@ -103,15 +105,36 @@ async def list_pod_sandbox(
             continue
         if any(sandbox.config.labels.get(k) != v for k, v in f.label_selector.items()):
             continue
-        items.append(
-            api_pb2.PodSandbox(
-                id=sandbox.id,
-                metadata=sandbox.config.metadata,
-                state=_state(sandbox),
-                created_at=sandbox.created_at,
-                labels=sandbox.config.labels,
-                annotations=sandbox.config.annotations,
-                runtime_handler=sandbox.runtime_handler,
-            )
+        yield api_pb2.PodSandbox(
+            id=sandbox.id,
+            metadata=sandbox.config.metadata,
+            state=_state(sandbox),
+            created_at=sandbox.created_at,
+            labels=sandbox.config.labels,
+            annotations=sandbox.config.annotations,
+            runtime_handler=sandbox.runtime_handler,
         )
+
+
+async def list_pod_sandbox(
+    services: Services, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ListPodSandboxResponse:
+    items = await listing.collect(
+        pod_sandboxes_listed(services, request.filter),
+        "ListPodSandbox",
+        "StreamPodSandboxes",
+        listing.reply_limit(services.config),
+    )
     return api_pb2.ListPodSandboxResponse(items=items)
+
+
+async def stream_pod_sandboxes(
+    services: Services,
+    request: api_pb2.StreamPodSandboxesRequest,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    await listing.stream(
+        pod_sandboxes_listed(services, request.filter),
+        context,
+        lambda s: api_pb2.StreamPodSandboxesResponse(pod_sandboxes=[s]),
+    )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cri_api.v1 import api_pb2, api_pb2_grpc
-
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.server import (
     container,
     events,
@@ -43,11 +42,13 @@ class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):
     RemovePodSandbox = rpc(sandbox.remove_pod_sandbox)
     PodSandboxStatus = rpc(sandbox.pod_sandbox_status)
     ListPodSandbox = rpc(sandbox.list_pod_sandbox)
+    StreamPodSandboxes = rpc(sandbox.stream_pod_sandboxes)
     CreateContainer = rpc(container.create_container)
     StartContainer = rpc(container.start_container)
     StopContainer = rpc(container.stop_container)
     RemoveContainer = rpc(container.remove_container)
     ListContainers = rpc(container.list_containers)
+    StreamContainers = rpc(container.stream_containers)
     ContainerStatus = rpc(container.container_status)
     ExecSync = rpc(container.exec_sync)
     ReopenContainerLog = rpc(container.reopen_container_log)
@@ -57,16 +58,20 @@ class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):
     PortForward = rpc(streaming.port_forward)
     ContainerStats = rpc(stats.container_stats)
     ListContainerStats = rpc(stats.list_container_stats)
+    StreamContainerStats = rpc(stats.stream_container_stats)
     PodSandboxStats = rpc(stats.pod_sandbox_stats)
     ListPodSandboxStats = rpc(stats.list_pod_sandbox_stats)
+    StreamPodSandboxStats = rpc(stats.stream_pod_sandbox_stats)
     GetContainerEvents = rpc(events.get_container_events)
     UpdatePodSandboxResources = rpc(sandbox_resources.update_pod_sandbox_resources)
     ListMetricDescriptors = rpc(metrics_cri.list_metric_descriptors)
     ListPodSandboxMetrics = rpc(metrics_cri.list_pod_sandbox_metrics)
+    StreamPodSandboxMetrics = rpc(metrics_cri.stream_pod_sandbox_metrics)
 
 
 class ImageService(_Servicer, api_pb2_grpc.ImageServiceServicer):
     ListImages = rpc(image.list_images)
+    StreamImages = rpc(image.stream_images)
     ImageStatus = rpc(image.image_status)
     PullImage = rpc(image.pull_image)
     RemoveImage = rpc(image.remove_image)

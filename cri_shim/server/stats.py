@@ -1,4 +1,4 @@
-"""ContainerStats, ListContainerStats, PodSandboxStats, ListPodSandboxStats (cgroup files).
+"""ContainerStats, PodSandboxStats and their List and Stream RPCs (cgroup files).
 
 Pod-level figures are the sum of the pod's containers: there is no infra container, so a
 pod uses exactly what its containers use.
@@ -7,13 +7,15 @@ pod uses exactly what its containers use.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
 from cri_shim.runtime.stats import writable_layer_usage
+from cri_shim.server import listing
 from cri_shim.state.records import ContainerRecord
 
 if TYPE_CHECKING:
@@ -74,20 +76,42 @@ async def container_stats(
     return api_pb2.ContainerStatsResponse(stats=await _container_stats(services, container))
 
 
+async def container_stats_listed(
+    services: Services, f: api_pb2.ContainerStatsFilter
+) -> AsyncIterator[api_pb2.ContainerStats]:
+    """The stats of the containers `f` selects, each read when it is its turn:
+    ListContainerStats and StreamContainerStats."""
+    for c in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
+        if (not f.id or c.id.startswith(f.id)) and all(
+            c.config.labels.get(k) == v for k, v in f.label_selector.items()
+        ):
+            yield await _container_stats(services, c)
+
+
 async def list_container_stats(
     services: Services,
     request: api_pb2.ListContainerStatsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListContainerStatsResponse:
-    f = request.filter
-    selected = [
-        c
-        for c in services.containers.list(sandbox_id=f.pod_sandbox_id or None)
-        if (not f.id or c.id.startswith(f.id))
-        and all(c.config.labels.get(k) == v for k, v in f.label_selector.items())
-    ]
-    stats = [await _container_stats(services, c) for c in selected]
+    stats = await listing.collect(
+        container_stats_listed(services, request.filter),
+        "ListContainerStats",
+        "StreamContainerStats",
+        listing.reply_limit(services.config),
+    )
     return api_pb2.ListContainerStatsResponse(stats=stats)
+
+
+async def stream_container_stats(
+    services: Services,
+    request: api_pb2.StreamContainerStatsRequest,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    await listing.stream(
+        container_stats_listed(services, request.filter),
+        context,
+        lambda stats: api_pb2.StreamContainerStatsResponse(container_stats=[stats]),
+    )
 
 
 async def _sandbox_stats(services: Services, sandbox_id: str) -> api_pb2.PodSandboxStats:
@@ -121,16 +145,39 @@ async def pod_sandbox_stats(
     )
 
 
+async def pod_sandbox_stats_listed(
+    services: Services, f: api_pb2.PodSandboxStatsFilter
+) -> AsyncIterator[api_pb2.PodSandboxStats]:
+    """The stats of the pods `f` selects, each read when it is its turn:
+    ListPodSandboxStats and StreamPodSandboxStats."""
+    for s in services.sandboxes.list():
+        if (not f.id or s.id.startswith(f.id)) and all(
+            s.config.labels.get(k) == v for k, v in f.label_selector.items()
+        ):
+            yield await _sandbox_stats(services, s.id)
+
+
 async def list_pod_sandbox_stats(
     services: Services,
     request: api_pb2.ListPodSandboxStatsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListPodSandboxStatsResponse:
-    f = request.filter
-    stats = [
-        await _sandbox_stats(services, s.id)
-        for s in services.sandboxes.list()
-        if (not f.id or s.id.startswith(f.id))
-        and all(s.config.labels.get(k) == v for k, v in f.label_selector.items())
-    ]
+    stats = await listing.collect(
+        pod_sandbox_stats_listed(services, request.filter),
+        "ListPodSandboxStats",
+        "StreamPodSandboxStats",
+        listing.reply_limit(services.config),
+    )
     return api_pb2.ListPodSandboxStatsResponse(stats=stats)
+
+
+async def stream_pod_sandbox_stats(
+    services: Services,
+    request: api_pb2.StreamPodSandboxStatsRequest,
+    context: grpc.aio.ServicerContext,
+) -> None:
+    await listing.stream(
+        pod_sandbox_stats_listed(services, request.filter),
+        context,
+        lambda stats: api_pb2.StreamPodSandboxStatsResponse(pod_sandbox_stats=[stats]),
+    )

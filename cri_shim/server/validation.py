@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from cri_api.v1 import api_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.spec import SandboxContext, container_sysctls
 from cri_shim.state.records import host_network
@@ -97,10 +97,7 @@ def check_message(message: Message, path: str) -> None:
 
 
 def _repeated(field: FieldDescriptor) -> bool:
-    # protobuf 6 deprecates `label` for `is_repeated`, which protobuf 4 lacks.
-    if hasattr(FieldDescriptor, "is_repeated"):
-        return bool(field.is_repeated)
-    return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+    return bool(field.is_repeated)
 
 
 def _check_value(field: FieldDescriptor, value: Any, path: str) -> None:
@@ -117,8 +114,10 @@ def _check_scalar(field: FieldDescriptor, value: Any, path: str) -> None:
         if len(value) > MAX_STRING:
             raise InvalidArgument(f"{path}: longer than {MAX_STRING} characters")
     elif field.type == FieldDescriptor.TYPE_ENUM:
-        if field.enum_type.values_by_number.get(value) is None:
-            raise InvalidArgument(f"{path}: {value} is not a {field.enum_type.name} value")
+        enum = field.enum_type
+        assert enum is not None  # an enum field always has its enum
+        if enum.values_by_number.get(value) is None:
+            raise InvalidArgument(f"{path}: {value} is not a {enum.name} value")
 
 
 def _short(text: str) -> str:
@@ -315,7 +314,9 @@ def check_container_config(config: api_pb2.ContainerConfig) -> None:
         field = f"{where}.envs[{index}]"
         if not pair.key or "=" in pair.key:
             raise InvalidArgument(f"{field}.key: {_short(pair.key)} is not a valid name")
-        if len(pair.key.encode()) + len(pair.value.encode()) + 1 > MAX_ARG:
+        if b"\x00" in pair.value:  # bytes, which the generic string check does not see
+            raise InvalidArgument(f"{field}.value: contains a NUL byte")
+        if len(pair.key.encode()) + len(pair.value) + 1 > MAX_ARG:
             raise InvalidArgument(f"{field}: longer than {MAX_ARG} bytes")
     for index, mount in enumerate(config.mounts):
         _mount(mount, f"{where}.mounts[{index}]")
@@ -406,8 +407,8 @@ def check_resources(resources: api_pb2.LinuxContainerResources, field: str) -> N
             f"{memory} (it limits memory and swap together)"
         )
     if not -1000 <= resources.oom_score_adj <= 1000:
-        value = resources.oom_score_adj
-        raise InvalidArgument(f"{field}.oom_score_adj: {value} is not in -1000..1000")
+        oom = resources.oom_score_adj
+        raise InvalidArgument(f"{field}.oom_score_adj: {oom} is not in -1000..1000")
     for name in ("cpuset_cpus", "cpuset_mems"):
         value = getattr(resources, name)
         if len(value) > MAX_PATH or not _CPUSET.match(value):

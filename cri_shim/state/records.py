@@ -8,7 +8,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from cri_api.v1 import api_pb2
+from cri_shim.api.v1 import api_pb2
 
 
 @dataclass

@@ -30,9 +30,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import h11
-from cri_api.v1 import api_pb2
 from websockets.http11 import Request as WsRequest
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.streaming.backend import StreamingBackend
 from cri_shim.streaming.portforward import (

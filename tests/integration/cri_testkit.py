@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, pod_config, wait_until
 from tests.harness import import_image as import_image  # re-exported for the tests
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.logs.crilog import join_partials, read_records
 from tests.harness import Daemon, import_image, pod_config, wait_until
 from tests.integration import cri_testkit
@@ -90,7 +90,7 @@ def test_env_workdir_and_image_user(
         container_config(
             "env",
             ["echo $GREETING; pwd; id -u; id -un"],
-            envs=[api_pb2.KeyValue(key="GREETING", value="hello")],
+            envs=[api_pb2.KeyValue(key="GREETING", value=b"hello")],
             working_dir="/tmp",
             linux=api_pb2.LinuxContainerConfig(
                 security_context=api_pb2.LinuxContainerSecurityContext(run_as_username="app")

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, userns_linux
 from tests.integration.cri_testkit import (
     container_config,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, userns_linux, wait_until
 from tests.imagebuild import build_oci_layout
 from tests.integration.cri_testkit import (
@@ -73,6 +73,7 @@ def test_an_image_volume_is_visible_read_only_and_executable(
         assert output(st) == ["hello from the image", "write-refused", "executed"]
         (mount,) = st.mounts
         assert mount.image.image == volume_image_id  # the digest, for kubelet's status
+        assert mount.image.image_ref == volume_image_id  # where CRI 1.36 reads it
         assert mount.readonly and mount.container_path == "/vol"
     assert daemon.leaks() == {}
 
@@ -90,7 +91,7 @@ def test_a_sub_path_mounts_only_that_directory(
             ),
         )
         assert output(st) == ["hello.txt", "nested", "deep"]
-        assert st.mounts[0].image.image == volume_image_id
+        assert st.mounts[0].image.image == st.mounts[0].image.image_ref == volume_image_id
         assert st.mounts[0].image.user_specified_image == VOLUME_IMAGE
 
 

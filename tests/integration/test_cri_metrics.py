@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, ping, wait_until
 from tests.integration.cri_testkit import container_config, create, import_image, pod, start
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import REPO, Daemon
 from tests.imagebuild import build_oci_layout
 from tests.integration.cri_testkit import (

@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, ping, userns_linux
 from tests.integration.cri_testkit import (
     container_config,
@@ -56,6 +56,9 @@ def test_status_advertises_user_namespaces(daemon: Daemon) -> None:
     response = daemon.runtime().Status(api_pb2.StatusRequest(), timeout=10)
     handlers = {h.name: h.features for h in response.runtime_handlers}
     assert handlers["runc"].user_namespaces
+    # Refused (test_host_namespaces_with_a_user_namespace_are_refused), so not advertised:
+    # kubelet then keeps such pods in the host's user namespace.
+    assert not response.features.user_namespaces_host_network
 
 
 def test_the_container_is_root_inside_and_a_mapped_id_on_the_host(

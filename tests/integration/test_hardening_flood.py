@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2, api_pb2_grpc
 
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from tests.hardening_kit import container_config, create_request
 from tests.harness import CniTestNetwork, Daemon, import_image, pod_config, wait_until
 

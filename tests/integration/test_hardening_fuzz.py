@@ -30,13 +30,13 @@ from typing import Any
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cri_shim.api.v1 import api_pb2
 from tests.hardening_kit import IMAGE, container_config, create_request
 from tests.harness import CniTestNetwork, Daemon, import_image, make_test_network, pod_config
 from tests.imagebuild import cached_oci_layout
@@ -292,9 +292,7 @@ def mutated(
 
 
 def _repeated(f: FieldDescriptor) -> bool:
-    if hasattr(FieldDescriptor, "is_repeated"):  # protobuf 6 deprecates `label`
-        return bool(f.is_repeated)
-    return bool(f.label == FieldDescriptor.LABEL_REPEATED)
+    return bool(f.is_repeated)
 
 
 def overrides_for(world: World) -> dict[str, st.SearchStrategy[Any]]:

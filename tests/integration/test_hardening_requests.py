@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.hardening_kit import (
     code_of,
     container_config,
@@ -151,7 +151,7 @@ def container_cases(
         ("mount-container-dotdot", mount("/../../etc", str(short_tmp)), "container_path"),
         ("workdir-relative", ctr(working_dir="tmp"), "working_dir"),
         ("workdir-dotdot", ctr(working_dir="/../../../root"), "working_dir"),
-        ("env-key", ctr(envs=[api_pb2.KeyValue(key="A=B", value="1")]), "envs[0].key"),
+        ("env-key", ctr(envs=[api_pb2.KeyValue(key="A=B", value=b"1")]), "envs[0].key"),
         (
             "device-relative",
             ctr(devices=[api_pb2.Device(host_path="dev/null", container_path="/dev/x")]),
@@ -349,7 +349,7 @@ def test_state_that_holds_secrets_is_private(
     assert stat.S_IMODE((daemon.root / "state.db").stat().st_mode) == 0o600
     with running_pod(daemon, "secret", short_tmp / "logs") as pod:
         config = container_config(
-            "secret", "sleep 60", envs=[api_pb2.KeyValue(key="TOKEN", value="hunter2")]
+            "secret", "sleep 60", envs=[api_pb2.KeyValue(key="TOKEN", value=b"hunter2")]
         )
         container_id = create(daemon, pod, config)
         (spec,) = daemon.root.glob(f"containers/{container_id}/config.json")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import REPO, CniTestNetwork, Daemon, pod_config, wait_until
 
 pytestmark = pytest.mark.integration

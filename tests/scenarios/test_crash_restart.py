@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
 from cri_shim import faults
+from cri_shim.api.v1 import api_pb2
 from tests.harness import (
     CniTestNetwork,
     Daemon,

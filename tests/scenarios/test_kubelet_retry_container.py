@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import (
     BUSYBOX_IMAGE,
     REPO,

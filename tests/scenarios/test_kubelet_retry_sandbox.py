@@ -10,8 +10,8 @@ import time
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import (
     CniTestNetwork,
     Daemon,

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.config import RequestsConfig
 from cri_shim.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from cri_shim.server.limits import READ_RPCS, RequestLimiter, _rpc_name
@@ -144,7 +144,8 @@ def test_hostile_container_fields_are_named(tmp_path: Path) -> None:
             {"mounts": [api_pb2.Mount(container_path="/d", host_path="/tmp", propagation=9)]},
             "propagation",
         ),
-        ({"envs": [api_pb2.KeyValue(key="A=B", value="x")]}, "envs[0].key"),
+        ({"envs": [api_pb2.KeyValue(key="A=B", value=b"x")]}, "envs[0].key"),
+        ({"envs": [api_pb2.KeyValue(key="A", value=b"x\x00y")]}, "envs[0].value"),
         ({"devices": [api_pb2.Device(host_path="dev/null", container_path="/dev/x")]}, "devices"),
         ({"command": ["/bin/sh\x00-c"]}, "command[0]"),
         ({"args": ["x" * (200 * 1024)]}, "args[0]"),

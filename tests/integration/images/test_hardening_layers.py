@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 import tomli_w
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import REPO, Daemon, import_command
 from tests.hostile_layers import (
     HOSTILE_CASES,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.images.manifest import Platform, host_platform
 from cri_shim.logs.crilog import join_partials, read_records
 from tests.harness import Daemon, pod_config, wait_until

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon
 from tests.imagebuild import build_image
 from tests.registry import TOKEN_SERVICE, RegistryServer, start_registry

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
-
+from cri_shim.api.v1 import api_pb2
 from cri_shim.logs.crilog import Stream, join_partials, read_records
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 from runc_harness import Runtime, shell
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import Internal
 from cri_shim.logs.crilog import Stream
 from cri_shim.runtime.capabilities import capabilities_from_mask, capability_mask
@@ -76,8 +76,8 @@ async def test_env_and_working_dir(runtime: Runtime) -> None:
     cfg = shell('echo "$FROM_IMAGE $SHARED $FROM_CRI"; pwd', working_dir="/tmp")
     cfg.envs.extend(
         [
-            api_pb2.KeyValue(key="SHARED", value="cri-wins"),
-            api_pb2.KeyValue(key="FROM_CRI", value="c"),
+            api_pb2.KeyValue(key="SHARED", value=b"cri-wins"),
+            api_pb2.KeyValue(key="FROM_CRI", value=b"c"),
         ]
     )
     image = ImageConfigView(env=("FROM_IMAGE=i", "SHARED=image-loses"), working_dir="/home")

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, userns_linux, wait_until
 from tests.integration.cri_testkit import (
     container_config,

@@ -12,8 +12,8 @@ import json
 import shutil
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.streaming.server import StreamingServer
 from tests.integration.streaming.clients import (

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.streaming.server import StreamingServer
 from cri_shim.streaming.terminal import set_window_size
 from tests.integration.streaming.conftest import EchoServer

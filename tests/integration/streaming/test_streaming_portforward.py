@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.streaming.server import StreamingServer
 from tests.integration.streaming.clients import (
     PORTFORWARD,

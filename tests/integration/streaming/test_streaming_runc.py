@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import NotFound
 from cri_shim.streaming.runc_backend import ContainerEndpoint, RuncStreamingBackend
 from cri_shim.streaming.server import StreamingConfig, StreamingServer

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.streaming.server import StreamingServer
 from tests.integration.streaming.clients import http_request, spdy_exec
 from tests.integration.streaming.conftest import FakeClock

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri_api.v1 import api_pb2
 from runtime_spec_inputs import GROUP, PASSWD, STUB_DIR, container_config
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.runtime.capabilities import ALL_CAPABILITIES
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits

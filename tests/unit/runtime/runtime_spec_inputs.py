@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cri_api.v1 import api_pb2
+from cri_shim.api.v1 import api_pb2
 
 STUB_DIR = Path(__file__).resolve().parents[3] / "conmon-stub"
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.lifecycle.pause import pause_program
 from cri_shim.runtime.features import (

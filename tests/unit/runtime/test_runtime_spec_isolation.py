@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri_api.v1 import api_pb2
 from runtime_spec_inputs import container_config
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.spec import DEFAULT_MASKED_PATHS, DEFAULT_READONLY_PATHS, SandboxContext

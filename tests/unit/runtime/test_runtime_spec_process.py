@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri_api.v1 import api_pb2
 from runtime_spec_inputs import container_config
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.capabilities import ALL_CAPABILITIES, DEFAULT_CAPABILITIES
 from cri_shim.runtime.host_limits import HostLimits
@@ -70,7 +70,7 @@ def _env(spec: dict[str, Any]) -> dict[str, str]:
 
 def test_request_env_overrides_image_env(spec_of: SpecOf) -> None:
     cfg = container_config(
-        envs=[api_pb2.KeyValue(key="B", value="from-cri"), api_pb2.KeyValue(key="C", value="3")]
+        envs=[api_pb2.KeyValue(key="B", value=b"from-cri"), api_pb2.KeyValue(key="C", value=b"3")]
     )
     image = ImageConfigView(env=("A=1", "B=from-image", "PATH=/image/bin", "EMPTY="))
     spec = spec_of(cfg, image=image)
@@ -99,9 +99,22 @@ def test_env_defaults_only_when_unset(spec_of: SpecOf) -> None:
     assert "TERM" not in _env(spec_of(container_config()))
 
 
+def test_env_value_is_bytes_and_need_not_be_utf8(spec_of: SpecOf) -> None:
+    # CRI 1.36 carries env values as bytes; config.json can only hold text.
+    cfg = container_config(
+        envs=[
+            api_pb2.KeyValue(key="BIN", value=b"a\xffb"),
+            api_pb2.KeyValue(key="U", value="é".encode()),
+        ]
+    )
+    env = _env(spec_of(cfg))
+    assert env["BIN"] == "a\ufffdb"
+    assert env["U"] == "é"
+
+
 @pytest.mark.parametrize("key", ["", "A=B"])
 def test_bad_env_key_is_invalid(spec_of: SpecOf, key: str) -> None:
-    cfg = container_config(envs=[api_pb2.KeyValue(key=key, value="v")])
+    cfg = container_config(envs=[api_pb2.KeyValue(key=key, value=b"v")])
     with pytest.raises(InvalidArgument, match=r"envs\[0\]\.key"):
         spec_of(cfg)
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.resources import linux_resources

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri_api.v1 import api_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 from runtime_spec_inputs import container_config
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
 from cri_shim.runtime.features import (
     HandlerFeatures,

@@ -1,0 +1,1 @@
+"""The CRI's wire contract as Python modules, generated from protos/ by scripts/protos."""

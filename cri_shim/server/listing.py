@@ -1,0 +1,86 @@
+"""The list RPCs and their streaming twins (KEP-5825) answer from one listing.
+
+Each family yields its items one at a time from a single function that applies the filter
+(`containers_listed`, `pod_sandboxes_listed`, ...). The unary RPC collects them into one
+reply and refuses, naming the streaming twin, a reply that would pass the message limit:
+otherwise gRPC fails it with a size error on the client that says nothing of what to do.
+The streaming RPC sends each item as it is made, one per message, and waits for the
+transport to take it before it makes the next: a slow reader holds at most an HTTP/2
+window of items, never the whole list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from cri_shim.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    from cri_shim.config import Config
+
+log = logging.getLogger("cri_shim.server")
+
+# What kubelet accepts in one reply (its max receive size), and so what we send at most.
+MAX_REPLY_BYTES = 16 << 20
+# A repeated message field costs its tag (1 byte) and a length prefix (up to 5) per item.
+_ITEM_OVERHEAD = 6
+
+Item = TypeVar("Item", bound=Message)
+Items = Iterable[Item] | AsyncIterable[Item]
+
+
+def reply_limit(config: Config) -> int:
+    """The largest reply the daemon sends (the server's max_send_message_length)."""
+    return max(MAX_REPLY_BYTES, config.max_message_bytes)
+
+
+async def each(items: Items[Item]) -> AsyncIterator[Item]:
+    """Plain and async iterables alike, one item at a time."""
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+async def collect(items: Items[Item], rpc: str, stream_rpc: str, limit: int) -> list[Item]:
+    """All of `items` for one unary reply, or ResourceExhausted once they pass `limit`."""
+    collected: list[Item] = []
+    size = 0
+    async for item in each(items):
+        size += item.ByteSize() + _ITEM_OVERHEAD
+        if size > limit:
+            raise ResourceExhausted(
+                f"{rpc}: the reply would pass the {limit} byte message limit after "
+                f"{len(collected)} items; list with {stream_rpc}, which sends one item per "
+                "message"
+            )
+        collected.append(item)
+    return collected
+
+
+async def stream(
+    items: Items[Item],
+    context: grpc.aio.ServicerContext,
+    message: Callable[[Item], Message],
+) -> int:
+    """Send each of `items` wrapped by `message`, one per message; the count sent."""
+    sent = 0
+    async for item in each(items):
+        try:
+            # write() returns once the transport has taken the message: flow control
+            # holds the listing here while the client does not read.
+            await context.write(message(item))
+        except Exception:
+            if context.done():  # the client went away: there is nobody left to answer
+                log.debug("listing stopped after %d items: the client has gone", sent)
+                return sent
+            raise
+        sent += 1
+    return sent
