@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.conformance import DEFAULT_KIT
 from tests.harness import REPO, Daemon, wait_until
 from tests.imagebuild import build_image
