@@ -514,7 +514,7 @@ class ImagePuller:
         """Stream the body into the store through a worker thread, checking the size as
         it comes (a registry that sends more than announced is cut off early)."""
         announced = response.headers.get("content-length")
-        if announced is not None and layer.size >= 0 and announced.isdigit():
+        if announced is not None and announced.isdigit():
             if int(announced) != layer.size:
                 raise ContentMismatch(
                     f"{what}: {endpoint} sends {announced} bytes, the manifest says {layer.size}"
@@ -528,7 +528,7 @@ class ImagePuller:
             try:
                 async for chunk in response.aiter_bytes(_CHUNK):
                     received += len(chunk)
-                    if layer.size >= 0 and received > layer.size:
+                    if received > layer.size:
                         too_long = f"{endpoint} sent more than the {layer.size} bytes announced"
                         pipe.close(ContentMismatch(f"{what}: {too_long}"))
                         return
@@ -542,9 +542,8 @@ class ImagePuller:
             pipe.close()
 
         feeder = asyncio.create_task(pump(), name=f"receive {layer.digest}")
-        size = layer.size if layer.size >= 0 else None
         writer = asyncio.ensure_future(
-            asyncio.to_thread(self.store.put_blob, pipe.chunks(), layer.digest, size)
+            asyncio.to_thread(self.store.put_blob, pipe.chunks(), layer.digest, layer.size)
         )
         try:
             await asyncio.shield(writer)
