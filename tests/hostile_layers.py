@@ -68,15 +68,16 @@ class Tar:
         return self.buffer.getvalue()
 
 
-def zero_bomb(size: int) -> bytes:
-    """A gzip layer of one file of `size` zero bytes: a few KiB on the wire per MiB
-    unpacked. Written in pieces, so that building it never holds `size` bytes."""
+def zero_bomb(size: int, name: str = "bomb", pattern: bytes = b"\0") -> bytes:
+    """A gzip layer of one file of `size` zero bytes (or `pattern` repeated): a few KiB
+    on the wire per MiB unpacked. Written in pieces, so that building it never holds
+    `size` bytes."""
     out = io.BytesIO()
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=9) as gz:
-        header = tarfile.TarInfo("bomb")
+        header = tarfile.TarInfo(name)
         header.size, header.mode, header.mtime = size, 0o644, MTIME
         gz.write(header.tobuf(tarfile.PAX_FORMAT))
-        chunk = bytes(1 << 20)
+        chunk = (pattern * ((1 << 20) // len(pattern) + 1))[: 1 << 20]
         remaining = size
         while remaining:
             gz.write(chunk[: min(remaining, len(chunk))])
