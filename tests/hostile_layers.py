@@ -141,6 +141,27 @@ def old_gnu_sparse(regions: int, name: str = "sparse") -> bytes:
     return b"".join(out)
 
 
+def sparse_map_bomb(blocks: int) -> bytes:
+    """A gzip layer of one old GNU sparse entry followed by `blocks` identical extension
+    blocks of 21 regions each: about 1 KB on the wire per thousand blocks, and a tuple per
+    region for tarfile (0.4 MB of layer took the daemon to 1.2 GB)."""
+    info = tarfile.TarInfo("sparse-bomb")
+    info.type, info.size, info.mode, info.mtime = tarfile.GNUTYPE_SPARSE, 0, 0o644, MTIME
+    region = _octal(1) + _octal(1)
+    header = _header(info, {386: region * 4, 482: b"\1", 483: _octal(2)})
+    block = bytearray(region * 21 + bytes(512 - 21 * 24))
+    block[504] = 1
+    last = bytes(block[:504]) + bytes(8)
+    out = io.BytesIO()
+    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=9) as gz:
+        gz.write(header)
+        batch = bytes(block) * 1024
+        for _ in range(blocks // 1024):
+            gz.write(batch)
+        gz.write(bytes(block) * (blocks % 1024) + last + bytes(1024))
+    return out.getvalue()
+
+
 def pax10_sparse(regions: int, name: str = "sparse") -> bytes:
     """A PAX (GNU 1.0) sparse entry: the map is read from the entry's data, number by
     number, as many as its first line says."""

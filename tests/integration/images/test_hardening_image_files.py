@@ -1,6 +1,8 @@
-"""An image's /etc/passwd is the image author's (issue "Hardening, round two"): a huge one,
-a few hundred KB in its layer, must neither block the daemon's other RPCs nor fill its
-memory when CreateContainer looks a user name up in it; the creation fails naming it."""
+"""Hostile image content against the daemon's memory and event loop (issue "Hardening,
+round two"): a layer whose sparse map is a few hundred KB on the wire, pulled from a
+registry, and an image whose /etc/passwd is huge, in which CreateContainer looks a user
+up. Each fails naming what it refused, without growing the daemon or blocking its RPCs.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from cri_api.v1 import api_pb2
 
 from tests.hardening_kit import code_of, container_config, create_request, running_pod
 from tests.harness import Daemon, import_image
-from tests.hostile_layers import image_of_layers, write_layout, zero_bomb
+from tests.hostile_layers import image_of_layers, sparse_map_bomb, write_layout, zero_bomb
 from tests.imagebuild import base_layer_tar
+from tests.registry import RegistryServer, start_registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -55,6 +58,40 @@ class Stalls:
         self._thread.join()
 
 
+def reset_peak(pid: int) -> int:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := current RSS
+    return memory_kib(pid, "VmHWM")
+
+
+@pytest.fixture
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    server = start_registry(tmp_path_factory.mktemp("bombs"))
+    yield server
+    server.stop()
+
+
+def test_a_sparse_map_bomb_is_refused_without_filling_the_daemon(
+    make_daemon: type, registry: RegistryServer
+) -> None:
+    # 200,000 extension blocks, 4.2 million regions: 0.36 MB of layer.
+    image = image_of_layers([sparse_map_bomb(200_000)])
+    assert len(image.layers[0].data) < 512 << 10
+    registry.push("bomb/sparse", image, "v1")
+    daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
+    daemon.start()
+    assert daemon.proc is not None
+    before = reset_peak(daemon.proc.pid)
+    request = api_pb2.PullImageRequest(
+        image=api_pb2.ImageSpec(image=f"{registry.host}/bomb/sparse:v1")
+    )
+    code, details = code_of(lambda: daemon.images().PullImage(request, timeout=300))
+    growth = memory_kib(daemon.proc.pid, "VmHWM") - before
+    print(f"peak RSS growth {growth} KiB")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "sparse map" in details and image.layers[0].digest in details
+    assert growth < 32 << 10, growth
+
+
 @pytest.fixture
 def huge_passwd_image(daemon: Daemon, short_tmp: Path) -> Iterator[str]:
     # Millions of ordinary lines: the old reader made an object of each (5 GB at 200 MiB).
@@ -78,8 +115,7 @@ def test_a_huge_passwd_neither_blocks_the_daemon_nor_fills_its_memory(
         linux=api_pb2.LinuxContainerConfig(security_context=context),
     )
     with running_pod(daemon, "passwd", short_tmp / "logs") as pod:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := current RSS
-        before = memory_kib(pid, "VmHWM")
+        before = reset_peak(pid)
         with Stalls(daemon) as stalls:
             time.sleep(0.1)
             code, details = code_of(
