@@ -1,11 +1,13 @@
-"""Hostile image content against the daemon's memory and event loop (issue "Hardening,
-round two"): a layer whose sparse map is a few hundred KB on the wire, pulled from a
-registry, and an image whose /etc/passwd is huge, in which CreateContainer looks a user
-up. Each fails naming what it refused, without growing the daemon or blocking its RPCs.
+"""Hostile images and registries against the daemon's memory, event loop and download
+slots (issue "Hardening, round two"): a layer whose sparse map is a few hundred KB on
+the wire; an image whose /etc/passwd is huge, in which CreateContainer looks a user up;
+a registry trickling a byte every half second. Each is refused or cut off, naming what
+it refused, without growing the daemon, blocking its RPCs or holding up other pulls.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -17,9 +19,15 @@ from cri_api.v1 import api_pb2
 
 from tests.hardening_kit import code_of, container_config, create_request, running_pod
 from tests.harness import Daemon, import_image
-from tests.hostile_layers import image_of_layers, sparse_map_bomb, write_layout, zero_bomb
+from tests.hostile_layers import (
+    Tar,
+    image_of_layers,
+    sparse_map_bomb,
+    write_layout,
+    zero_bomb,
+)
 from tests.imagebuild import base_layer_tar
-from tests.registry import RegistryServer, start_registry
+from tests.registry import RegistryServer, TrickleProxy, start_registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -127,3 +135,54 @@ def test_a_huge_passwd_neither_blocks_the_daemon_nor_fills_its_memory(
     assert "/etc/passwd is larger than 1MiB" in details
     assert growth < 32 << 10, growth
     assert stalls.worst < 1.0, stalls.worst
+
+
+@pytest.fixture
+def trickling(registry: RegistryServer) -> Iterator[TrickleProxy]:
+    proxy = TrickleProxy(registry.url)
+    proxy.start()
+    yield proxy
+    proxy.stop()
+
+
+def test_a_trickling_registry_holds_up_no_other_pull(
+    make_daemon: type, registry: RegistryServer, trickling: TrickleProxy
+) -> None:
+    # Random content: gzip cannot shrink the slow layers below the proxy's threshold.
+    slow = image_of_layers([Tar().file(f"s{n}", os.urandom(64 << 10)).bytes() for n in range(4)])
+    fast = image_of_layers([Tar().file("f", os.urandom(64 << 10)).bytes()])
+    registry.push("slow/app", slow, "v1")
+    registry.push("fast/app", fast, "v1")
+    settings = {
+        "insecure_registries": [registry.host, trickling.host],
+        "download_min_rate": "1KiB",
+        "download_rate_window": "2s",
+    }
+    daemon = make_daemon(settings={"images": settings})
+    daemon.start()
+    outcome: dict[str, object] = {}
+
+    def pull_slow() -> None:
+        started = time.monotonic()
+        request = api_pb2.PullImageRequest(
+            image=api_pb2.ImageSpec(image=f"{trickling.host}/slow/app:v1")
+        )
+        outcome["result"] = code_of(lambda: daemon.images().PullImage(request, timeout=120))
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=pull_slow)
+    thread.start()
+    assert trickling.trickling.wait(30)
+    time.sleep(0.5)  # every slot the slow registry can get, taken
+    started = time.monotonic()
+    request = api_pb2.PullImageRequest(
+        image=api_pb2.ImageSpec(image=f"{registry.host}/fast/app:v1")
+    )
+    assert daemon.images().PullImage(request, timeout=60).image_ref
+    blocked = time.monotonic() - started
+    thread.join(120)
+    print(f"the other pull took {blocked:.2f}s; the trickled one ended after", outcome["seconds"])
+    assert blocked < 5, blocked
+    code, details = outcome["result"]  # type: ignore[misc]
+    assert code == grpc.StatusCode.UNAVAILABLE, details
+    assert "images.download_min_rate" in details and trickling.host in details
