@@ -27,6 +27,7 @@ Shared work, within the daemon:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -35,7 +36,7 @@ import queue
 import ssl
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -400,7 +401,8 @@ class ImagePuller:
         errors: list[tuple[Endpoint, CriError]] = []
         for index, client in enumerate(clients):
             try:
-                digest, fetched, manifest = await self._resolve_at(client, reference)
+                async with self._budget(f"image {reference} at {client.endpoint}"):
+                    digest, fetched, manifest = await self._resolve_at(client, reference)
             except CriError as exc:
                 if client.endpoint.mirror:
                     log.info("pull %s: mirror %s failed: %s", reference, client.endpoint, exc)
@@ -497,13 +499,12 @@ class ImagePuller:
             return self.store.read_blob(descriptor.digest)
         errors: list[tuple[Endpoint, CriError]] = []
         for client in resolved.clients:
+            what = f"config {descriptor.digest} of {subject}"
             try:
-                return await client.get_blob(
-                    descriptor.digest,
-                    descriptor.size,
-                    MAX_CONFIG_BYTES,
-                    f"config {descriptor.digest} of {subject}",
-                )
+                async with self._budget(what):
+                    return await client.get_blob(
+                        descriptor.digest, descriptor.size, MAX_CONFIG_BYTES, what
+                    )
             except ContentMismatch:
                 raise
             except CriError as exc:
@@ -565,18 +566,24 @@ class ImagePuller:
         per_registry = self._registry_slots.setdefault(
             registry, asyncio.Semaphore(self.limits.per_registry)
         )
-        async with per_registry, self._slots:
-            try:
-                async with asyncio.timeout(self.limits.timeout):
-                    await self._fetch_from_endpoints(resolved, layer, what)
-            except TimeoutError:
-                raise Unavailable(
-                    f"{what}: not downloaded within {format_duration(self.limits.timeout)} "
-                    "(images.download_timeout)"
-                ) from None
+        async with per_registry, self._slots, self._budget(what):
+            await self._fetch_from_endpoints(resolved, layer, what)
         if not self._wanted.get(layer.digest):
             # Every pull that wanted it failed meanwhile: nobody will unpack it.
             self._discard(layer.digest)
+
+    @contextlib.asynccontextmanager
+    async def _budget(self, what: str) -> AsyncIterator[None]:
+        """`download_timeout` for one download: a registry that answers, slowly, for ever
+        fails it rather than holding it (and whatever it holds) up."""
+        try:
+            async with asyncio.timeout(self.limits.timeout):
+                yield
+        except TimeoutError:
+            raise Unavailable(
+                f"{what}: not downloaded within {format_duration(self.limits.timeout)} "
+                "(images.download_timeout)"
+            ) from None
 
     async def _fetch_from_endpoints(
         self, resolved: ResolvedImage, layer: Descriptor, what: str

@@ -137,3 +137,30 @@ def test_download_limits_come_from_the_config() -> None:
     assert DownloadLimits.from_config(off).min_rate == 0
     with pytest.raises(ConfigError, match=r"images\.download_timeout"):
         config_from_dict({"images": {"download_timeout": "0s"}})
+
+
+@pytest.mark.parametrize("what", ["manifests/v1", f"blobs/{IMAGE.config_digest}"])
+async def test_a_manifest_or_config_that_never_ends_fails_within_the_budget(
+    store: ImageStore, what: str
+) -> None:
+    registry = FakeRegistry("slow.test")
+    registry.put_image("app", IMAGE, "v1")
+
+    async def never() -> AsyncIterator[bytes]:
+        yield b"{"
+        await asyncio.sleep(3600)
+
+    def hook(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith(what):
+            return httpx.Response(200, content=never())
+        return None
+
+    registry.fail = hook
+    puller = ImagePuller(
+        store, transport=fake_transport(registry), limits=DownloadLimits(timeout=0.3)
+    )
+    try:
+        with pytest.raises(Unavailable, match=r"images\.download_timeout"):
+            await asyncio.wait_for(puller.pull("slow.test/app:v1"), 5)
+    finally:
+        await puller.aclose()
