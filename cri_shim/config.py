@@ -141,6 +141,22 @@ class ImagesConfig:
     download_min_rate: int = 10 << 10
     download_rate_window: float = 30.0
 
+    def __repr__(self) -> str:
+        # A mirror may be written http://user:password@host; reprs reach logs and tracebacks.
+        mirrors = {k: [redact_userinfo(url) for url in v] for k, v in self.mirrors.items()}
+        rest = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"ImagesConfig({', '.join(r for r in rest if not r.startswith('mirrors='))}, " + (
+            f"mirrors={mirrors!r})"
+        )
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redact_userinfo(url: str) -> str:
+    """`url` without its `user:password@`, for messages and reprs; any text works."""
+    return _USERINFO.sub("", url)
+
 
 @dataclass
 class RequestsConfig:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from cri_shim.config import redact_userinfo
 from cri_shim.errors import (
     CriError,
     FailedPrecondition,
@@ -101,12 +102,13 @@ def _endpoint_url(text: str, insecure_registries: Sequence[str], where: str) -> 
         # No scheme: HTTPS, unless the host is an insecure registry (as containerd does).
         host = text.split("/", 1)[0]
         text = f"{'http' if is_insecure(host, insecure_registries) else 'https'}://{text}"
+    shown = redact_userinfo(text)  # a mirror's password stays out of the message
     try:
         url = httpx.URL(text)
-    except httpx.InvalidURL as exc:
-        raise FailedPrecondition(f"{where}: endpoint {text!r} is not a URL: {exc}") from None
+    except httpx.InvalidURL:
+        raise FailedPrecondition(f"{where}: endpoint {shown!r} is not a URL") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise FailedPrecondition(f"{where}: endpoint {text!r} is not an http(s) URL")
+        raise FailedPrecondition(f"{where}: endpoint {shown!r} is not an http(s) URL")
     return str(url).rstrip("/").removesuffix("/v2")
 
 

@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from cri_shim.errors import InvalidArgument, Unavailable
+from cri_shim.config import config_from_dict
+from cri_shim.errors import FailedPrecondition, InvalidArgument, Unavailable
 from cri_shim.images.auth import Challenge, Credentials, fetch_token
 from cri_shim.images.manifest import parse_manifest
 from cri_shim.images.pull import ImagePuller
-from cri_shim.images.registry import AuthState, Endpoint, RepositoryClient
+from cri_shim.images.registry import AuthState, Endpoint, RepositoryClient, endpoints_for
 from cri_shim.images.store import ImageStore
 from tests.imagebuild import build_image, digest_of
 from tests.registry import FakeRegistry, fake_transport
@@ -134,3 +135,13 @@ def test_an_endpoints_repr_hides_a_mirrors_password() -> None:
     assert "mirror-secret" not in repr(endpoint)
     assert "mirror-secret" not in repr([endpoint])
     assert "mirror.test:5000" in repr(endpoint)
+
+
+def test_a_mirrors_password_is_in_no_config_repr_or_message() -> None:
+    mirrors = {"docker.io": ["http://user:mirror-secret@mirror.test:5000"]}
+    images = config_from_dict({"images": {"mirrors": mirrors}}).images
+    assert "mirror-secret" not in repr(images) and "mirror.test:5000" in repr(images)
+    for bad in ("http://user:mirror-secret@", "ftp://user:mirror-secret@mirror.test"):
+        with pytest.raises(FailedPrecondition) as info:
+            endpoints_for("docker.io", mirrors={"docker.io": [bad]})
+        assert "mirror-secret" not in str(info.value) and "mirror" in str(info.value)
