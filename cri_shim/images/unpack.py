@@ -141,7 +141,7 @@ _SPECIAL_TYPES = frozenset(
 )
 
 
-class _BoundedTarInfo(tarfile.TarInfo):
+class BoundedTarInfo(tarfile.TarInfo):
     """tarfile reads a PAX or GNU long-name header whole into memory, and recurses once
     per header before an entry: both are bounded here, before the read."""
 
@@ -335,7 +335,7 @@ def _unpack_stream(stream: BinaryIO, dest: Path, policy: UnpackPolicy) -> Unpack
             extractor = _Extractor(dest, policy)
             try:
                 with tarfile.open(  # type: ignore[call-overload]
-                    fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo
+                    fileobj=reader, mode="r|", tarinfo=BoundedTarInfo
                 ) as archive:
                     # next(), not iteration: tarfile keeps every member it has read for
                     # getmembers(), and the iterator indexes that list; cleared after each

@@ -251,3 +251,21 @@ def test_a_layers_memory_does_not_grow_with_its_entry_count(tmp_path: Path) -> N
 
     small, large = peak(1_000), peak(10_000)
     assert large < small + (1 << 20), (small, large)
+
+
+def test_an_image_archive_gets_the_same_bounds_as_a_layer(
+    store: ImageStore, tmp_path: Path
+) -> None:
+    """`cri-shim images import image.tar` reads the archive itself with tarfile too: its
+    sparse maps are bounded, and so is the index of its entries."""
+    from cri_shim.images.importer import import_image
+    from tests.hostile_layers import many_entries, old_gnu_sparse
+
+    sparse = tmp_path / "sparse.tar"
+    sparse.write_bytes(old_gnu_sparse(2000))
+    with pytest.raises(InvalidArgument, match="sparse map"):
+        import_image(store, sparse)
+    crowded = tmp_path / "crowded.tar"
+    crowded.write_bytes(many_entries(100_001))
+    with pytest.raises(InvalidArgument, match="more than 100000 entries"):
+        import_image(store, crowded)
