@@ -186,3 +186,30 @@ def test_a_trickling_registry_holds_up_no_other_pull(
     code, details = outcome["result"]  # type: ignore[misc]
     assert code == grpc.StatusCode.UNAVAILABLE, details
     assert "images.download_min_rate" in details and trickling.host in details
+
+
+def test_a_pull_whose_client_has_gone_gives_its_slots_back(
+    make_daemon: type, registry: RegistryServer, trickling: TrickleProxy
+) -> None:
+    slow = image_of_layers([Tar().file(f"g{n}", os.urandom(64 << 10)).bytes() for n in range(2)])
+    fast = image_of_layers([Tar().file("h", os.urandom(64 << 10)).bytes()])
+    registry.push("gone/app", slow, "v1")
+    registry.push("after/app", fast, "v1")
+    settings = {
+        "insecure_registries": [registry.host, trickling.host],
+        "max_concurrent_downloads": 2,
+        "max_downloads_per_registry": 2,
+        "download_min_rate": "0B",  # only the client's leaving may end it
+    }
+    daemon = make_daemon(settings={"images": settings})
+    daemon.start()
+    gone = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=f"{trickling.host}/gone/app:v1"))
+    code, _ = code_of(lambda: daemon.images().PullImage(gone, timeout=2))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    started = time.monotonic()
+    after = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=f"{registry.host}/after/app:v1"))
+    assert daemon.images().PullImage(after, timeout=60).image_ref
+    waited = time.monotonic() - started
+    print(f"the next pull waited {waited:.1f}s for the slots")
+    assert waited < 20, waited  # the 10 s grace for a retry to join, then the slots are free
+    assert "no request waits for it any more; download called off" in daemon.log()
