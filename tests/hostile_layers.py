@@ -333,6 +333,14 @@ HOSTILE_CASES: list[HostileCase] = [
     HostileCase("sparse-map", lambda o: old_gnu_sparse(2000), "sparse map", "sparse"),
     HostileCase("sparse-map-pax", lambda o: pax10_sparse(2000), "sparse map", "sparse"),
     HostileCase(
+        "sparse-map-pax01",
+        lambda o: pax_record(
+            "sparse01", **{"GNU.sparse.map": ",".join(["1,1"] * 2000), "GNU.sparse.size": "2"}
+        ),
+        "sparse map",
+        "sparse01",
+    ),
+    HostileCase(
         "pax-uid",
         lambda o: pax_record("big-uid", uid=str(2**40)),
         "owner 1099511627776",
