@@ -640,6 +640,9 @@ class ImagePuller:
         writer = asyncio.ensure_future(
             asyncio.to_thread(self.store.put_blob, pipe.chunks(), layer.digest, layer.size)
         )
+        # Retrieved whatever happens: a second cancellation (the daemon stopping while the
+        # download is called off) may leave the wait below before the thread has ended.
+        writer.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
             await asyncio.shield(writer)
         except DigestMismatch as exc:  # the store's check, as the last byte was written
@@ -708,7 +711,8 @@ class ImagePuller:
             del self._wanted[digest]
             entry = self._blobs.get(digest)
             if entry is not None and call_off:
-                entry.task.cancel()
+                if not entry.task.cancelling():  # already called off (the daemon stopping)
+                    entry.task.cancel()
                 called_off[digest] = entry.task
             elif entry is None and discard:
                 self._discard(digest)
