@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -80,9 +79,6 @@ logging.getLogger("httpcore").setLevel(logging.WARNING)
 
 T = TypeVar("T")
 
-# containerd's default is 3 per pull; this bounds the whole daemon, so a node pulling
-# many images at once does not open dozens of streams to one registry.
-MAX_CONCURRENT_DOWNLOADS = ImagesConfig.max_concurrent_downloads
 # How long a download nobody waits for any more goes on, for a retry to join it.
 ABANDON_GRACE = 10.0
 MAX_CONFIG_BYTES = 8 << 20
@@ -187,7 +183,9 @@ class _InFlight(Generic[T]):
 
 @dataclass(frozen=True)
 class DownloadLimits:
-    """How layer downloads share the daemon; the defaults are `[images]`'s."""
+    """How layer downloads share the daemon; the defaults are `[images]`'s. containerd
+    runs 3 per pull; these bound the whole daemon, so that a node pulling many images at
+    once does not open dozens of streams to one registry."""
 
     max_concurrent: int = ImagesConfig.max_concurrent_downloads
     per_registry: int = ImagesConfig.max_downloads_per_registry
@@ -249,7 +247,6 @@ class ImagePuller:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         platform: Platform | None = None,
-        max_concurrent_downloads: int | None = None,
         limits: DownloadLimits | None = None,
     ) -> None:
         self.store = store
@@ -268,8 +265,6 @@ class ImagePuller:
         )
         self._auth = AuthState()
         self.limits = limits or DownloadLimits()
-        if max_concurrent_downloads is not None:
-            self.limits = dataclasses.replace(self.limits, max_concurrent=max_concurrent_downloads)
         self._slots = asyncio.Semaphore(self.limits.max_concurrent)
         # One per registry, taken before a daemon-wide slot: however slow one registry is,
         # it holds at most `per_registry` of them.
