@@ -132,6 +132,31 @@ class ImagesConfig:
     # Device nodes in a layer can open host devices to whoever may use the image's
     # files; overlay whiteouts (0/0 character devices) are always kept.
     allow_device_nodes: bool = False
+    # Layer downloads (issue "Hardening, round two"): the daemon runs at most
+    # max_concurrent_downloads at once, one registry at most max_downloads_per_registry of
+    # them, each within download_timeout, and one slower than download_min_rate bytes a
+    # second over download_rate_window is cut off, so no registry can hold the others up.
+    max_concurrent_downloads: int = 4
+    max_downloads_per_registry: int = 2
+    download_timeout: float = 3600.0
+    download_min_rate: int = 10 << 10
+    download_rate_window: float = 30.0
+
+    def __repr__(self) -> str:
+        # A mirror may be written http://user:password@host; reprs reach logs and tracebacks.
+        mirrors = {k: [redact_userinfo(url) for url in v] for k, v in self.mirrors.items()}
+        rest = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"ImagesConfig({', '.join(r for r in rest if not r.startswith('mirrors='))}, " + (
+            f"mirrors={mirrors!r})"
+        )
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redact_userinfo(url: str) -> str:
+    """`url` without its `user:password@`, for messages and reprs; any text works."""
+    return _USERINFO.sub("", url)
 
 
 @dataclass
@@ -281,10 +306,29 @@ def _load_images(table: dict[str, Any]) -> ImagesConfig:
             "max_layer_bytes",
             "max_layer_entries",
             "allow_device_nodes",
+            "max_concurrent_downloads",
+            "max_downloads_per_registry",
+            "download_timeout",
+            "download_min_rate",
+            "download_rate_window",
         },
         "images.",
     )
     images = ImagesConfig()
+    for key in ("max_concurrent_downloads", "max_downloads_per_registry"):
+        if key in table:
+            setattr(images, key, _positive_int(table[key], f"images.{key}"))
+    for key in ("download_timeout", "download_rate_window"):
+        if key in table:
+            seconds = parse_duration(table[key], f"images.{key}")
+            if seconds <= 0:
+                raise ConfigError(f"images.{key}: must be longer than 0s, got {table[key]!r}")
+            setattr(images, key, seconds)
+    if "download_min_rate" in table:
+        # 0 turns the check off: a size per second, "0B" allowed.
+        images.download_min_rate = parse_size(
+            table["download_min_rate"], "images.download_min_rate", minimum=0
+        )
     if "max_layer_bytes" in table:
         images.max_layer_bytes = parse_size(table["max_layer_bytes"], "images.max_layer_bytes")
     if "max_layer_entries" in table:
@@ -481,11 +525,17 @@ _DURATION_KEYS = {
     ("creation", "claim_grace"),
     ("creation", "cleanup_timeout"),
     ("runtime", "stop_timeout_grace"),
+    ("images", "download_timeout"),
+    ("images", "download_rate_window"),
 }
 
 
 # Byte counts, printed as sizes ("16MiB"); "" is the top level.
-_SIZE_KEYS = {("", "max_message_bytes"), ("images", "max_layer_bytes")}
+_SIZE_KEYS = {
+    ("", "max_message_bytes"),
+    ("images", "max_layer_bytes"),
+    ("images", "download_min_rate"),
+}
 
 
 def config_to_toml(cfg: Config) -> str:
@@ -542,6 +592,17 @@ KEY_DOCS: dict[str, str] = {
     "fail the pull or import naming this key",
     "images.allow_device_nodes": "`true` keeps character and block devices found in layers; "
     "`false` refuses such a layer (overlay whiteouts, 0/0 character devices, are always kept)",
+    "images.max_concurrent_downloads": "layer downloads the daemon runs at once, all registries "
+    "together; more wait for a slot",
+    "images.max_downloads_per_registry": "of those, how many one registry may hold, so that a "
+    "slow registry cannot take every slot",
+    "images.download_timeout": "budget of one layer download, from its first request to its "
+    "last byte; a download past it fails UNAVAILABLE naming this key",
+    "images.download_min_rate": "slowest a layer download may be (bytes a second, averaged over "
+    "`download_rate_window`); a slower one is cut off and fails UNAVAILABLE naming this key; "
+    '`"0B"` turns the check off',
+    "images.download_rate_window": "how long the rate of a download is averaged over before it "
+    "is judged against `download_min_rate`",
     "requests.max_in_flight": "CRI calls that do host work (create, start, stop, remove, exec, "
     "pull) running at once, and sandbox or container creations still running detached",
     "requests.max_queued": "such calls waiting for a slot; a call beyond both limits is refused "

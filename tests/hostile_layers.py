@@ -68,15 +68,16 @@ class Tar:
         return self.buffer.getvalue()
 
 
-def zero_bomb(size: int) -> bytes:
-    """A gzip layer of one file of `size` zero bytes: a few KiB on the wire per MiB
-    unpacked. Written in pieces, so that building it never holds `size` bytes."""
+def zero_bomb(size: int, name: str = "bomb", pattern: bytes = b"\0") -> bytes:
+    """A gzip layer of one file of `size` zero bytes (or `pattern` repeated): a few KiB
+    on the wire per MiB unpacked. Written in pieces, so that building it never holds
+    `size` bytes."""
     out = io.BytesIO()
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=9) as gz:
-        header = tarfile.TarInfo("bomb")
+        header = tarfile.TarInfo(name)
         header.size, header.mode, header.mtime = size, 0o644, MTIME
         gz.write(header.tobuf(tarfile.PAX_FORMAT))
-        chunk = bytes(1 << 20)
+        chunk = (pattern * ((1 << 20) // len(pattern) + 1))[: 1 << 20]
         remaining = size
         while remaining:
             gz.write(chunk[: min(remaining, len(chunk))])
@@ -100,6 +101,115 @@ def huge_pax_header() -> bytes:
         info.pax_headers = {"comment": "x" * (2 << 20)}
         tar.addfile(info, io.BytesIO(b""))
     return out.getvalue()
+
+
+def _header(info: tarfile.TarInfo, patch: dict[int, bytes]) -> bytes:
+    """A GNU header block for `info` with bytes patched in at offsets, checksum redone."""
+    block = bytearray(info.tobuf(tarfile.GNU_FORMAT)[-512:])
+    for offset, value in patch.items():
+        block[offset : offset + len(value)] = value
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % tarfile.calc_chksums(bytes(block))[0]
+    return bytes(block)
+
+
+def _octal(value: int, width: int = 12) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
+
+
+def old_gnu_sparse(regions: int, name: str = "sparse") -> bytes:
+    """A GNU sparse entry (type S) whose map has `regions` one-byte regions: 4 in the
+    header, 21 in each extension block after it. tarfile builds a tuple for each before
+    anything can look at the entry."""
+    structs = [(2 * i + 1, 1) for i in range(regions)]
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.mode, info.mtime = tarfile.GNUTYPE_SPARSE, regions, 0o644, MTIME
+    patch = {482: b"\1" if regions > 4 else b"\0", 483: _octal(2 * regions + 1)}
+    for index, (offset, size) in enumerate(structs[:4]):
+        patch[386 + 24 * index] = _octal(offset) + _octal(size)
+    out = [_header(info, patch)]
+    rest = structs[4:]
+    while rest:
+        chunk, rest = rest[:21], rest[21:]
+        block = bytearray(512)
+        for index, (offset, size) in enumerate(chunk):
+            block[24 * index : 24 * index + 24] = _octal(offset) + _octal(size)
+        block[504] = 1 if rest else 0
+        out.append(bytes(block))
+    data = b"x" * regions
+    out.append(data + bytes(-len(data) % 512) + bytes(1024))
+    return b"".join(out)
+
+
+def sparse_map_bomb(blocks: int) -> bytes:
+    """A gzip layer of one old GNU sparse entry followed by `blocks` identical extension
+    blocks of 21 regions each: about 1 KB on the wire per thousand blocks, and a tuple per
+    region for tarfile (0.4 MB of layer took the daemon to 1.2 GB)."""
+    info = tarfile.TarInfo("sparse-bomb")
+    info.type, info.size, info.mode, info.mtime = tarfile.GNUTYPE_SPARSE, 0, 0o644, MTIME
+    region = _octal(1) + _octal(1)
+    header = _header(info, {386: region * 4, 482: b"\1", 483: _octal(2)})
+    block = bytearray(region * 21 + bytes(512 - 21 * 24))
+    block[504] = 1
+    last = bytes(block[:504]) + bytes(8)
+    out = io.BytesIO()
+    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=9) as gz:
+        gz.write(header)
+        batch = bytes(block) * 1024
+        for _ in range(blocks // 1024):
+            gz.write(batch)
+        gz.write(bytes(block) * (blocks % 1024) + last + bytes(1024))
+    return out.getvalue()
+
+
+def pax10_sparse(regions: int, name: str = "sparse") -> bytes:
+    """A PAX (GNU 1.0) sparse entry: the map is read from the entry's data, number by
+    number, as many as its first line says."""
+    mapping = f"{regions}\n".encode() + b"".join(
+        f"{2 * i + 1}\n1\n".encode() for i in range(regions)
+    )
+    mapping += bytes(-len(mapping) % 512)
+    info = tarfile.TarInfo("GNUSparseFile.0/" + name)
+    data = mapping + b"x" * regions
+    info.size, info.mode, info.mtime = len(data), 0o644, MTIME
+    info.pax_headers = {
+        "GNU.sparse.major": "1",
+        "GNU.sparse.minor": "0",
+        "GNU.sparse.name": name,
+        "GNU.sparse.realsize": str(2 * regions + 1),
+    }
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def pax_record(name: str, kind: bytes = tarfile.REGTYPE, **records: str) -> bytes:
+    """One entry whose PAX header carries `records` as written (`uid="1099511627776"`,
+    `mtime="nan"`): values tarfile would refuse to write itself."""
+    body = b"".join(_pax_line(k, v) for k, v in records.items())
+    header = tarfile.TarInfo("././@PaxHeader")
+    header.type, header.size = tarfile.XHDTYPE, len(body)
+    info = tarfile.TarInfo(name)
+    data = b"x" if kind == tarfile.REGTYPE else b""
+    info.type, info.size, info.mode, info.mtime = kind, len(data), 0o644, MTIME
+    return b"".join(
+        (
+            header.tobuf(tarfile.USTAR_FORMAT),
+            body + bytes(-len(body) % 512),
+            info.tobuf(tarfile.USTAR_FORMAT),
+            data + bytes(-len(data) % 512),
+            bytes(1024),
+        )
+    )
+
+
+def _pax_line(key: str, value: str) -> bytes:
+    record = f" {key}={value}\n".encode("utf-8", "surrogateescape")
+    length = len(record) + 1
+    while len(str(length)) + len(record) != length:
+        length = len(str(length)) + len(record)
+    return str(length).encode() + record
 
 
 @dataclass(frozen=True)
@@ -220,6 +330,41 @@ HOSTILE_CASES: list[HostileCase] = [
         {"max_layer_entries": 10},
     ),
     HostileCase("pax-header", lambda o: huge_pax_header(), "metadata header", ""),
+    HostileCase("sparse-map", lambda o: old_gnu_sparse(2000), "sparse map", "sparse"),
+    HostileCase("sparse-map-pax", lambda o: pax10_sparse(2000), "sparse map", "sparse"),
+    HostileCase(
+        "sparse-map-pax01",
+        lambda o: pax_record(
+            "sparse01", **{"GNU.sparse.map": ",".join(["1,1"] * 2000), "GNU.sparse.size": "2"}
+        ),
+        "sparse map",
+        "sparse01",
+    ),
+    HostileCase(
+        "pax-uid",
+        lambda o: pax_record("big-uid", uid=str(2**40)),
+        "owner 1099511627776",
+        "big-uid",
+    ),
+    HostileCase(
+        "pax-negative-gid",
+        lambda o: pax_record("negative-gid", gid="-1"),
+        "group -1",
+        "negative-gid",
+    ),
+    HostileCase("pax-mtime", lambda o: pax_record("nan-mtime", mtime="nan"), "mtime", "nan-mtime"),
+    HostileCase(
+        "pax-nul-in-link",
+        lambda o: pax_record("nul-link", tarfile.SYMTYPE, linkpath="a\x00b"),
+        "NUL",
+        "nul-link",
+    ),
+    HostileCase(
+        "pax-nul-in-xattr",
+        lambda o: pax_record("nul-xattr", **{"SCHILY.xattr.user.a\x00b": "v"}),
+        "NUL",
+        "nul-xattr",
+    ),
     HostileCase(
         "too-deep",
         lambda o: Tar().file("d/" * 300 + "f").bytes(),

@@ -572,6 +572,67 @@ def start_registry(
     return registry
 
 
+@dataclass
+class TrickleProxy:
+    """A plain-HTTP proxy in front of a registry that sends the body of every blob larger
+    than `min_size` one byte every `interval` seconds: a registry that keeps a download
+    alive without ever letting a read time out. `trickling` is set at the first such body."""
+
+    upstream: str
+    interval: float = 0.5
+    min_size: int = 4096
+    port: int = 0
+    trickling: threading.Event = field(default_factory=threading.Event)
+    _server: ThreadingHTTPServer | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                skip = ("host", "connection", "accept-encoding")
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                upstream = httpx.get(proxy.upstream + self.path, headers=headers, timeout=30)
+                data = upstream.content
+                self.send_response(upstream.status_code)
+                for key, value in upstream.headers.items():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                slow = "/blobs/" in self.path and len(data) > proxy.min_size
+                try:
+                    if not slow:
+                        self.wfile.write(data)
+                        return
+                    proxy.trickling.set()
+                    for index in range(len(data)):
+                        self.wfile.write(data[index : index + 1])
+                        self.wfile.flush()
+                        time.sleep(proxy.interval)
+                except (BrokenPipeError, ConnectionResetError):
+                    return  # the client gave up, as it should
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
 # --- an in-memory fake, for unit tests ---------------------------------------------------
 @dataclass
 class FakeRegistry:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import re
 import time
@@ -26,6 +27,7 @@ _EXPIRY_MARGIN = 10.0
 # The token spec: a token without `expires_in` is good for 60 seconds.
 _DEFAULT_TOKEN_LIFETIME = 60.0
 _MAX_TOKEN_RESPONSE = 1 << 20
+_MAX_TOKEN_REDIRECTS = 5
 CLIENT_ID = "cri-shim"
 _BEARER_TOKEN = re.compile(r"^[\x21-\x7e]+$")
 
@@ -193,19 +195,86 @@ class TokenCache:
         return len(self._tokens)
 
 
+async def read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """A streamed response's body, or None as soon as it passes `limit` bytes: a body is
+    never held beyond the limit, whatever its Content-Length says. Closes the response."""
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        async for chunk in response.aiter_bytes():
+            total += len(chunk)
+            if total > limit:
+                return None
+            chunks.append(chunk)
+    finally:
+        await response.aclose()
+    return b"".join(chunks)
+
+
+def _origin(url: httpx.URL) -> str:
+    return f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}"
+
+
+async def _send_token_request(
+    http: httpx.AsyncClient, request: httpx.Request, realm: str
+) -> httpx.Response:
+    """Send a token request, following redirects here rather than in httpx: httpx drops
+    the Authorization header on another host but sends a 307's POST body, the refresh
+    token, wherever it points. A redirect to another origin gets no basic credentials, a
+    refresh-token grant is not sent there at all, and nothing leaves HTTPS."""
+    for _hop in range(_MAX_TOKEN_REDIRECTS + 1):
+        response = await http.send(request, stream=True, follow_redirects=False)
+        location = response.headers.get("location")
+        if not response.is_redirect or location is None:
+            return response
+        await response.aclose()
+        target = request.url.join(location)
+        if request.url.scheme == "https" and target.scheme != "https":
+            raise Unavailable(f"token server {realm} redirected to plain HTTP ({_origin(target)})")
+        headers = httpx.Headers(request.headers)
+        headers.pop("host", None)
+        if _origin(target) != _origin(request.url):
+            if request.method == "POST":
+                raise Unavailable(
+                    f"token server {realm} redirected the refresh-token grant to another "
+                    f"host ({_origin(target)}); it is not sent there"
+                )
+            headers.pop("authorization", None)
+        if request.method == "POST" and response.status_code in (307, 308):
+            request = http.build_request("POST", target, headers=headers, content=request.content)
+        else:
+            headers.pop("content-type", None)
+            headers.pop("content-length", None)
+            request = http.build_request("GET", target, headers=headers)
+    raise Unavailable(f"token server {realm} redirected more than {_MAX_TOKEN_REDIRECTS} times")
+
+
 def repository_scope(repository: str, actions: str = "pull") -> str:
     return f"repository:{repository}:{actions}"
 
 
 async def fetch_token(
-    http: httpx.AsyncClient, challenge: Challenge, scope: str, credentials: Credentials
+    http: httpx.AsyncClient,
+    challenge: Challenge,
+    scope: str,
+    credentials: Credentials,
+    registry_url: str = "",
 ) -> Token:
     """A token from the challenge's realm for `scope`: with an identity token, the OAuth2
     refresh-token grant (POST); otherwise GET, with basic credentials when there are any,
-    anonymously when not (public repositories on Docker Hub work that way)."""
+    anonymously when not (public repositories on Docker Hub work that way).
+
+    `registry_url` is the endpoint that sent the challenge: an `https` one may not send
+    its clients' credentials to a plain-HTTP realm."""
     realm = challenge.realm
     if not realm.startswith(("https://", "http://")):
         raise Unavailable(f"registry sent a bearer challenge with an unusable realm {realm!r}")
+    if registry_url.startswith("https://") and realm.startswith("http://"):
+        raise Unavailable(
+            f"registry {_origin(httpx.URL(registry_url))} sent a bearer challenge with the "
+            f"plain-HTTP realm {realm}: refused, credentials are sent to a realm only over "
+            "HTTPS when the registry uses it"
+        )
     service = challenge.params.get("service", "")
     try:
         if credentials.identity_token:
@@ -217,13 +286,16 @@ async def fetch_token(
             }
             if service:
                 form["service"] = service
-            response = await http.post(realm, data=form)
+            request = http.build_request("POST", realm, data=form)
         else:
             query = {"scope": scope}
             if service:
                 query["service"] = service
             headers = {"Authorization": credentials.basic_header()} if credentials.has_basic else {}
-            response = await http.get(realm, params=query, headers=headers)
+            request = http.build_request("GET", realm, params=query, headers=headers)
+        response = await _send_token_request(http, request, realm)
+        # Streamed: the size is checked as the body comes, not after it is all in memory.
+        content = await read_capped(response, _MAX_TOKEN_RESPONSE)
     except httpx.HTTPError as exc:
         raise Unavailable(
             f"token server {realm} is unreachable: {type(exc).__name__}: {exc}"
@@ -238,10 +310,10 @@ async def fetch_token(
         raise PermissionDenied(f"token server {realm} denied {scope} (403)")
     if response.status_code != 200:
         raise Unavailable(f"token server {realm} answered {response.status_code} for {scope}")
-    if len(response.content) > _MAX_TOKEN_RESPONSE:
-        raise Unavailable(f"token server {realm} sent an oversized response")
+    if content is None:
+        raise Unavailable(f"token server {realm} sent a response over {_MAX_TOKEN_RESPONSE} bytes")
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
         raise Unavailable(f"token server {realm} sent a response that is not JSON") from None
     if not isinstance(body, dict):

@@ -46,12 +46,14 @@ from cri_shim.images.manifest import (
 )
 from cri_shim.images.reference import parse_named, parse_reference
 from cri_shim.images.store import ImageRecord, ImageStore, LayerBlob, chain_ids
-from cri_shim.images.unpack import UnpackPolicy, sniff_compression
+from cri_shim.images.unpack import BoundedTarInfo, UnpackPolicy, sniff_compression
 
 log = logging.getLogger(__name__)
 
 # Manifests, indexes and configs are small; a bigger "JSON" file is a mistake or an attack.
 _MAX_JSON = 16 << 20
+# An image archive holds a few entries per layer and blob; the index of them is in memory.
+_MAX_ARCHIVE_ENTRIES = 100_000
 
 
 class _Source(Protocol):
@@ -110,10 +112,15 @@ class _TarSource:
         self.archive = archive
         self.description = description
         # Later entries win, as when the tar is extracted.
-        self.members = {
-            "/".join(p for p in PurePosixPath(m.name).parts if p not in ("", ".", "/")): m
-            for m in archive.getmembers()
-        }
+        self.members: dict[str, tarfile.TarInfo] = {}
+        for count, member in enumerate(iter(archive.next, None), 1):
+            if count > _MAX_ARCHIVE_ENTRIES:
+                raise InvalidArgument(
+                    f"{description}: more than {_MAX_ARCHIVE_ENTRIES} entries; an image "
+                    "archive holds a few per layer"
+                )
+            parts = PurePosixPath(member.name).parts
+            self.members["/".join(p for p in parts if p not in ("", ".", "/"))] = member
 
     def _member(self, name: str) -> tarfile.TarInfo | None:
         path = _inner_path(name, self.description)
@@ -179,7 +186,9 @@ def import_image(store: ImageStore, path: Path, name: str | None = None) -> list
     if not path.exists():
         raise InvalidArgument(f"{path} does not exist")
     try:
-        archive = tarfile.open(path, "r:*")
+        # Bounded headers and sparse maps, as for layers; the member index this random
+        # access keeps is bounded by the entry limit below.
+        archive = tarfile.open(path, "r:*", tarinfo=BoundedTarInfo)
     except (tarfile.TarError, OSError) as exc:
         raise InvalidArgument(
             f"{path} is neither an OCI layout directory nor a tar archive: {exc}"

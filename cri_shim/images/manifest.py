@@ -113,9 +113,15 @@ def parse_descriptor(raw: Any, what: str) -> Descriptor:
     if not isinstance(digest, str):
         raise InvalidArgument(f"{what}: descriptor has no digest")
     validate_digest(digest, f"{what} digest")
-    size = raw.get("size", -1)
-    if not isinstance(size, int) or isinstance(size, bool):
-        raise InvalidArgument(f"{what}: descriptor size {size!r} is not an integer")
+    # Required by the OCI spec, and what caps the download: a descriptor without one (or
+    # with a negative one) would let a registry send as much as it likes.
+    size = raw.get("size")
+    if size is None:
+        raise InvalidArgument(f"{what}: descriptor {digest} has no size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise InvalidArgument(
+            f"{what}: descriptor {digest} has size {size!r}, not a non-negative integer"
+        )
     plat = raw.get("platform")
     parsed_platform = None
     if isinstance(plat, dict):

@@ -9,8 +9,15 @@ Shared work, within the daemon:
   or the same tag twice), and each pull adds its own names to the one image.
 - Layer blobs are fetched once however many pulls need them at the same time (in flight
   by blob digest), and not at all when the layer is already unpacked.
-- Downloads belong to the puller, not to the request: a client that goes away leaves the
-  download running, so that its retry (kubelet retries) finds the image or joins it.
+- Downloads belong to the puller, not to the request, but they are kept only while
+  someone wants them: when the last request waiting on a download has gone, it goes on
+  for `abandon_grace` (so that a retry joins it) and is then called off, its fetches in
+  flight cancelled and their slots released; the blobs it verified are kept.
+- Fairness: the daemon runs `max_concurrent_downloads` layer fetches at once, and one
+  registry holds at most `max_downloads_per_registry` of them. Each fetch has a total
+  budget (`download_timeout`) and a minimum rate (`download_min_rate` over
+  `download_rate_window`, judged on the bytes received, whatever httpx buffers): a
+  registry trickling a byte at a time loses its slot within one window.
 - A blob becomes visible only complete and verified (the store writes a temporary file
   and renames it). A pull that fails (a digest mismatch, a registry error) discards the
   blobs it fetched that no other pull wants; a pull interrupted by the daemon stopping
@@ -20,6 +27,7 @@ Shared work, within the daemon:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -27,14 +35,14 @@ import queue
 import ssl
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import httpx
 
 from cri_shim import __version__ as _version
-from cri_shim.config import ImagesConfig
+from cri_shim.config import ImagesConfig, format_duration, format_size
 from cri_shim.errors import CriError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from cri_shim.images.auth import ANONYMOUS, Credentials
 from cri_shim.images.manifest import (
@@ -71,9 +79,8 @@ logging.getLogger("httpcore").setLevel(logging.WARNING)
 
 T = TypeVar("T")
 
-# containerd's default is 3 per pull; this bounds the whole daemon, so a node pulling
-# many images at once does not open dozens of streams to one registry.
-MAX_CONCURRENT_DOWNLOADS = 4
+# How long a download nobody waits for any more goes on, for a retry to join it.
+ABANDON_GRACE = 10.0
 MAX_CONFIG_BYTES = 8 << 20
 # An index pointing at an index is legal; three levels is more than anything real uses.
 _MAX_INDEX_DEPTH = 3
@@ -167,10 +174,35 @@ class _ChunkPipe:
 @dataclass
 class _InFlight(Generic[T]):
     """A shared download and the repository it was started for: its endpoints and
-    credentials are the ones it uses."""
+    credentials are the ones it uses. `waiters` counts the requests awaiting it."""
 
     task: asyncio.Task[T]
     owner: str
+    waiters: int = 0
+
+
+@dataclass(frozen=True)
+class DownloadLimits:
+    """How layer downloads share the daemon; the defaults are `[images]`'s. containerd
+    runs 3 per pull; these bound the whole daemon, so that a node pulling many images at
+    once does not open dozens of streams to one registry."""
+
+    max_concurrent: int = ImagesConfig.max_concurrent_downloads
+    per_registry: int = ImagesConfig.max_downloads_per_registry
+    timeout: float = ImagesConfig.download_timeout
+    min_rate: int = ImagesConfig.download_min_rate
+    rate_window: float = ImagesConfig.download_rate_window
+    abandon_grace: float = ABANDON_GRACE
+
+    @classmethod
+    def from_config(cls, images: ImagesConfig) -> DownloadLimits:
+        return cls(
+            images.max_concurrent_downloads,
+            images.max_downloads_per_registry,
+            images.download_timeout,
+            images.download_min_rate,
+            images.download_rate_window,
+        )
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -215,7 +247,7 @@ class ImagePuller:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         platform: Platform | None = None,
-        max_concurrent_downloads: int = MAX_CONCURRENT_DOWNLOADS,
+        limits: DownloadLimits | None = None,
     ) -> None:
         self.store = store
         self.insecure_registries = list(insecure_registries)
@@ -232,7 +264,11 @@ class ImagePuller:
             headers={"User-Agent": f"cri-shim/{_version}"},
         )
         self._auth = AuthState()
-        self._slots = asyncio.Semaphore(max_concurrent_downloads)
+        self.limits = limits or DownloadLimits()
+        self._slots = asyncio.Semaphore(self.limits.max_concurrent)
+        # One per registry, taken before a daemon-wide slot: however slow one registry is,
+        # it holds at most `per_registry` of them.
+        self._registry_slots: dict[str, asyncio.Semaphore] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._images: dict[str, _InFlight[ImageRecord]] = {}
         self._blobs: dict[str, _InFlight[None]] = {}
@@ -242,7 +278,12 @@ class ImagePuller:
 
     @classmethod
     def from_config(cls, store: ImageStore, config: ImagesConfig) -> ImagePuller:
-        return cls(store, config.insecure_registries, config.mirrors)
+        return cls(
+            store,
+            config.insecure_registries,
+            config.mirrors,
+            limits=DownloadLimits.from_config(config),
+        )
 
     async def aclose(self) -> None:
         tasks = list(self._tasks)
@@ -298,6 +339,7 @@ class ImagePuller:
                 task.add_done_callback(functools.partial(self._forget, self._images, key))
             else:
                 log.info("pull %s: joining the download of %s", resolved.reference, key)
+            entry.waiters += 1
             try:
                 return await asyncio.shield(entry.task)
             except ContentMismatch:
@@ -308,7 +350,26 @@ class ImagePuller:
                 if attempt or entry.owner == own:
                     raise
                 log.info("pull %s: the shared download failed (%s); again", own, exc)
+            finally:
+                entry.waiters -= 1
+                if not entry.waiters and not entry.task.done():
+                    self._abandon_later(entry, resolved)
         raise AssertionError("unreachable")
+
+    def _abandon_later(self, entry: _InFlight[ImageRecord], resolved: ResolvedImage) -> None:
+        """The last request waiting on `entry` has gone: unless one joins within the grace,
+        call the download off, so that its slots go to pulls someone waits for."""
+
+        def call_off() -> None:
+            if entry.waiters or entry.task.done():
+                return
+            log.info(
+                "pull %s: no request waits for it any more; download called off",
+                resolved.reference,
+            )
+            entry.task.cancel()
+
+        asyncio.get_running_loop().call_later(self.limits.abandon_grace, call_off)
 
     @staticmethod
     def _forget(table: dict[str, _InFlight[Any]], key: str, task: asyncio.Task[Any]) -> None:
@@ -335,7 +396,8 @@ class ImagePuller:
         errors: list[tuple[Endpoint, CriError]] = []
         for index, client in enumerate(clients):
             try:
-                digest, fetched, manifest = await self._resolve_at(client, reference)
+                async with self._budget(f"image {reference} at {client.endpoint}"):
+                    digest, fetched, manifest = await self._resolve_at(client, reference)
             except CriError as exc:
                 if client.endpoint.mirror:
                     log.info("pull %s: mirror %s failed: %s", reference, client.endpoint, exc)
@@ -388,7 +450,7 @@ class ImagePuller:
         chains = chain_ids(_diff_ids(config_bytes, len(layers), subject))
         digests = [layer.digest for layer in layers]
         self._wanted.update(digests)
-        failed = False
+        failed = abandoned = False
         try:
             # Twice at most: a layer seen unpacked may be garbage-collected (its image
             # removed) before add_image commits; the second round fetches it after all.
@@ -412,13 +474,18 @@ class ImagePuller:
         except CriError:
             failed = True
             raise
+        except asyncio.CancelledError:
+            # Abandoned (or the daemon stopping): fetches nobody else wants are called off,
+            # what they verified already is kept for the next pull.
+            abandoned = True
+            raise
         finally:
-            called_off = self._release(digests, discard=failed)
+            called_off = self._release(digests, discard=failed, call_off=failed or abandoned)
             # Reported only once they are gone: "failed" means nothing kept. A fetch that
             # finished its blob just before it was called off leaves it for us to delete.
             await asyncio.gather(*called_off.values(), return_exceptions=True)
             for digest in called_off:
-                if not self._wanted.get(digest) and digest not in self._blobs:
+                if failed and not self._wanted.get(digest) and digest not in self._blobs:
                     self._discard(digest)
 
     async def _config(self, resolved: ResolvedImage, subject: str) -> bytes:
@@ -427,13 +494,12 @@ class ImagePuller:
             return self.store.read_blob(descriptor.digest)
         errors: list[tuple[Endpoint, CriError]] = []
         for client in resolved.clients:
+            what = f"config {descriptor.digest} of {subject}"
             try:
-                return await client.get_blob(
-                    descriptor.digest,
-                    descriptor.size,
-                    MAX_CONFIG_BYTES,
-                    f"config {descriptor.digest} of {subject}",
-                )
+                async with self._budget(what):
+                    return await client.get_blob(
+                        descriptor.digest, descriptor.size, MAX_CONFIG_BYTES, what
+                    )
             except ContentMismatch:
                 raise
             except CriError as exc:
@@ -491,22 +557,43 @@ class ImagePuller:
 
     async def _fetch_blob(self, resolved: ResolvedImage, layer: Descriptor, subject: str) -> None:
         what = f"layer {layer.digest} of {subject}"
-        async with self._slots:
-            errors: list[tuple[Endpoint, CriError]] = []
-            for client in resolved.clients:
-                try:
-                    async with client.open_blob(layer.digest, what) as response:
-                        await self._receive(response, layer, client.endpoint, what)
-                    break
-                except ContentMismatch:
-                    raise
-                except CriError as exc:
-                    errors.append((client.endpoint, exc))
-            else:
-                raise first_error(errors)
+        registry = resolved.reference.registry
+        per_registry = self._registry_slots.setdefault(
+            registry, asyncio.Semaphore(self.limits.per_registry)
+        )
+        async with per_registry, self._slots, self._budget(what):
+            await self._fetch_from_endpoints(resolved, layer, what)
         if not self._wanted.get(layer.digest):
             # Every pull that wanted it failed meanwhile: nobody will unpack it.
             self._discard(layer.digest)
+
+    @contextlib.asynccontextmanager
+    async def _budget(self, what: str) -> AsyncIterator[None]:
+        """`download_timeout` for one download: a registry that answers, slowly, for ever
+        fails it rather than holding it (and whatever it holds) up."""
+        try:
+            async with asyncio.timeout(self.limits.timeout):
+                yield
+        except TimeoutError:
+            raise Unavailable(
+                f"{what}: not downloaded within {format_duration(self.limits.timeout)} "
+                "(images.download_timeout)"
+            ) from None
+
+    async def _fetch_from_endpoints(
+        self, resolved: ResolvedImage, layer: Descriptor, what: str
+    ) -> None:
+        errors: list[tuple[Endpoint, CriError]] = []
+        for client in resolved.clients:
+            try:
+                async with client.open_blob(layer.digest, what) as response:
+                    await self._receive(response, layer, client.endpoint, what)
+                return
+            except ContentMismatch:
+                raise
+            except CriError as exc:
+                errors.append((client.endpoint, exc))
+        raise first_error(errors)
 
     async def _receive(
         self, response: httpx.Response, layer: Descriptor, endpoint: Endpoint, what: str
@@ -514,7 +601,7 @@ class ImagePuller:
         """Stream the body into the store through a worker thread, checking the size as
         it comes (a registry that sends more than announced is cut off early)."""
         announced = response.headers.get("content-length")
-        if announced is not None and layer.size >= 0 and announced.isdigit():
+        if announced is not None and announced.isdigit():
             if int(announced) != layer.size:
                 raise ContentMismatch(
                     f"{what}: {endpoint} sends {announced} bytes, the manifest says {layer.size}"
@@ -528,7 +615,7 @@ class ImagePuller:
             try:
                 async for chunk in response.aiter_bytes(_CHUNK):
                     received += len(chunk)
-                    if layer.size >= 0 and received > layer.size:
+                    if received > layer.size:
                         too_long = f"{endpoint} sent more than the {layer.size} bytes announced"
                         pipe.close(ContentMismatch(f"{what}: {too_long}"))
                         return
@@ -542,10 +629,15 @@ class ImagePuller:
             pipe.close()
 
         feeder = asyncio.create_task(pump(), name=f"receive {layer.digest}")
-        size = layer.size if layer.size >= 0 else None
-        writer = asyncio.ensure_future(
-            asyncio.to_thread(self.store.put_blob, pipe.chunks(), layer.digest, size)
+        watchdog = asyncio.create_task(
+            self._watch_rate(response, pipe, feeder, endpoint, what), name=f"rate {layer.digest}"
         )
+        writer = asyncio.ensure_future(
+            asyncio.to_thread(self.store.put_blob, pipe.chunks(), layer.digest, layer.size)
+        )
+        # Retrieved whatever happens: a second cancellation (the daemon stopping while the
+        # download is called off) may leave the wait below before the thread has ended.
+        writer.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
             await asyncio.shield(writer)
         except DigestMismatch as exc:  # the store's check, as the last byte was written
@@ -554,8 +646,9 @@ class ImagePuller:
             # The thread may have stopped early (disk full): the feeder must not wait on it.
             # Cancelled, the feeder closes the pipe, and the thread then removes its
             # temporary file; waiting for that keeps "called off" meaning "nothing left".
+            watchdog.cancel()
             feeder.cancel()
-            await asyncio.gather(feeder, return_exceptions=True)
+            await asyncio.gather(feeder, watchdog, return_exceptions=True)
             # A feeder cancelled before it ran closed nothing; a second end is ignored.
             pipe.close(_Interrupted("the download was called off"))
             if not writer.done():
@@ -568,23 +661,55 @@ class ImagePuller:
             "%s: %d bytes from %s in %.3fs", what, received, endpoint, time.monotonic() - started
         )
 
-    def _release(self, digests: list[str], discard: bool) -> dict[str, asyncio.Task[None]]:
-        """This download no longer needs `digests`. When it failed (`discard`), what no
-        other download wants is thrown away: fetches in flight are called off (returned,
-        for the caller to await) and fetched blobs deleted."""
+    async def _watch_rate(
+        self,
+        response: httpx.Response,
+        pipe: _ChunkPipe,
+        feeder: asyncio.Task[None],
+        endpoint: Endpoint,
+        what: str,
+    ) -> None:
+        """Cut the download off when fewer than `min_rate` bytes a second arrived over the
+        last window. Counted on the wire (httpx's own count): a trickle fills no chunk, so
+        the body iterator alone would never notice it, nor would a per-read timeout."""
+        limits = self.limits
+        if limits.min_rate <= 0:
+            return
+        mark = response.num_bytes_downloaded
+        while True:
+            await asyncio.sleep(limits.rate_window)
+            received = response.num_bytes_downloaded
+            rate = (received - mark) / limits.rate_window
+            if rate < limits.min_rate:
+                pipe.close(
+                    Unavailable(
+                        f"{what}: {endpoint} sent {rate:.0f} bytes/s over the last "
+                        f"{format_duration(limits.rate_window)}, below "
+                        f"{format_size(limits.min_rate)}/s (images.download_min_rate)"
+                    )
+                )
+                feeder.cancel()
+                return
+            mark = received
+
+    def _release(
+        self, digests: list[str], discard: bool, call_off: bool
+    ) -> dict[str, asyncio.Task[None]]:
+        """This download no longer needs `digests`. With `call_off`, fetches in flight
+        that no other download wants are cancelled (returned, for the caller to await);
+        when it failed (`discard`), fetched blobs nobody wants are deleted as well."""
         self._wanted.subtract(digests)
         called_off: dict[str, asyncio.Task[None]] = {}
         for digest in set(digests):
             if self._wanted[digest] > 0:
                 continue
             del self._wanted[digest]
-            if not discard:
-                continue
             entry = self._blobs.get(digest)
-            if entry is not None:
-                entry.task.cancel()
+            if entry is not None and call_off:
+                if not entry.task.cancelling():  # already called off (the daemon stopping)
+                    entry.task.cancel()
                 called_off[digest] = entry.task
-            else:
+            elif entry is None and discard:
                 self._discard(digest)
         return called_off
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from cri_shim.config import redact_userinfo
 from cri_shim.errors import (
     CriError,
     FailedPrecondition,
@@ -33,6 +34,7 @@ from cri_shim.images.auth import (
     TokenCache,
     fetch_token,
     parse_www_authenticate,
+    read_capped,
     repository_scope,
 )
 from cri_shim.images.manifest import DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
@@ -79,6 +81,10 @@ class Endpoint:
             return str(parsed.copy_with(username=None, password=None))
         return self.url
 
+    def __repr__(self) -> str:
+        # Reprs reach logs and tracebacks too (a ResolvedImage holds its endpoints).
+        return f"Endpoint({str(self)!r}, mirror={self.mirror})"
+
 
 def is_insecure(host: str, insecure_registries: Sequence[str]) -> bool:
     """`host` (`name[:port]`) is listed as is, or its name is listed without a port."""
@@ -96,12 +102,13 @@ def _endpoint_url(text: str, insecure_registries: Sequence[str], where: str) -> 
         # No scheme: HTTPS, unless the host is an insecure registry (as containerd does).
         host = text.split("/", 1)[0]
         text = f"{'http' if is_insecure(host, insecure_registries) else 'https'}://{text}"
+    shown = redact_userinfo(text)  # a mirror's password stays out of the message
     try:
         url = httpx.URL(text)
-    except httpx.InvalidURL as exc:
-        raise FailedPrecondition(f"{where}: endpoint {text!r} is not a URL: {exc}") from None
+    except httpx.InvalidURL:
+        raise FailedPrecondition(f"{where}: endpoint {shown!r} is not a URL") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise FailedPrecondition(f"{where}: endpoint {text!r} is not an http(s) URL")
+        raise FailedPrecondition(f"{where}: endpoint {shown!r} is not an http(s) URL")
     return str(url).rstrip("/").removesuffix("/v2")
 
 
@@ -207,7 +214,9 @@ class RepositoryClient:
         key = self._token_key(challenge, scope)
         token: Token | None = self._auth.tokens.get(key) if use_cache else None
         if token is None:
-            token = await fetch_token(self.http, challenge, scope, self.credentials)
+            token = await fetch_token(
+                self.http, challenge, scope, self.credentials, self.endpoint.url
+            )
             self._auth.tokens.put(key, token)
         return f"Bearer {token.value}"
 
@@ -314,19 +323,13 @@ class RepositoryClient:
         raise Unavailable(f"{subject}: {where} answered {status} unexpectedly{detail}")
 
     async def _read(self, response: httpx.Response, limit: int, subject: str) -> bytes:
-        chunks: list[bytes] = []
-        total = 0
         try:
-            async for chunk in response.aiter_bytes():
-                total += len(chunk)
-                if total > limit:
-                    raise Unavailable(f"{subject} at {self.endpoint} is larger than {limit} bytes")
-                chunks.append(chunk)
+            data = await read_capped(response, limit)
         except httpx.HTTPError as exc:
             raise Unavailable(describe_connection_error(self.endpoint, exc)) from None
-        finally:
-            await response.aclose()
-        return b"".join(chunks)
+        if data is None:
+            raise Unavailable(f"{subject} at {self.endpoint} is larger than {limit} bytes")
+        return data
 
     async def get_manifest(
         self, reference: str, subject: str, expected_digest: str | None = None
@@ -353,12 +356,22 @@ class RepositoryClient:
         return FetchedManifest(data, media_type, digest)
 
     async def get_blob(self, digest: str, size: int, limit: int, subject: str) -> bytes:
-        """A small blob (an image config) in memory, checked against its digest."""
+        """A small blob (an image config) in memory, checked against its digest; read no
+        further than its descriptor's size."""
+        if size > limit:
+            raise InvalidArgument(f"{subject}: its descriptor says {size} bytes, over {limit}")
         async with self.open_blob(digest, subject) as response:
-            data = await self._read(response, limit, subject)
+            try:
+                data = await read_capped(response, size)
+            except httpx.HTTPError as exc:
+                raise Unavailable(describe_connection_error(self.endpoint, exc)) from None
+        if data is None:
+            raise ContentMismatch(
+                f"{subject}: {self.endpoint} sent more than the {size} bytes of {digest}"
+            )
         algorithm = digest.partition(":")[0]
         actual = f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}"
-        if actual != digest or (size >= 0 and len(data) != size):
+        if actual != digest or len(data) != size:
             raise ContentMismatch(
                 f"{subject}: {self.endpoint} sent {len(data)} bytes hashing to {actual}, "
                 f"expected {digest} ({size} bytes)"

@@ -27,10 +27,13 @@ import errno
 import gzip
 import hashlib
 import lzma
+import math
 import os
 import shutil
 import stat
+import struct
 import tarfile
+import tempfile
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +55,7 @@ OPAQUE_XATTR = "trusted.overlay.opaque"
 _FORBIDDEN_XATTR_PREFIXES = ("trusted.overlay.", "user.overlay.")
 _PAX_XATTR = "SCHILY.xattr."
 _CHUNK = 1 << 20
+_DIR_TIME = struct.Struct("<dH")  # a directory's mtime and its path's length, spooled
 _NODE_TYPES = {
     tarfile.CHRTYPE: stat.S_IFCHR,
     tarfile.BLKTYPE: stat.S_IFBLK,
@@ -68,6 +72,14 @@ _MAX_HEADER_CHAIN = 8
 # recursion of the rmtree that cleans up a refused layer.
 _MAX_NAME_BYTES = 4096
 _MAX_DEPTH = 256
+# Regions in one sparse entry's map: tarfile makes a tuple of each (and the 1.0 format reads
+# the map from the entry's data, as long as it goes) before anything sees the entry. GNU tar
+# writes one per run of data; images have next to no sparse files.
+MAX_SPARSE_REGIONS = 1024
+# Owners are 32-bit; (uid_t)-1 means "leave unchanged" to chown, so it is refused too.
+_MAX_ID = (1 << 32) - 2
+# Times os.utime can set (a time_t of seconds); NaN and infinities are not times.
+_MAX_TIME = float(1 << 62)
 # Errors that say the host is unwell (disk full, read-only, not root), not the archive.
 _HOST_ERRNOS = frozenset(
     {
@@ -129,7 +141,7 @@ _SPECIAL_TYPES = frozenset(
 )
 
 
-class _BoundedTarInfo(tarfile.TarInfo):
+class BoundedTarInfo(tarfile.TarInfo):
     """tarfile reads a PAX or GNU long-name header whole into memory, and recurses once
     per header before an entry: both are bounded here, before the read."""
 
@@ -154,6 +166,83 @@ class _BoundedTarInfo(tarfile.TarInfo):
             return super()._proc_member(archive)  # type: ignore[misc]
         finally:
             archive._cri_shim_chain = chain  # type: ignore[attr-defined]
+
+    # Sparse maps, in each of the four forms tarfile reads, are counted before they are
+    # turned into objects.
+    def _sparse_refused(self, regions: int | str) -> LayerError:
+        return LayerError(
+            f"entry {self.name!r} has a sparse map of {regions} regions at offset "
+            f"{self.offset}; at most {MAX_SPARSE_REGIONS} are accepted"
+        )
+
+    def _proc_sparse(self, archive: tarfile.TarFile) -> Any:
+        """Old GNU sparse (type S): 4 regions in the header, 21 in each extension block
+        that follows it (tarfile's own reader, with the bound)."""
+        structs, isextended, size = self._sparse_structs  # type: ignore[attr-defined]
+        del self._sparse_structs  # type: ignore[attr-defined]
+        fileobj = archive.fileobj
+        while isextended:
+            block = fileobj.read(tarfile.BLOCKSIZE)
+            if len(block) < tarfile.BLOCKSIZE:
+                raise tarfile.ReadError("unexpected end of data in a sparse map")
+            for pos in range(0, 21 * 24, 24):
+                try:
+                    offset = tarfile.nti(block[pos : pos + 12])  # type: ignore[attr-defined]
+                    numbytes = tarfile.nti(block[pos + 12 : pos + 24])  # type: ignore[attr-defined]
+                except (ValueError, tarfile.HeaderError):
+                    break
+                if offset and numbytes:
+                    structs.append((offset, numbytes))
+            if len(structs) > MAX_SPARSE_REGIONS:
+                raise self._sparse_refused(f"more than {MAX_SPARSE_REGIONS}")
+            isextended = bool(block[504])
+        self.sparse = structs
+        self.offset_data = fileobj.tell()
+        archive.offset = self.offset_data + self._block(self.size)  # type: ignore[attr-defined]
+        self.size = size
+        return self
+
+    def _proc_gnusparse_00(self, next: Any, pax_headers: dict[str, str], buf: bytes) -> None:
+        regions = buf.count(b" GNU.sparse.offset=")
+        if regions > MAX_SPARSE_REGIONS:
+            raise next._sparse_refused(regions)
+        super()._proc_gnusparse_00(next, pax_headers, buf)  # type: ignore[misc]
+
+    def _proc_gnusparse_01(self, next: Any, pax_headers: dict[str, str]) -> None:
+        regions = (pax_headers["GNU.sparse.map"].count(",") + 1) // 2
+        if regions > MAX_SPARSE_REGIONS:
+            raise next._sparse_refused(regions)
+        super()._proc_gnusparse_01(next, pax_headers)  # type: ignore[misc]
+
+    def _proc_gnusparse_10(
+        self, next: Any, pax_headers: dict[str, str], archive: tarfile.TarFile
+    ) -> None:
+        """GNU 1.0: the map is the entry's data, a count then that many pairs of numbers,
+        one a line; read here within the bound (tarfile reads any number, any length)."""
+        fileobj = archive.fileobj
+        buf = fileobj.read(tarfile.BLOCKSIZE)
+        count, _, buf = buf.partition(b"\n")
+        if not count.isdigit() or int(count) > MAX_SPARSE_REGIONS:
+            raise next._sparse_refused(count[:20].decode("ascii", "replace"))
+        numbers: list[int] = []
+        # 21 digits each at most (tar's own numbers are 12 octal digits, or base-256).
+        budget = (int(count) * 2 + 1) * 22 + tarfile.BLOCKSIZE
+        read = tarfile.BLOCKSIZE
+        while len(numbers) < int(count) * 2:
+            if b"\n" not in buf:
+                if read >= budget:
+                    raise next._sparse_refused(count.decode())
+                more = fileobj.read(tarfile.BLOCKSIZE)
+                if not more:
+                    raise tarfile.ReadError("unexpected end of data in a sparse map")
+                buf += more
+                read += len(more)
+            number, _, buf = buf.partition(b"\n")
+            if not number.isdigit():
+                raise LayerError(f"entry {next.name!r} has a malformed sparse map")
+            numbers.append(int(number))
+        next.offset_data = fileobj.tell()
+        next.sparse = list(zip(numbers[::2], numbers[1::2], strict=True))
 
 
 def sniff_compression(head: bytes) -> str:
@@ -246,9 +335,13 @@ def _unpack_stream(stream: BinaryIO, dest: Path, policy: UnpackPolicy) -> Unpack
             extractor = _Extractor(dest, policy)
             try:
                 with tarfile.open(  # type: ignore[call-overload]
-                    fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo
+                    fileobj=reader, mode="r|", tarinfo=BoundedTarInfo
                 ) as archive:
-                    for member in archive:
+                    # next(), not iteration: tarfile keeps every member it has read for
+                    # getmembers(), and the iterator indexes that list; cleared after each
+                    # entry, a layer costs the same memory whatever its entry count.
+                    while (member := archive.next()) is not None:
+                        archive.members.clear()
                         extractor.extract(archive, member)
                 reader.drain()
                 extractor.finish()
@@ -279,6 +372,22 @@ def _where(extractor: _Extractor | None) -> str:
     return f" (in or after entry {extractor.current!r})"
 
 
+def _check_numbers(member: tarfile.TarInfo) -> None:
+    """A PAX header sets owner and times as decimal text, any size; the ustar fields take
+    base-256 numbers of 12 bytes. Out of range they are bad input, not a failed chown."""
+    for what, value in (("owner", member.uid), ("group", member.gid)):
+        if not 0 <= value <= _MAX_ID:
+            raise LayerError(f"entry {member.name!r} has {what} {value}, outside 0..{_MAX_ID}")
+    if not (math.isfinite(member.mtime) and abs(member.mtime) <= _MAX_TIME):
+        raise LayerError(f"entry {member.name!r} has mtime {member.mtime!r}, which is not a time")
+    if member.size < 0:
+        raise LayerError(f"entry {member.name!r} has a negative size {member.size}")
+    if "\x00" in member.linkname:
+        raise LayerError(f"entry {member.name!r} has a link target with a NUL byte")
+    if any("\x00" in key for key in member.pax_headers):
+        raise LayerError(f"entry {member.name!r} has a PAX record name with a NUL byte")
+
+
 def _split(name: str, what: str) -> list[str]:
     """Archive path → components; refuses absolute paths and `..` instead of clamping them,
     because an archive that needs clamping was made to attack or is broken."""
@@ -304,11 +413,25 @@ class _Extractor:
         self.size = 0
         self.entries = 0
         self.current: str | None = None  # the entry being extracted, for error messages
-        # Directory mtimes are set last: creating children would change them again.
-        self._dir_times: list[tuple[tuple[str, ...], float]] = []
+        # Directory mtimes are set last: creating children would change them again. They
+        # are spooled (to disk past 1MiB), not listed: one per directory would make a
+        # layer's memory grow with its entry count.
+        self._dir_times = tempfile.SpooledTemporaryFile(max_size=_CHUNK)
 
     def close(self) -> None:
         os.close(self.root_fd)
+        self._dir_times.close()
+
+    def _dir_time(self, parts: tuple[str, ...], mtime: float) -> None:
+        path = "/".join(parts).encode("utf-8", "surrogateescape")
+        self._dir_times.write(_DIR_TIME.pack(mtime, len(path)) + path)
+
+    def _spooled_dir_times(self) -> Iterator[tuple[list[str], float]]:
+        self._dir_times.seek(0)
+        while head := self._dir_times.read(_DIR_TIME.size):
+            mtime, length = _DIR_TIME.unpack(head)
+            path = self._dir_times.read(length).decode("utf-8", "surrogateescape")
+            yield [p for p in path.split("/") if p], mtime
 
     # --- path resolution -------------------------------------------------------------
     def _open_dir(self, parts: list[str], create: bool, what: str) -> int:
@@ -352,8 +475,13 @@ class _Extractor:
                 f"layer has more than {self.policy.max_entries} entries "
                 f"(images.max_layer_entries); refused at entry {member.name!r}"
             )
+        _check_numbers(member)
         try:
             self._extract(archive, member)
+        except (ValueError, OverflowError) as exc:
+            # What the entry carries, as os.* takes it (a NUL in a link or an xattr name,
+            # a number out of range): the archive's fault, not the daemon's.
+            raise LayerError(f"entry {member.name!r} cannot be unpacked: {exc}") from exc
         except OSError as exc:
             if exc.errno is None or exc.errno in _HOST_ERRNOS:
                 raise
@@ -367,7 +495,7 @@ class _Extractor:
             # "." or "./": the layer root itself; overlay shows the top layer's root mode.
             if member.isdir():
                 self._apply_metadata(self.root_fd, None, member)
-                self._dir_times.append(((), member.mtime))
+                self._dir_time((), member.mtime)
             return
         *parent, base = parts
         if base != OPAQUE_WHITEOUT and any(p.startswith(AUFS_META_PREFIX) for p in parts):
@@ -428,7 +556,7 @@ class _Extractor:
                 self._apply_metadata(fd, None, member)
             finally:
                 os.close(fd)
-            self._dir_times.append(((*parent, base), member.mtime))
+            self._dir_time((*parent, base), member.mtime)
         elif member.isreg():
             if self.size + member.size > self.policy.max_bytes:
                 # Counted apart from the stream: a sparse entry writes more than it reads.
@@ -547,10 +675,11 @@ class _Extractor:
             os.setxattr(fd, attribute, raw)
 
     def finish(self) -> None:
-        # Deepest first, so that setting a child's time does not disturb its parent's.
-        for parts, mtime in sorted(self._dir_times, key=lambda item: -len(item[0])):
+        # In archive order, so the last entry for a directory wins; setting a child's
+        # times does not touch its parent's.
+        for parts, mtime in self._spooled_dir_times():
             try:
-                fd = self._open_dir(list(parts), create=False, what="/".join(parts))
+                fd = self._open_dir(parts, create=False, what="/".join(parts))
             except (FileNotFoundError, LayerError):
                 continue  # replaced by a later entry
             try:

@@ -30,7 +30,15 @@ from tests.registry import RegistryServer, start_registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
-PULLED = ("symlink-chain", "hardlink-through-symlink", "char-device", "decompression-bomb")
+PULLED = (
+    "symlink-chain",
+    "hardlink-through-symlink",
+    "char-device",
+    "decompression-bomb",
+    "sparse-map",
+    "pax-uid",
+    "pax-mtime",
+)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +138,8 @@ def test_pull_of_a_hostile_layer_fails_naming_the_entry(
     daemon: Daemon, registry: RegistryServer, outside: Path, case_id: str
 ) -> None:
     case = next(c for c in HOSTILE_CASES if c.id == case_id)
-    registry.push(f"hostile/{case.id}", image_of_layers([case.build(outside)]), "v1")
+    image = image_of_layers([case.build(outside)])
+    registry.push(f"hostile/{case.id}", image, "v1")
     request = api_pb2.PullImageRequest(
         image=api_pb2.ImageSpec(image=f"{registry.host}/hostile/{case.id}:v1")
     )
@@ -139,6 +148,7 @@ def test_pull_of_a_hostile_layer_fails_naming_the_entry(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert case.message in info.value.details()
     assert case.entry in info.value.details()
+    assert image.layers[0].digest in info.value.details()  # which layer, for a person
     assert_nothing_left(daemon, outside)
     # The pull's layer blob is discarded with it (config and manifest blobs are small and
     # content-addressed; the layer is what could be large).

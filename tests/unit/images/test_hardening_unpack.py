@@ -221,3 +221,51 @@ def test_the_uncompressed_stream_itself_is_limited(tmp_path: Path) -> None:
     data = Tar().file("small", b"x").bytes() + bytes(2 << 20)
     with pytest.raises(LayerError, match=r"larger than 1MiB uncompressed.*'small'"):
         unpack(data, tmp_path / "layer", UnpackPolicy(max_bytes=1 << 20))
+
+
+def test_sparse_maps_within_the_bound_are_unpacked(tmp_path: Path) -> None:
+    from tests.hostile_layers import old_gnu_sparse, pax10_sparse
+
+    for index, build in enumerate((old_gnu_sparse, pax10_sparse)):
+        root = unpack(build(100), tmp_path / f"layer{index}")
+        content = (root / "sparse").read_bytes()
+        assert len(content) == 201 and content[1::2] == b"x" * 100 and not content[::2].strip(b"\0")
+
+
+def test_a_layers_memory_does_not_grow_with_its_entry_count(tmp_path: Path) -> None:
+    """tarfile keeps every member it reads, and directory times were listed: 0.5 GB at
+    the default entry limit. Ten times the entries must not cost ten times the memory."""
+    import tracemalloc
+
+    def peak(count: int) -> int:
+        tar = Tar()
+        for index in range(count):
+            tar.dir(f"d{index}")
+        data = tar.bytes()
+        tracemalloc.start()
+        try:
+            unpack(data, tmp_path / f"layer{count}")
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, large = peak(1_000), peak(10_000)
+    assert large < small + (1 << 20), (small, large)
+
+
+def test_an_image_archive_gets_the_same_bounds_as_a_layer(
+    store: ImageStore, tmp_path: Path
+) -> None:
+    """`cri-shim images import image.tar` reads the archive itself with tarfile too: its
+    sparse maps are bounded, and so is the index of its entries."""
+    from cri_shim.images.importer import import_image
+    from tests.hostile_layers import many_entries, old_gnu_sparse
+
+    sparse = tmp_path / "sparse.tar"
+    sparse.write_bytes(old_gnu_sparse(2000))
+    with pytest.raises(InvalidArgument, match="sparse map"):
+        import_image(store, sparse)
+    crowded = tmp_path / "crowded.tar"
+    crowded.write_bytes(many_entries(100_001))
+    with pytest.raises(InvalidArgument, match="more than 100000 entries"):
+        import_image(store, crowded)

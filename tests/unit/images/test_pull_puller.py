@@ -261,7 +261,7 @@ async def test_concurrent_pulls_of_images_sharing_layers_fetch_each_layer_once(
     assert len(blobs) == len(set(blobs)) == 2 + 2 + 2  # two configs, two shared, two own
 
 
-async def test_a_caller_that_leaves_does_not_stop_the_download(
+async def test_a_caller_that_leaves_does_not_stop_the_download_within_the_grace(
     store: ImageStore, registry: FakeRegistry, puller: ImagePuller
 ) -> None:
     image = build_image()

@@ -1,0 +1,215 @@
+"""Hostile images and registries against the daemon's memory, event loop and download
+slots (issue "Hardening, round two"): a layer whose sparse map is a few hundred KB on
+the wire; an image whose /etc/passwd is huge, in which CreateContainer looks a user up;
+a registry trickling a byte every half second. Each is refused or cut off, naming what
+it refused, without growing the daemon, blocking its RPCs or holding up other pulls.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2
+
+from tests.hardening_kit import code_of, container_config, create_request, running_pod
+from tests.harness import Daemon, import_image
+from tests.hostile_layers import (
+    Tar,
+    image_of_layers,
+    sparse_map_bomb,
+    write_layout,
+    zero_bomb,
+)
+from tests.imagebuild import base_layer_tar
+from tests.registry import RegistryServer, TrickleProxy, start_registry
+
+pytestmark = [pytest.mark.integration, pytest.mark.root]
+
+HUGE = 64 << 20
+IMAGE = "docker.io/library/huge-passwd:v1"
+
+
+def memory_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+class Stalls:
+    """Version RPCs in a loop beside the test: the longest one is how long the daemon's
+    event loop was blocked."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon, self.worst, self._stop = daemon, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.daemon.runtime().Version(api_pb2.VersionRequest(), timeout=120)
+            self.worst = max(self.worst, time.monotonic() - started)
+            time.sleep(0.01)
+
+    def __enter__(self) -> Stalls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def reset_peak(pid: int) -> int:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := current RSS
+    return memory_kib(pid, "VmHWM")
+
+
+@pytest.fixture
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    server = start_registry(tmp_path_factory.mktemp("bombs"))
+    yield server
+    server.stop()
+
+
+def test_a_sparse_map_bomb_is_refused_without_filling_the_daemon(
+    make_daemon: type, registry: RegistryServer
+) -> None:
+    # 200,000 extension blocks, 4.2 million regions: 0.36 MB of layer.
+    image = image_of_layers([sparse_map_bomb(200_000)])
+    assert len(image.layers[0].data) < 512 << 10
+    registry.push("bomb/sparse", image, "v1")
+    daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
+    daemon.start()
+    assert daemon.proc is not None
+    before = reset_peak(daemon.proc.pid)
+    request = api_pb2.PullImageRequest(
+        image=api_pb2.ImageSpec(image=f"{registry.host}/bomb/sparse:v1")
+    )
+    code, details = code_of(lambda: daemon.images().PullImage(request, timeout=300))
+    growth = memory_kib(daemon.proc.pid, "VmHWM") - before
+    print(f"peak RSS growth {growth} KiB")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "sparse map" in details and image.layers[0].digest in details
+    assert growth < 32 << 10, growth
+
+
+@pytest.fixture
+def huge_passwd_image(daemon: Daemon, short_tmp: Path) -> Iterator[str]:
+    # Millions of ordinary lines: the old reader made an object of each (5 GB at 200 MiB).
+    layer = zero_bomb(HUGE, "etc/passwd", b"user:x:1:1::/home/user:/bin/sh\n")
+    assert len(layer) < 512 << 10
+    layout = write_layout(image_of_layers([base_layer_tar(), layer]), short_tmp / "l", IMAGE)
+    import_image(daemon, layout, IMAGE)
+    yield IMAGE
+
+
+def test_a_huge_passwd_neither_blocks_the_daemon_nor_fills_its_memory(
+    daemon: Daemon, short_tmp: Path, huge_passwd_image: str
+) -> None:
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    context = api_pb2.LinuxContainerSecurityContext(run_as_username="app")
+    config = container_config(
+        "lookup",
+        "true",
+        image=huge_passwd_image,
+        linux=api_pb2.LinuxContainerConfig(security_context=context),
+    )
+    with running_pod(daemon, "passwd", short_tmp / "logs") as pod:
+        before = reset_peak(pid)
+        with Stalls(daemon) as stalls:
+            time.sleep(0.1)
+            code, details = code_of(
+                lambda: daemon.runtime().CreateContainer(create_request(pod, config), timeout=60)
+            )
+        growth = memory_kib(pid, "VmHWM") - before
+    print(f"peak RSS growth {growth} KiB, longest Version RPC {stalls.worst:.3f}s")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "/etc/passwd is larger than 1MiB" in details
+    assert growth < 32 << 10, growth
+    assert stalls.worst < 1.0, stalls.worst
+
+
+@pytest.fixture
+def trickling(registry: RegistryServer) -> Iterator[TrickleProxy]:
+    proxy = TrickleProxy(registry.url)
+    proxy.start()
+    yield proxy
+    proxy.stop()
+
+
+def test_a_trickling_registry_holds_up_no_other_pull(
+    make_daemon: type, registry: RegistryServer, trickling: TrickleProxy
+) -> None:
+    # Random content: gzip cannot shrink the slow layers below the proxy's threshold.
+    slow = image_of_layers([Tar().file(f"s{n}", os.urandom(64 << 10)).bytes() for n in range(4)])
+    fast = image_of_layers([Tar().file("f", os.urandom(64 << 10)).bytes()])
+    registry.push("slow/app", slow, "v1")
+    registry.push("fast/app", fast, "v1")
+    settings = {
+        "insecure_registries": [registry.host, trickling.host],
+        "download_min_rate": "1KiB",
+        "download_rate_window": "2s",
+    }
+    daemon = make_daemon(settings={"images": settings})
+    daemon.start()
+    outcome: dict[str, object] = {}
+
+    def pull_slow() -> None:
+        started = time.monotonic()
+        request = api_pb2.PullImageRequest(
+            image=api_pb2.ImageSpec(image=f"{trickling.host}/slow/app:v1")
+        )
+        outcome["result"] = code_of(lambda: daemon.images().PullImage(request, timeout=120))
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=pull_slow)
+    thread.start()
+    assert trickling.trickling.wait(30)
+    time.sleep(0.5)  # every slot the slow registry can get, taken
+    started = time.monotonic()
+    request = api_pb2.PullImageRequest(
+        image=api_pb2.ImageSpec(image=f"{registry.host}/fast/app:v1")
+    )
+    assert daemon.images().PullImage(request, timeout=60).image_ref
+    blocked = time.monotonic() - started
+    thread.join(120)
+    print(f"the other pull took {blocked:.2f}s; the trickled one ended after", outcome["seconds"])
+    assert blocked < 5, blocked
+    code, details = outcome["result"]  # type: ignore[misc]
+    assert code == grpc.StatusCode.UNAVAILABLE, details
+    assert "images.download_min_rate" in details and trickling.host in details
+
+
+def test_a_pull_whose_client_has_gone_gives_its_slots_back(
+    make_daemon: type, registry: RegistryServer, trickling: TrickleProxy
+) -> None:
+    slow = image_of_layers([Tar().file(f"g{n}", os.urandom(64 << 10)).bytes() for n in range(2)])
+    fast = image_of_layers([Tar().file("h", os.urandom(64 << 10)).bytes()])
+    registry.push("gone/app", slow, "v1")
+    registry.push("after/app", fast, "v1")
+    settings = {
+        "insecure_registries": [registry.host, trickling.host],
+        "max_concurrent_downloads": 2,
+        "max_downloads_per_registry": 2,
+        "download_min_rate": "0B",  # only the client's leaving may end it
+    }
+    daemon = make_daemon(settings={"images": settings})
+    daemon.start()
+    gone = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=f"{trickling.host}/gone/app:v1"))
+    code, _ = code_of(lambda: daemon.images().PullImage(gone, timeout=2))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    started = time.monotonic()
+    after = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=f"{registry.host}/after/app:v1"))
+    assert daemon.images().PullImage(after, timeout=60).image_ref
+    waited = time.monotonic() - started
+    print(f"the next pull waited {waited:.1f}s for the slots")
+    assert waited < 20, waited  # the 10 s grace for a retry to join, then the slots are free
+    assert "no request waits for it any more; download called off" in daemon.log()
