@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cri_api.v1 import api_pb2
 
+from cri_shim.api.v1 import api_pb2
 from tests.hardening_kit import code_of, container_config, create_request, running_pod
 from tests.harness import Daemon, import_image
 from tests.hostile_layers import (
