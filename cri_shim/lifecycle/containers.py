@@ -32,6 +32,7 @@ from cri_shim.errors import (
 )
 from cri_shim.faults import fault_point
 from cri_shim.images import overlay
+from cri_shim.images.reference import parse_reference
 from cri_shim.images.store import ImageRecord, ImageStore
 from cri_shim.lifecycle.events import (
     CONTAINER_CREATED,
@@ -166,11 +167,12 @@ class ContainerService(PersistedCreationHooks):
         bundle = self._dir / container_id
         rootfs = bundle / "rootfs"
         stage.set(STAGE_STORAGE)
+        image_name, repo_digest = image_names(image, config.image)
         with self._db.transaction() as conn:
             conn.execute(
                 "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
-                "image_id, image_ref, config, log_path, bundle_dir, rootfs, layers) "
-                "VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "image_id, image_ref, repo_digest, config, log_path, bundle_dir, rootfs, "
+                "layers) VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     container_id,
                     name,
@@ -179,7 +181,8 @@ class ContainerService(PersistedCreationHooks):
                     CREATED,
                     _now_ns(),
                     image.id,
-                    config.image.image,
+                    image_name,
+                    repo_digest,
                     config.SerializeToString(),
                     log_path,
                     str(bundle),
@@ -570,6 +573,24 @@ class ContainerService(PersistedCreationHooks):
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)
+
+
+def image_names(image: ImageRecord, spec: api_pb2.ImageSpec) -> tuple[str, str]:
+    """The image as the user named it, and as a repository digest reference (or "").
+
+    kubelet names the image by its ID in `image` and passes the pod spec's name in
+    `user_specified_image`; people read the name, and the digest reference, back from
+    ContainerStatus (containerd reports them so too)."""
+    named = spec.user_specified_image or spec.image
+    hex_part = named.removeprefix("sha256:")
+    if hex_part and image.id.removeprefix("sha256:").startswith(hex_part):
+        named = next(iter(image.repo_tags), image.id)  # named by ID: its first tag, if any
+    try:
+        repository = parse_reference(named).name
+    except CriError:
+        repository = ""
+    matching = [d for d in image.repo_digests if d.partition("@")[0] == repository]
+    return named, next(iter(matching or image.repo_digests), "")
 
 
 def _image_view(image: ImageRecord) -> ImageConfigView:
