@@ -105,6 +105,7 @@ class ContainerService(PersistedCreationHooks):
         sandboxes.remove_containers = self.remove_all_in
         journal.register("runtime_delete", self._undo_runtime)
         journal.register("rootfs_unmount", self._undo_rootfs)
+        journal.register("container_log", self._undo_log)
         journal.register("container_dir", self._undo_dir)
 
     # ---- CreateContainer -----------------------------------------------------------
@@ -242,6 +243,12 @@ class ContainerService(PersistedCreationHooks):
 
         stage.set(STAGE_RUNTIME)
         backend = self._backend(sandbox.runtime_handler)
+        if log_path and not await asyncio.to_thread(os.path.lexists, log_path):
+            # conmon creates the log file. kubelet numbers the next attempt after the log
+            # files in the pod's log directory when it knows no container of that name, so
+            # a creation that is rolled back must take its file with it.
+            self._journal.record(container_id, "container_log", path=log_path)
+            fault_point("container:log-journaled")
         self._journal.record(
             container_id, "runtime_delete", handler=sandbox.runtime_handler, id=container_id
         )
@@ -306,6 +313,9 @@ class ContainerService(PersistedCreationHooks):
     async def _undo_rootfs(self, args: dict[str, Any]) -> None:
         await asyncio.to_thread(overlay.unmount, Path(args["path"]))
 
+    async def _undo_log(self, args: dict[str, Any]) -> None:
+        await asyncio.to_thread(Path(args["path"]).unlink, missing_ok=True)
+
     async def _undo_dir(self, args: dict[str, Any]) -> None:
         path = Path(args["path"])
         await asyncio.to_thread(mounts.unmount_below, path)
@@ -315,6 +325,9 @@ class ContainerService(PersistedCreationHooks):
 
     def publish(self, object_id: str) -> None:
         super().publish(object_id)
+        # A container kubelet knows of keeps its log when it is removed (kubelet deletes
+        # the file itself, as with containerd and CRI-O); only a rollback removes it.
+        self._journal.discharge(object_id, "container_log")
         # Visible now, so kubelet may hear of it: a cached creation is announced when a
         # retry claims it, never before (kubelet must not see it until then).
         row = self._db.query_one("SELECT sandbox_id FROM containers WHERE id = ?", (object_id,))

@@ -333,6 +333,28 @@ def test_bad_input(
     assert code(container_config("late", ["true"])) == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_a_failed_creation_takes_its_log_file_with_it(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+) -> None:
+    # kubelet numbers the next attempt after the log files it finds (0.log, 1.log, ...)
+    # when it knows no container of the name: a file left by a failed creation would be
+    # counted as a restart that never happened.
+    config = container_config("broken", [], command=["/no/such/binary"])
+    config.log_path = "broken/0.log"
+    with pytest.raises(grpc.RpcError) as info:
+        create(daemon, pod, config)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert not (short_tmp / "logs" / "broken" / "0.log").exists()
+    assert (
+        daemon.rows("containers") == [] and daemon.rows("journal", "action = 'container_log'") == []
+    )
+    # a container that was created keeps its log after removal: kubelet removes it itself
+    config = container_config("kept", ["echo kept"])
+    container_id = run_to_exit(daemon, pod, config).id
+    cri_testkit.remove(daemon, container_id)
+    assert log_lines(str(short_tmp / "logs" / "kept.log")) == ["kept"]
+
+
 def test_image_service_sees_imported_image(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
 ) -> None:
