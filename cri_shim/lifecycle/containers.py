@@ -487,7 +487,17 @@ class ContainerService(PersistedCreationHooks):
             raise InvalidArgument("ExecSyncRequest.cmd must not be empty")
         container = self.get_running(ref)
         # A timeout of 0 means none (kubelet sends its probe timeout otherwise).
-        result = await self.backend_of(container).exec_sync(container.id, cmd, timeout or None)
+        try:
+            result = await self.backend_of(container).exec_sync(container.id, cmd, timeout or None)
+        except CriError:
+            # A probe racing the container's exit: runc finds its namespaces gone. That is
+            # a container that is not running, not a runtime failure.
+            if not await asyncio.to_thread(_process_alive, container.pid):
+                raise FailedPrecondition(
+                    f"container {container.id} is not running (it exited as the command "
+                    "was started)"
+                ) from None
+            raise
         if result.timed_out:
             # kubelet turns DEADLINE_EXCEEDED into a probe timeout, as with containerd.
             raise DeadlineExceeded(
@@ -586,6 +596,15 @@ class ContainerService(PersistedCreationHooks):
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)
+
+
+def _process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (whose namespaces are already gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return pid > 0 and stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
 
 def image_names(image: ImageRecord, spec: api_pb2.ImageSpec) -> tuple[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -13,7 +13,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.logs.crilog import join_partials, read_records
-from tests.harness import Daemon, import_image, pod_config, wait_until
+from tests.harness import REPO, Daemon, import_image, pod_config, wait_until
 from tests.integration import cri_testkit
 from tests.integration.cri_testkit import create, start, status
 
@@ -179,6 +179,24 @@ def test_exec_sync_and_its_timeout(
     daemon.runtime().RemoveContainer(
         api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
     )
+
+
+def test_exec_sync_racing_the_containers_exit_is_a_failed_precondition(
+    make_daemon: Callable[..., Daemon], busybox_layout: Path, short_tmp: Path
+) -> None:
+    # kubelet's probes race a container's exit; runc then fails to join namespaces that
+    # are gone. That is a container not running (FAILED_PRECONDITION), not INTERNAL.
+    racing = REPO / "tests" / "fixtures" / "runtime" / "exit-racing-runc"
+    daemon = make_daemon(settings={"runtime": {"handlers": {"racing": {"path": str(racing)}}}})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    with cri_testkit.pod(daemon, "racing", short_tmp, handler="racing") as p:
+        container_id = create(daemon, p, container_config("dying", ["sleep 300"]))
+        start(daemon, container_id)
+        with pytest.raises(grpc.RpcError) as info:
+            exec_sync(daemon, container_id, ["true"])
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "is not running" in info.value.details()
 
 
 def test_stop_escalates_to_sigkill(
