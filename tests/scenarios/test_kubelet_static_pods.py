@@ -317,6 +317,28 @@ def test_kubelet_runs_static_pods(
         [{"name": "main", "image": image, "command": ["sh", "-c", LOOP]}],
         hostNetwork=True,
     )
+    # A container whose creation fails until its program appears in the shared emptyDir:
+    # kubelet numbers each try after the log files it finds, so a failed creation must
+    # leave none (its first successful attempt is then still attempt 0).
+    program = '#!/bin/sh\\ntrap "exit 0" TERM; while true; do sleep 1; done\\n'  # for printf
+    kubelet.write_pod(
+        "late",
+        [
+            {
+                "name": "maker",
+                "image": image,
+                "command": [
+                    "sh",
+                    "-c",
+                    f"sleep 4; printf '{program}' > /data/.run; chmod +x /data/.run; "
+                    f"mv /data/.run /data/run; {LOOP}",
+                ],
+                "volumeMounts": data,
+            },
+            {"name": "runner", "image": image, "command": ["/data/run"], "volumeMounts": data},
+        ],
+        volumes=[{"name": "data", "emptyDir": {}}],
+    )
     timings.phase("registry, daemon and manifests ready")
 
     kubelet.start()
@@ -330,8 +352,8 @@ def test_kubelet_runs_static_pods(
 
     pods = kubelet.pods()
     # The image as the pod names it, and its repository digest: pulled through the daemon.
-    for pod in pods.values():
-        for status in containers_of(pod).values():
+    for name in ("web", "shared", "hostnet"):
+        for status in containers_of(pods[name]).values():
             assert (status["image"], status["imageID"]) == (image, image_ref), status
     assert registry.manifest_gets(), "kubelet's PullImage did not reach the registry"
     # The runtime agrees: one sandbox and running containers per pod, host network shared.
@@ -369,6 +391,20 @@ def test_kubelet_runs_static_pods(
     wait_until(writer_restarted, timeout=60, interval=0.5)
     assert containers_of(kubelet.pods()["shared"])["reader"]["restartCount"] == 0
     timings.phase("liveness failure restarted the writer; ready again")
+
+    late = wait_until(lambda: running_and_ready(p := kubelet.pods().get("late")) and p, timeout=60)
+    assert containers_of(late)["runner"]["restartCount"] == 0
+    (runner,) = [
+        c for c in runtime_containers(daemon, f"late-{kubelet.node}") if c.metadata.name == "runner"
+    ]
+    assert runner.metadata.attempt == 0
+    logs = [p.name for p in POD_LOGS.glob(f"default_late-{kubelet.node}_*/runner/*")]
+    assert logs == ["0.log"], logs
+    failed = [
+        line for line in kubelet.log(tail=None).splitlines() if "CreateContainerError" in line
+    ]
+    assert failed, "the runner's creation never failed: the test did not test anything"
+    timings.phase(f"late program: created at attempt 0 after failures ({len(failed)} log lines)")
 
     # A removed manifest: the pod goes from kubelet's view and from the runtime.
     kubelet.remove_pod("web")
@@ -410,7 +446,9 @@ def test_kubelet_runs_static_pods(
     daemon.restart()
     kubelet.start()
     wait_until(
-        lambda: all(running_and_ready(kubelet.pods().get(n)) for n in ("shared", "hostnet")),
+        lambda: all(
+            running_and_ready(kubelet.pods().get(n)) for n in ("shared", "hostnet", "late")
+        ),
         timeout=60,
         interval=0.5,
     )
@@ -452,7 +490,7 @@ def test_kubelet_runs_static_pods(
 
     # Every manifest removed: kubelet stops everything; what its garbage collector has not
     # removed yet is removed through the CRI, and then nothing may be left.
-    for name in ("shared", "crash", "hostnet"):
+    for name in ("shared", "crash", "hostnet", "late"):
         kubelet.remove_pod(name)
     wait_until(lambda: not kubelet.pods(), timeout=60, interval=0.5)
     wait_until(
@@ -476,7 +514,7 @@ def test_kubelet_runs_static_pods(
     errors = [
         line
         for line in kubelet.log(tail=None).splitlines()
-        if "code = Internal" in line or "code = Unknown" in line
+        if ("code = Internal" in line or "code = Unknown" in line) and "/data/run" not in line
     ]
     assert not errors, "\n".join(errors[:5])
     print(timings.report())
