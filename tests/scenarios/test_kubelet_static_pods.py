@@ -251,20 +251,23 @@ def registry(short_tmp: Path) -> Iterator[RegistryServer]:
 
 
 @pytest.fixture
-def kubelet(short_tmp: Path) -> Iterator[Kubelet]:
+def kubelet(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Kubelet]:
     # The node's name is in every static pod's name and UID: this run's pods (and their
     # logs under /var/log) are its own, whatever other kubelets on the machine run.
     node = f"kl{os.getpid()}"
-    # Stats from the CRI (ListPodSandboxStats), not from cAdvisor.
-    kubelet = Kubelet(
-        short_tmp, "", node, extra_args=["--feature-gates=PodAndContainerStatsFromCRI=true"]
-    )
+    # Stats from the CRI (ListPodSandboxStats), not from cAdvisor; the PLEG as asked.
+    gates = ["PodAndContainerStatsFromCRI=true"]
+    if request.param == "evented-pleg":
+        gates.append("EventedPLEG=true")
+    kubelet = Kubelet(short_tmp, "", node, extra_args=[f"--feature-gates={','.join(gates)}"])
     yield kubelet
     kubelet.stop()
     kubelet.unmount()
     kubelet.remove_logs()
 
 
+# kubelet relists every second (generic PLEG), or follows GetContainerEvents (evented).
+@pytest.mark.parametrize("kubelet", ["generic-pleg", "evented-pleg"], indirect=True)
 def test_kubelet_runs_static_pods(
     kubelet: Kubelet,
     registry: RegistryServer,
