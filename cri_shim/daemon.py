@@ -36,6 +36,7 @@ from cri_shim.network.netns import NamespacePinner
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
+from cri_shim.runtime.stats import CpuRates
 from cri_shim.server.events import install_renderer
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.services import ImageService, RuntimeService
@@ -66,6 +67,7 @@ class Services:
     images: ImageStore
     streaming: StreamingServer
     metrics: Metrics
+    cpu_rates: CpuRates = field(default_factory=CpuRates)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def creation_stats(self) -> dict[str, Any]:

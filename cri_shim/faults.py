@@ -29,6 +29,7 @@ SANDBOX_CREATE = (
 CONTAINER_CREATE = (
     "container:row",
     "container:rootfs",
+    "container:log-journaled",
     "container:runtime-journaled",
     "container:runtime-created",
 )
@@ -39,6 +40,7 @@ TEARDOWN = (
     "undo:unmount",
     "undo:remove_dir",
     "undo:runtime_delete",
+    "undo:container_log",
     "undo:rootfs_unmount",
     "undo:container_dir",
 )

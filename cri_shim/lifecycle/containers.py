@@ -32,6 +32,7 @@ from cri_shim.errors import (
 )
 from cri_shim.faults import fault_point
 from cri_shim.images import overlay
+from cri_shim.images.reference import parse_reference
 from cri_shim.images.store import ImageRecord, ImageStore
 from cri_shim.lifecycle.events import (
     CONTAINER_CREATED,
@@ -104,6 +105,7 @@ class ContainerService(PersistedCreationHooks):
         sandboxes.remove_containers = self.remove_all_in
         journal.register("runtime_delete", self._undo_runtime)
         journal.register("rootfs_unmount", self._undo_rootfs)
+        journal.register("container_log", self._undo_log)
         journal.register("container_dir", self._undo_dir)
 
     # ---- CreateContainer -----------------------------------------------------------
@@ -166,11 +168,12 @@ class ContainerService(PersistedCreationHooks):
         bundle = self._dir / container_id
         rootfs = bundle / "rootfs"
         stage.set(STAGE_STORAGE)
+        image_name, repo_digest = image_names(image, config.image)
         with self._db.transaction() as conn:
             conn.execute(
                 "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
-                "image_id, image_ref, config, log_path, bundle_dir, rootfs, layers) "
-                "VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "image_id, image_ref, repo_digest, config, log_path, bundle_dir, rootfs, "
+                "layers) VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     container_id,
                     name,
@@ -179,7 +182,8 @@ class ContainerService(PersistedCreationHooks):
                     CREATED,
                     _now_ns(),
                     image.id,
-                    config.image.image,
+                    image_name,
+                    repo_digest,
                     config.SerializeToString(),
                     log_path,
                     str(bundle),
@@ -239,6 +243,12 @@ class ContainerService(PersistedCreationHooks):
 
         stage.set(STAGE_RUNTIME)
         backend = self._backend(sandbox.runtime_handler)
+        if log_path and not await asyncio.to_thread(os.path.lexists, log_path):
+            # conmon creates the log file. kubelet numbers the next attempt after the log
+            # files in the pod's log directory when it knows no container of that name, so
+            # a creation that is rolled back must take its file with it.
+            self._journal.record(container_id, "container_log", path=log_path)
+            fault_point("container:log-journaled")
         self._journal.record(
             container_id, "runtime_delete", handler=sandbox.runtime_handler, id=container_id
         )
@@ -303,6 +313,9 @@ class ContainerService(PersistedCreationHooks):
     async def _undo_rootfs(self, args: dict[str, Any]) -> None:
         await asyncio.to_thread(overlay.unmount, Path(args["path"]))
 
+    async def _undo_log(self, args: dict[str, Any]) -> None:
+        await asyncio.to_thread(Path(args["path"]).unlink, missing_ok=True)
+
     async def _undo_dir(self, args: dict[str, Any]) -> None:
         path = Path(args["path"])
         await asyncio.to_thread(mounts.unmount_below, path)
@@ -312,6 +325,9 @@ class ContainerService(PersistedCreationHooks):
 
     def publish(self, object_id: str) -> None:
         super().publish(object_id)
+        # A container kubelet knows of keeps its log when it is removed (kubelet deletes
+        # the file itself, as with containerd and CRI-O); only a rollback removes it.
+        self._journal.discharge(object_id, "container_log")
         # Visible now, so kubelet may hear of it: a cached creation is announced when a
         # retry claims it, never before (kubelet must not see it until then).
         row = self._db.query_one("SELECT sandbox_id FROM containers WHERE id = ?", (object_id,))
@@ -471,7 +487,17 @@ class ContainerService(PersistedCreationHooks):
             raise InvalidArgument("ExecSyncRequest.cmd must not be empty")
         container = self.get_running(ref)
         # A timeout of 0 means none (kubelet sends its probe timeout otherwise).
-        result = await self.backend_of(container).exec_sync(container.id, cmd, timeout or None)
+        try:
+            result = await self.backend_of(container).exec_sync(container.id, cmd, timeout or None)
+        except CriError:
+            # A probe racing the container's exit: runc finds its namespaces gone. That is
+            # a container that is not running, not a runtime failure.
+            if not await asyncio.to_thread(_process_alive, container.pid):
+                raise FailedPrecondition(
+                    f"container {container.id} is not running (it exited as the command "
+                    "was started)"
+                ) from None
+            raise
         if result.timed_out:
             # kubelet turns DEADLINE_EXCEEDED into a probe timeout, as with containerd.
             raise DeadlineExceeded(
@@ -570,6 +596,33 @@ class ContainerService(PersistedCreationHooks):
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)
+
+
+def _process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (whose namespaces are already gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return pid > 0 and stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
+def image_names(image: ImageRecord, spec: api_pb2.ImageSpec) -> tuple[str, str]:
+    """The image as the user named it, and as a repository digest reference (or "").
+
+    kubelet names the image by its ID in `image` and passes the pod spec's name in
+    `user_specified_image`; people read the name, and the digest reference, back from
+    ContainerStatus (containerd reports them so too)."""
+    named = spec.user_specified_image or spec.image
+    hex_part = named.removeprefix("sha256:")
+    if hex_part and image.id.removeprefix("sha256:").startswith(hex_part):
+        named = next(iter(image.repo_tags), image.id)  # named by ID: its first tag, if any
+    try:
+        repository = parse_reference(named).name
+    except CriError:
+        repository = ""
+    matching = [d for d in image.repo_digests if d.partition("@")[0] == repository]
+    return named, next(iter(matching or image.repo_digests), "")
 
 
 def _image_view(image: ImageRecord) -> ImageConfigView:

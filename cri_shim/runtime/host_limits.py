@@ -22,6 +22,9 @@ class HostLimits:
     nofile_hard: int  # the daemon's RLIMIT_NOFILE hard limit
     cgroup_v2: bool  # unified hierarchy at /sys/fs/cgroup (False on v1 and hybrid)
     swap_accounting: bool  # memory.memsw.* (v1) or memory.swap.max (v2) exists
+    # runc can set hugepage limits: a v1 hierarchy with the hugetlb controller is mounted,
+    # or the v2 root offers it. kubelet sends a limit for every page size regardless.
+    hugetlb: bool = True
 
     @classmethod
     def probe(
@@ -39,8 +42,11 @@ class HostLimits:
                 for child in cgroup_root.iterdir()
                 if child.is_dir()
             )
+            hugetlb = "hugetlb" in (cgroup_root / "cgroup.controllers").read_text().split()
         else:
             swap = (cgroup_root / "memory" / "memory.memsw.limit_in_bytes").exists()
+            # Found by its files, whatever the mount is called or co-mounted with.
+            hugetlb = any(cgroup_root.glob("*/hugetlb.*.limit_in_bytes"))
         _, nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         return cls(
             capability_bounding_set=capabilities_from_mask(int(bounding, 16)),
@@ -48,6 +54,7 @@ class HostLimits:
             nofile_hard=nofile_hard if nofile_hard != resource.RLIM_INFINITY else 1 << 62,
             cgroup_v2=cgroup_v2,
             swap_accounting=swap,
+            hugetlb=hugetlb,
         )
 
 

@@ -6,6 +6,7 @@ zero values are left out rather than written as limits of zero.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -31,6 +32,14 @@ def clamp_oom_score_adj(requested: int, host: HostLimits, container: str = "cont
         )
         return host.oom_score_adj
     return requested
+
+
+@functools.cache
+def _log_hugetlb_unenforced() -> None:
+    # kubelet sends a (zero) limit for every page size the node has; runc fails the
+    # container if it has no hugetlb controller to write it to. containerd leaves them out
+    # in that case too (tolerate_missing_hugetlb_controller).
+    log.warning("hugepage limits are not enforced: the cgroup hierarchy has no hugetlb controller")
 
 
 def linux_resources(
@@ -81,7 +90,9 @@ def linux_resources(
     if memory:
         out["memory"] = memory
 
-    if resources.hugepage_limits:
+    if resources.hugepage_limits and not host.hugetlb:
+        _log_hugetlb_unenforced()
+    elif resources.hugepage_limits:
         out["hugepageLimits"] = [
             {"pageSize": limit.page_size, "limit": limit.limit}
             for limit in resources.hugepage_limits

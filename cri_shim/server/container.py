@@ -58,13 +58,19 @@ async def remove_container(
     return api_pb2.RemoveContainerResponse()
 
 
+def image_spec(container: ContainerRecord) -> api_pb2.ImageSpec:
+    """The image as the user named it: kubelet shows `image` in the pod's status."""
+    name = container.image_ref
+    return api_pb2.ImageSpec(image=name, user_specified_image=name)
+
+
 def to_container(container: ContainerRecord) -> api_pb2.Container:
     return api_pb2.Container(
         id=container.id,
         pod_sandbox_id=container.sandbox_id,
         metadata=container.config.metadata,
-        image=api_pb2.ImageSpec(image=container.image_ref),
-        image_ref=container.image_id,
+        image=image_spec(container),
+        image_ref=container.repo_digest or container.image_id,
         image_id=container.image_id,
         state=container_state(container),
         created_at=container.created_at,
@@ -119,8 +125,8 @@ def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
         started_at=container.started_at,
         finished_at=container.finished_at,
         exit_code=container.exit_code,
-        image=api_pb2.ImageSpec(image=container.image_ref),
-        image_ref=container.image_id,
+        image=image_spec(container),
+        image_ref=container.repo_digest or container.image_id,
         image_id=container.image_id,
         reason=container.reason,
         message=container.message,

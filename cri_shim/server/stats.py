@@ -1,12 +1,16 @@
-"""ContainerStats, PodSandboxStats and their List and Stream RPCs (cgroup files).
+"""ContainerStats, PodSandboxStats and their List and Stream RPCs (cgroup files, and
+the pod's interfaces read inside its network namespace).
 
-Pod-level figures are the sum of the pod's containers: there is no infra container, so a
-pod uses exactly what its containers use.
+Pod-level CPU and memory are the sum of the pod's containers: there is no infra container,
+so a pod uses exactly what its containers use. CPU rates come from the previous sample of
+the same object (services.cpu_rates), whichever of these calls took it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -14,12 +18,18 @@ import grpc
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
+from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
 from cri_shim.runtime.stats import writable_layer_usage
 from cri_shim.server import listing
-from cri_shim.state.records import ContainerRecord
+from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
     from cri_shim.daemon import Services
+
+log = logging.getLogger("cri_shim.stats")
+
+# The interface kubelet reports as the pod's network (its summary API's `network.name`).
+DEFAULT_INTERFACE = "eth0"
 
 
 def _u64(value: int | None) -> api_pb2.UInt64Value | None:
@@ -44,7 +54,13 @@ async def _container_stats(
         if cg is not None:
             stats.cpu.CopyFrom(
                 api_pb2.CpuUsage(
-                    timestamp=cg.timestamp_ns, usage_core_nano_seconds=_u64(cg.cpu_usage_ns)
+                    timestamp=cg.timestamp_ns,
+                    usage_core_nano_seconds=_u64(cg.cpu_usage_ns),
+                    usage_nano_cores=_u64(
+                        services.cpu_rates.rate(container.id, cg.timestamp_ns, cg.cpu_usage_ns)
+                        if cg.cpu_usage_ns is not None
+                        else None
+                    ),
                 )
             )
             stats.memory.CopyFrom(
@@ -80,12 +96,14 @@ async def container_stats_listed(
     services: Services, f: api_pb2.ContainerStatsFilter
 ) -> AsyncIterator[api_pb2.ContainerStats]:
     """The stats of the containers `f` selects, each read when it is its turn:
-    ListContainerStats and StreamContainerStats."""
+    ListContainerStats and StreamContainerStats. Then the CPU samples of removed
+    objects are dropped."""
     for c in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
         if (not f.id or c.id.startswith(f.id)) and all(
             c.config.labels.get(k) == v for k, v in f.label_selector.items()
         ):
             yield await _container_stats(services, c)
+    _forget_removed(services)
 
 
 async def list_container_stats(
@@ -122,6 +140,7 @@ async def _sandbox_stats(services: Services, sandbox_id: str) -> api_pb2.PodSand
     cpu = sum(c.cpu.usage_core_nano_seconds.value for c in containers)
     memory = sum(c.memory.working_set_bytes.value for c in containers)
     timestamp = max((c.cpu.timestamp for c in containers), default=0)
+    rate = services.cpu_rates.rate(sandbox.id, timestamp, cpu) if timestamp else None
     return api_pb2.PodSandboxStats(
         attributes=api_pb2.PodSandboxAttributes(
             id=sandbox.id,
@@ -130,11 +149,48 @@ async def _sandbox_stats(services: Services, sandbox_id: str) -> api_pb2.PodSand
             annotations=sandbox.config.annotations,
         ),
         linux=api_pb2.LinuxPodSandboxStats(
-            cpu=api_pb2.CpuUsage(timestamp=timestamp, usage_core_nano_seconds=_u64(cpu)),
+            cpu=api_pb2.CpuUsage(
+                timestamp=timestamp, usage_core_nano_seconds=_u64(cpu), usage_nano_cores=_u64(rate)
+            ),
             memory=api_pb2.MemoryUsage(timestamp=timestamp, working_set_bytes=_u64(memory)),
+            network=await _network_usage(sandbox),
             containers=containers,
         ),
     )
+
+
+async def _network_usage(sandbox: SandboxRecord) -> api_pb2.NetworkUsage | None:
+    """The pod's interfaces but loopback; none for a host-network or stopped pod (whose
+    network is the node's, or gone)."""
+    if sandbox.netns_path is None or not sandbox.ready:
+        return None
+    timestamp = time.time_ns()
+    try:
+        interfaces = await asyncio.to_thread(read_netns_counters, sandbox.netns_path)
+    except (OSError, TimeoutError) as err:
+        log.warning("network stats of pod %s: %s", sandbox.id, err)
+        return None
+    if not interfaces:
+        return None
+    usage = [_interface_usage(name, c) for name, c in sorted(interfaces.items())]
+    default = next((u for u in usage if u.name == DEFAULT_INTERFACE), usage[0])
+    return api_pb2.NetworkUsage(timestamp=timestamp, default_interface=default, interfaces=usage)
+
+
+def _interface_usage(name: str, counters: InterfaceCounters) -> api_pb2.NetworkInterfaceUsage:
+    return api_pb2.NetworkInterfaceUsage(
+        name=name,
+        rx_bytes=_u64(counters.rx_bytes),
+        rx_errors=_u64(counters.rx_errors),
+        tx_bytes=_u64(counters.tx_bytes),
+        tx_errors=_u64(counters.tx_errors),
+    )
+
+
+def _forget_removed(services: Services) -> None:
+    """Drop the CPU samples of pods and containers that are gone."""
+    live = {s.id for s in services.sandboxes.list()} | {c.id for c in services.containers.list()}
+    services.cpu_rates.retain(live)
 
 
 async def pod_sandbox_stats(
@@ -149,12 +205,14 @@ async def pod_sandbox_stats_listed(
     services: Services, f: api_pb2.PodSandboxStatsFilter
 ) -> AsyncIterator[api_pb2.PodSandboxStats]:
     """The stats of the pods `f` selects, each read when it is its turn:
-    ListPodSandboxStats and StreamPodSandboxStats."""
+    ListPodSandboxStats and StreamPodSandboxStats. Then the CPU samples of removed
+    objects are dropped."""
     for s in services.sandboxes.list():
         if (not f.id or s.id.startswith(f.id)) and all(
             s.config.labels.get(k) == v for k, v in f.label_selector.items()
         ):
             yield await _sandbox_stats(services, s.id)
+    _forget_removed(services)
 
 
 async def list_pod_sandbox_stats(

@@ -85,6 +85,12 @@ class Journal:
             (json.dumps(merged, sort_keys=True), object_id, seq),
         )
 
+    def discharge(self, object_id: str, action: str) -> None:
+        """Drop the object's `action` steps: what they would undo is someone else's now."""
+        self._db.execute(
+            "DELETE FROM journal WHERE object_id = ? AND action = ?", (object_id, action)
+        )
+
     def steps(self, object_id: str) -> list[UndoStep]:
         rows = self._db.query(
             "SELECT object_id, seq, action, args FROM journal WHERE object_id = ? ORDER BY seq",

@@ -99,12 +99,13 @@ class ContainerRecord:
     reason: str
     message: str
     image_id: str
-    image_ref: str
+    image_ref: str  # the image as the user named it (a tag, or a digest reference)
     config: api_pb2.ContainerConfig
     log_path: str
     bundle_dir: Path
     rootfs: Path
     pid: int
+    repo_digest: str = ""  # `name@sha256:…`, or "" for an image with no repository digest
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> ContainerRecord:
@@ -125,6 +126,7 @@ class ContainerRecord:
             message=row["message"],
             image_id=row["image_id"],
             image_ref=row["image_ref"],
+            repo_digest=row["repo_digest"],
             config=config,
             log_path=row["log_path"],
             bundle_dir=Path(row["bundle_dir"]),

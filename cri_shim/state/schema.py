@@ -110,4 +110,9 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN userns_path TEXT
     """,
+    # 4: a container's image as a repository digest reference (`name@sha256:…`), what
+    # ContainerStatus reports as `image_ref`; `image_ref` holds the name as the user gave it.
+    """
+    ALTER TABLE containers ADD COLUMN repo_digest TEXT NOT NULL DEFAULT ''
+    """,
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -13,7 +13,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.logs.crilog import join_partials, read_records
-from tests.harness import Daemon, import_image, pod_config, wait_until
+from tests.harness import REPO, Daemon, import_image, pod_config, wait_until
 from tests.integration import cri_testkit
 from tests.integration.cri_testkit import create, start, status
 
@@ -181,6 +181,24 @@ def test_exec_sync_and_its_timeout(
     )
 
 
+def test_exec_sync_racing_the_containers_exit_is_a_failed_precondition(
+    make_daemon: Callable[..., Daemon], busybox_layout: Path, short_tmp: Path
+) -> None:
+    # kubelet's probes race a container's exit; runc then fails to join namespaces that
+    # are gone. That is a container not running (FAILED_PRECONDITION), not INTERNAL.
+    racing = REPO / "tests" / "fixtures" / "runtime" / "exit-racing-runc"
+    daemon = make_daemon(settings={"runtime": {"handlers": {"racing": {"path": str(racing)}}}})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    with cri_testkit.pod(daemon, "racing", short_tmp, handler="racing") as p:
+        container_id = create(daemon, p, container_config("dying", ["sleep 300"]))
+        start(daemon, container_id)
+        with pytest.raises(grpc.RpcError) as info:
+            exec_sync(daemon, container_id, ["true"])
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "is not running" in info.value.details()
+
+
 def test_stop_escalates_to_sigkill(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
 ) -> None:
@@ -331,6 +349,28 @@ def test_bad_input(
         api_pb2.StopPodSandboxRequest(pod_sandbox_id=pod[0]), timeout=60
     )
     assert code(container_config("late", ["true"])) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_failed_creation_takes_its_log_file_with_it(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+) -> None:
+    # kubelet numbers the next attempt after the log files it finds (0.log, 1.log, ...)
+    # when it knows no container of the name: a file left by a failed creation would be
+    # counted as a restart that never happened.
+    config = container_config("broken", [], command=["/no/such/binary"])
+    config.log_path = "broken/0.log"
+    with pytest.raises(grpc.RpcError) as info:
+        create(daemon, pod, config)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert not (short_tmp / "logs" / "broken" / "0.log").exists()
+    assert (
+        daemon.rows("containers") == [] and daemon.rows("journal", "action = 'container_log'") == []
+    )
+    # a container that was created keeps its log after removal: kubelet removes it itself
+    config = container_config("kept", ["echo kept"])
+    container_id = run_to_exit(daemon, pod, config).id
+    cri_testkit.remove(daemon, container_id)
+    assert log_lines(str(short_tmp / "logs" / "kept.log")) == ["kept"]
 
 
 def test_image_service_sees_imported_image(

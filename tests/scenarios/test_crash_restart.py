@@ -31,12 +31,14 @@ SANDBOX_TEARDOWN = ("undo:cni_del", "undo:unpin", "undo:unmount", "undo:remove_d
 CONTAINER_TEARDOWN = ("undo:runtime_delete", "undo:rootfs_unmount", "undo:container_dir")
 
 
-def run_pod(daemon: Daemon, name: str = "crash", timeout: float = 30) -> str:
-    return (
-        daemon.runtime()
-        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=pod_config(name)), timeout=timeout)
-        .pod_sandbox_id
-    )
+def run_pod(
+    daemon: Daemon,
+    name: str = "crash",
+    timeout: float = 30,
+    config: api_pb2.PodSandboxConfig | None = None,
+) -> str:
+    request = api_pb2.RunPodSandboxRequest(config=config or pod_config(name))
+    return daemon.runtime().RunPodSandbox(request, timeout=timeout).pod_sandbox_id
 
 
 def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
@@ -158,6 +160,7 @@ def _create_container(
                     metadata=api_pb2.ContainerMetadata(name="c"),
                     image=api_pb2.ImageSpec(image=IMAGE),
                     command=["sleep", "300"],
+                    log_path="c/0.log",  # under the pod's log directory, if it has one
                 ),
                 sandbox_config=sandbox_config or pod_config("crash"),
             ),
@@ -189,12 +192,15 @@ def _runc_containers(daemon: Daemon) -> list[str]:
 @pytest.mark.parametrize("fault", faults.CONTAINER_CREATE)
 def test_crash_during_container_creation(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
     import_image(daemon, busybox_layout)
-    sandbox_id = run_pod(daemon)
-    crash_and_restart(daemon, fault, lambda: _create_container(daemon, sandbox_id))
+    logs = daemon.base / "pod-logs"
+    config = pod_config("crash", log_directory=str(logs))
+    sandbox_id = run_pod(daemon, config=config)
+    crash_and_restart(daemon, fault, lambda: _create_container(daemon, sandbox_id, config))
     assert _containers(daemon) == []
     assert daemon.rows("containers") == []
     assert _runc_containers(daemon) == []
-    container_id = _create_container(daemon, sandbox_id)  # the name is free again
+    assert not (logs / "c" / "0.log").exists()  # kubelet counts attempts by these files
+    container_id = _create_container(daemon, sandbox_id, config)  # the name is free again
     assert _containers(daemon) == [container_id]
     remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()

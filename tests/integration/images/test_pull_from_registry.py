@@ -361,7 +361,7 @@ def test_https_unless_listed_as_insecure(short_tmp: Path, registry: RegistryServ
 
 # --- a pulled image in use --------------------------------------------------------------------
 def run_in_pod(
-    daemon: Daemon, ref: str, logs: Path, script: str
+    daemon: Daemon, ref: str | api_pb2.ImageSpec, logs: Path, script: str
 ) -> tuple[str, api_pb2.ContainerStatus]:
     """Run `script` in a container of `ref` in a new pod; the pod's ID and the exited
     container's status."""
@@ -372,7 +372,7 @@ def run_in_pod(
     ).pod_sandbox_id
     container = api_pb2.ContainerConfig(
         metadata=api_pb2.ContainerMetadata(name="app"),
-        image=spec(ref),
+        image=spec(ref) if isinstance(ref, str) else ref,
         command=["/bin/sh", "-c"],
         args=[script],
         log_path="app.log",
@@ -406,7 +406,7 @@ def test_a_container_runs_from_a_pulled_image(
     make_daemon: Callable[..., Daemon], registry: RegistryServer, short_tmp: Path
 ) -> None:
     image = build_image(extra_files={"etc/greeting": b"hello from the registry\n"})
-    registry.push("run/app", image, "v1")
+    manifest_digest = registry.push("run/app", image, "v1")
     ref = f"{registry.host}/run/app:v1"
     daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
     daemon.start()
@@ -415,9 +415,48 @@ def test_a_container_runs_from_a_pulled_image(
     sandbox_id, final = run_in_pod(daemon, ref, short_tmp / "logs", script)
     try:
         assert final.exit_code == 0
-        assert final.image_ref == image.image_id
+        assert final.image.image == ref
+        assert final.image_ref == f"{registry.host}/run/app@{manifest_digest}"
+        assert final.image_id == image.image_id
         lines = [m.content.decode() for m in join_partials(read_records(Path(final.log_path)))]
         assert lines == ["hello from the registry", "layer 2"]
+    finally:
+        remove_pod(daemon, sandbox_id)
+
+
+def test_a_container_named_by_image_id_reports_the_pod_specs_name_and_repo_digest(
+    make_daemon: Callable[..., Daemon], registry: RegistryServer, short_tmp: Path
+) -> None:
+    # kubelet's CreateContainer: the image by ID, the pod spec's name beside it. kubelet
+    # shows ContainerStatus's `image` and `image_ref` as the pod's image and imageID.
+    image = build_image(extra_files={"etc/which": b"by-id"})
+    registry.push("other/app", image, "v0")
+    manifest_digest = registry.push("run/named", image, "v2")
+    ref = f"{registry.host}/run/named:v2"
+    daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
+    daemon.start()
+    pull(daemon, f"{registry.host}/other/app:v0")
+    assert pull(daemon, ref) == image.image_id
+    by_id = api_pb2.ImageSpec(image=image.image_id, user_specified_image=ref)
+    sandbox_id, final = run_in_pod(daemon, by_id, short_tmp / "logs", "true")
+    try:
+        expected = (ref, ref, f"{registry.host}/run/named@{manifest_digest}", image.image_id)
+        assert (
+            final.image.image,
+            final.image.user_specified_image,
+            final.image_ref,
+            final.image_id,
+        ) == expected
+        request = api_pb2.ListContainersRequest(
+            filter=api_pb2.ContainerFilter(pod_sandbox_id=sandbox_id)
+        )
+        (listed,) = daemon.runtime().ListContainers(request, timeout=10).containers
+        assert (
+            listed.image.image,
+            listed.image.user_specified_image,
+            listed.image_ref,
+            listed.image_id,
+        ) == expected
     finally:
         remove_pod(daemon, sandbox_id)
 

@@ -21,13 +21,15 @@ from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
 
 @pytest.fixture
 def host() -> HostLimits:
-    """Like this machine: no CAP_SYS_RESOURCE in the bounding set, NOFILE hard 20000."""
+    """Like this machine: no CAP_SYS_RESOURCE in the bounding set, NOFILE hard 20000, no
+    hugetlb controller."""
     return HostLimits(
         capability_bounding_set=frozenset(ALL_CAPABILITIES) - {"CAP_SYS_RESOURCE"},
         oom_score_adj=0,
         nofile_hard=20000,
         cgroup_v2=False,
         swap_accounting=False,
+        hugetlb=False,
     )
 
 

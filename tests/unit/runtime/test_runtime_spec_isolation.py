@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from runtime_spec_inputs import container_config
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.host_limits import HostLimits
+from cri_shim.runtime.resources import _log_hugetlb_unenforced
 from cri_shim.runtime.spec import DEFAULT_MASKED_PATHS, DEFAULT_READONLY_PATHS, SandboxContext
 
 SpecOf = Callable[..., dict[str, Any]]
@@ -285,14 +287,16 @@ def test_non_cgroupfs_parent_is_invalid(spec_of: SpecOf, parent: str) -> None:
         spec_of(sandbox=SandboxContext(pod_id="p", cgroup_parent=parent))
 
 
-def test_resources(spec_of: SpecOf) -> None:
+def test_resources(spec_of: SpecOf, host: HostLimits) -> None:
     cfg = container_config()
     res = cfg.linux.resources
     res.cpu_shares, res.cpu_quota, res.cpu_period = 512, 50000, 100000
     res.cpuset_cpus, res.cpuset_mems = "0-1", "0"
     res.memory_limit_in_bytes = 64 << 20
     res.hugepage_limits.append(api_pb2.HugepageLimit(page_size="2MB", limit=1 << 21))
-    resources = spec_of(cfg)["linux"]["resources"]
+    resources = spec_of(cfg, host=HostLimits(**{**host.__dict__, "hugetlb": True}))["linux"][
+        "resources"
+    ]
     assert resources["cpu"] == {
         "shares": 512,
         "quota": 50000,
@@ -325,6 +329,45 @@ def test_unified_needs_cgroup_v2(spec_of: SpecOf, host: HostLimits) -> None:
         spec_of(cfg)
     limits = HostLimits(**{**host.__dict__, "cgroup_v2": True})
     assert spec_of(cfg, host=limits)["linux"]["resources"]["unified"] == {"memory.high": "1000000"}
+
+
+def test_hugepage_limits_left_out_without_a_hugetlb_controller(
+    spec_of: SpecOf, caplog: pytest.LogCaptureFixture
+) -> None:
+    # kubelet's zero limit for every page size: runc would fail "cannot set hugetlb limit".
+    cfg = container_config()
+    for size in ("2MB", "1GB"):
+        cfg.linux.resources.hugepage_limits.append(api_pb2.HugepageLimit(page_size=size))
+    _log_hugetlb_unenforced.cache_clear()
+    with caplog.at_level(logging.WARNING, "cri_shim.runtime.resources"):
+        assert "hugepageLimits" not in spec_of(cfg)["linux"]["resources"]
+        assert "hugepageLimits" not in spec_of(cfg)["linux"]["resources"]
+    assert [r.message for r in caplog.records].count(
+        "hugepage limits are not enforced: the cgroup hierarchy has no hugetlb controller"
+    ) == 1
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"hugetlb/hugetlb.2MB.limit_in_bytes": "0"}, True),  # v1, its own hierarchy
+        ({"cpu,hugetlb/hugetlb.1GB.limit_in_bytes": "0"}, True),  # v1, co-mounted
+        ({"memory/memory.limit_in_bytes": "0"}, False),  # v1 hybrid without hugetlb
+        ({"cgroup.controllers": "cpu memory hugetlb pids"}, True),  # v2
+        ({"cgroup.controllers": "cpu memory pids"}, False),
+    ],
+)
+def test_probe_finds_the_hugetlb_controller(
+    tmp_path: Path, files: dict[str, str], expected: bool
+) -> None:
+    proc_self, cgroup_root = tmp_path / "proc", tmp_path / "cgroup"
+    proc_self.mkdir()
+    (proc_self / "status").write_text("CapBnd:\t000001ffffffffff\n")
+    (proc_self / "oom_score_adj").write_text("0\n")
+    for name, text in files.items():
+        (cgroup_root / name).parent.mkdir(parents=True, exist_ok=True)
+        (cgroup_root / name).write_text(text)
+    assert HostLimits.probe(proc_self, cgroup_root).hugetlb is expected
 
 
 def test_negative_limits_are_invalid(spec_of: SpecOf) -> None:

@@ -1,0 +1,95 @@
+"""Pod and container stats (ListPodSandboxStats, PodSandboxStats, ListContainerStats)
+against the real daemon: CPU rates from successive samples, and the pod's network read
+inside its namespace, as kubelet's summary API wants them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from cri_shim.api.v1 import api_pb2
+from tests.harness import Daemon, ping, pod_config, wait_until
+from tests.integration.cri_testkit import container_config, create, import_image, pod, start
+
+pytestmark = [pytest.mark.integration, pytest.mark.root]
+
+BUSY_LOOP = "while :; do :; done"
+
+
+def pod_stats(daemon: Daemon, sandbox_id: str) -> api_pb2.PodSandboxStats:
+    request = api_pb2.ListPodSandboxStatsRequest(
+        filter=api_pb2.PodSandboxStatsFilter(id=sandbox_id)
+    )
+    (stats,) = daemon.runtime().ListPodSandboxStats(request, timeout=10).stats
+    return stats
+
+
+def test_pod_stats_carry_cpu_rates_and_the_pods_network(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> None:
+    import_image(daemon, busybox_layout)
+    with pod(daemon, "rated", short_tmp) as p:
+        sandbox_id = p[0]
+        container_id = create(daemon, p, container_config("spinner", BUSY_LOOP))
+        start(daemon, container_id)
+        first = pod_stats(daemon, sandbox_id)
+        # the first sample of each has nothing to compare with
+        assert not first.linux.cpu.HasField("usage_nano_cores")
+        assert not first.linux.containers[0].cpu.HasField("usage_nano_cores")
+        time.sleep(1)
+        second = pod_stats(daemon, sandbox_id)
+        (container,) = second.linux.containers
+        # one busy loop: about a core, less when the node's two CPUs are shared
+        assert 100_000_000 < container.cpu.usage_nano_cores.value < 1_300_000_000
+        assert 100_000_000 < second.linux.cpu.usage_nano_cores.value < 1_300_000_000
+        # whichever call took the previous sample, the rate covers the time since
+        time.sleep(0.5)
+        request = api_pb2.ListContainerStatsRequest(
+            filter=api_pb2.ContainerStatsFilter(id=container_id)
+        )
+        (listed,) = daemon.runtime().ListContainerStats(request, timeout=10).stats
+        assert 100_000_000 < listed.cpu.usage_nano_cores.value < 1_300_000_000
+
+        network = second.linux.network
+        assert network.default_interface.name == "eth0"
+        assert [i.name for i in network.interfaces] == ["eth0"]  # loopback is not reported
+        ip = (
+            daemon.runtime()
+            .PodSandboxStatus(
+                api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=10
+            )
+            .status.network.ip
+        )
+        for _ in range(3):
+            assert ping(ip)
+
+        def received() -> int:
+            response = daemon.runtime().PodSandboxStats(
+                api_pb2.PodSandboxStatsRequest(pod_sandbox_id=sandbox_id), timeout=10
+            )
+            return int(response.stats.linux.network.default_interface.rx_bytes.value)
+
+        # three echo requests of 84 bytes each at least, on top of what came before
+        wait_until(lambda: received() >= network.default_interface.rx_bytes.value + 3 * 84)
+        assert pod_stats(daemon, sandbox_id).linux.network.default_interface.tx_bytes.value > 0
+
+
+def test_a_host_network_pod_reports_no_network_of_its_own(daemon: Daemon) -> None:
+    options = api_pb2.NamespaceOption(network=api_pb2.NODE)
+    linux = api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(namespace_options=options)
+    )
+    config = pod_config("hostnet-stats", uid="hostnet-stats", linux=linux)
+    sandbox_id = (
+        daemon.runtime()
+        .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=60)
+        .pod_sandbox_id
+    )
+    try:
+        assert not pod_stats(daemon, sandbox_id).linux.HasField("network")
+    finally:
+        daemon.runtime().RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+        )

@@ -1,0 +1,523 @@
+"""A real kubelet runs static pods against the daemon, end to end.
+
+kubelet (`../shared/kubelet/kubelet`, beside the clone; the test is skipped without it)
+reads pod manifests that the test writes, pulls the image through the daemon from a real
+registry on 127.0.0.1, and runs: a long-running container, two containers sharing an
+emptyDir with exec probes, a container that keeps failing under restartPolicy Always, and
+a host-network pod. The test then removes a manifest, and restarts kubelet and the daemon
+together. kubelet's own view (its read-only port's `GET /pods`) and the runtime's (CRI) are
+both checked. The time each phase took is printed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cri_shim.api.v1 import api_pb2
+from cri_shim.mounts import mount_points, unmount_below
+from tests.harness import REPO, Daemon, wait_until
+from tests.imagebuild import build_image
+from tests.registry import RegistryServer, free_port, start_registry
+
+KUBELET = REPO.parent / "shared" / "kubelet" / "kubelet"
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.root,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not KUBELET.exists(),
+        reason=f"no kubelet binary at {KUBELET} (the shared directory beside the clone)",
+    ),
+]
+
+POD_LOGS = Path("/var/log/pods")  # kubelet's, fixed: this build takes no --config
+CONTAINER_LOGS = Path("/var/log/containers")
+# A container that stops at once on SIGTERM (a shell as PID 1 ignores it otherwise).
+LOOP = "trap 'exit 0' TERM; while true; do sleep 1; done"
+
+
+@dataclass
+class Kubelet:
+    """One kubelet process, standalone (no API server), with fresh ports on each start."""
+
+    base: Path
+    endpoint: str
+    node: str
+    proc: subprocess.Popen[bytes] | None = None
+    read_only_port: int = 0
+    starts: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> Path:
+        return self.base / "kubelet"
+
+    @property
+    def manifests(self) -> Path:
+        return self.base / "manifests"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / "kubelet.log"
+
+    def __post_init__(self) -> None:
+        for path in (self.root, self.manifests):
+            path.mkdir(parents=True, exist_ok=True)
+
+    def start(self, timeout: float = 60) -> None:
+        self.read_only_port = free_port()
+        command = [
+            str(KUBELET),
+            f"--container-runtime-endpoint={self.endpoint}",
+            f"--image-service-endpoint={self.endpoint}",
+            f"--pod-manifest-path={self.manifests}",
+            "--file-check-frequency=1s",
+            "--sync-frequency=2s",
+            "--cgroup-driver=cgroupfs",
+            "--cgroups-per-qos=false",
+            "--enforce-node-allocatable=",
+            "--fail-swap-on=false",
+            "--fail-cgroupv1=false",
+            f"--root-dir={self.root}",
+            f"--cert-dir={self.root / 'pki'}",
+            f"--hostname-override={self.node}",
+            "--register-node=false",
+            "--anonymous-auth=true",
+            "--authentication-token-webhook=false",
+            "--authorization-mode=AlwaysAllow",
+            "--address=127.0.0.1",
+            f"--port={free_port()}",
+            f"--read-only-port={self.read_only_port}",
+            "--healthz-bind-address=127.0.0.1",
+            f"--healthz-port={free_port()}",  # this build serves /healthz on the read-only port
+            "--v=2",
+            *self.extra_args,
+        ]
+        with self.log_path.open("ab") as log:
+            log.write(f"--- start {self.starts}\n".encode())
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log)
+        self.starts += 1
+        try:
+            wait_until(self._healthy, timeout=timeout, interval=0.2)
+        except TimeoutError:
+            raise TimeoutError(f"kubelet not healthy in {timeout}s:\n{self.log()}") from None
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"kubelet exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            url = f"http://127.0.0.1:{self.read_only_port}/healthz"
+            return httpx.get(url, timeout=2).text == "ok"
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def unmount(self) -> None:
+        """kubelet bind-mounts its root directory onto itself, once per start."""
+        for _ in range(self.starts + 1):
+            if not [p for p in mount_points() if p == self.root or self.root in p.parents]:
+                return
+            unmount_below(self.root)
+
+    def log(self, tail: int | None = 8000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+            return text[-tail:] if tail else text
+        except FileNotFoundError:
+            return ""
+
+    # ---- its view and its input ---------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        url = f"http://127.0.0.1:{self.read_only_port}{path}"
+        return httpx.get(url, timeout=10).raise_for_status().json()
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        """kubelet's pods by name (without the node suffix of static pods)."""
+        suffix = f"-{self.node}"
+        return {
+            p["metadata"]["name"].removesuffix(suffix): p for p in self.get("/pods")["items"] or []
+        }
+
+    def write_pod(self, name: str, containers: list[dict[str, Any]], **spec: Any) -> None:
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"containers": containers, "terminationGracePeriodSeconds": 2, **spec},
+        }
+        # Written aside (kubelet skips hidden files) and renamed: never read half-written.
+        (self.manifests / f".{name}.json").write_text(json.dumps(manifest))
+        (self.manifests / f".{name}.json").rename(self.manifests / f"{name}.json")
+
+    def remove_pod(self, name: str) -> None:
+        (self.manifests / f"{name}.json").unlink()
+
+    def remove_logs(self) -> None:
+        """The pods' log directories and symlinks kubelet made under /var/log."""
+        for directory in POD_LOGS.glob(f"default_*-{self.node}_*"):
+            subprocess.run(["rm", "-rf", str(directory)], check=False)
+        for link in CONTAINER_LOGS.glob(f"*-{self.node}_default_*"):
+            link.unlink(missing_ok=True)
+
+
+# ---- kubelet's view, read ---------------------------------------------------------
+
+
+def containers_of(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod.get("status", {}).get("containerStatuses", [])}
+
+
+def running_and_ready(pod: dict[str, Any] | None) -> bool:
+    if pod is None or pod.get("status", {}).get("phase") != "Running":
+        return False
+    statuses = containers_of(pod).values()
+    return bool(statuses) and all(c.get("ready") and "running" in c["state"] for c in statuses)
+
+
+def container_id(status: dict[str, Any]) -> str:
+    """kubelet's `cri-shim://<id>` (the runtime's name from Version, then the ID)."""
+    return str(status["containerID"]).partition("://")[2]
+
+
+# ---- the runtime's view -----------------------------------------------------------
+
+
+def sandboxes_of(daemon: Daemon, pod_name: str) -> list[api_pb2.PodSandbox]:
+    items = daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10).items
+    return [s for s in items if s.metadata.name == pod_name]
+
+
+def runtime_containers(
+    daemon: Daemon, pod_name: str | None = None, state: int | None = None
+) -> list[api_pb2.Container]:
+    listed = daemon.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=10)
+    return [
+        c
+        for c in listed.containers
+        if (pod_name is None or c.labels.get("io.kubernetes.pod.name") == pod_name)
+        and (state is None or c.state == state)
+    ]
+
+
+# ---- the scenario -----------------------------------------------------------------
+
+
+@dataclass
+class Timings:
+    started: float = field(default_factory=time.monotonic)
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    _mark: float = field(default_factory=time.monotonic)
+
+    def phase(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases.append((name, now - self._mark))
+        self._mark = now
+
+    def report(self) -> str:
+        lines = [f"  {name:<58} {seconds:6.1f} s" for name, seconds in self.phases]
+        lines.append(f"  {'total':<58} {time.monotonic() - self.started:6.1f} s")
+        return "kubelet static pods scenario:\n" + "\n".join(lines)
+
+
+@pytest.fixture
+def registry(short_tmp: Path) -> Iterator[RegistryServer]:
+    server = start_registry(short_tmp / "registry")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def kubelet(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Kubelet]:
+    # The node's name is in every static pod's name and UID: this run's pods (and their
+    # logs under /var/log) are its own, whatever other kubelets on the machine run.
+    node = f"kl{os.getpid()}"
+    # Stats from the CRI (ListPodSandboxStats), not from cAdvisor; the PLEG as asked.
+    gates = ["PodAndContainerStatsFromCRI=true"]
+    if request.param == "evented-pleg":
+        gates.append("EventedPLEG=true")
+    kubelet = Kubelet(short_tmp, "", node, extra_args=[f"--feature-gates={','.join(gates)}"])
+    yield kubelet
+    kubelet.stop()
+    kubelet.unmount()
+    kubelet.remove_logs()
+
+
+# kubelet relists every second (generic PLEG), or follows GetContainerEvents (evented).
+@pytest.mark.parametrize("kubelet", ["generic-pleg", "evented-pleg"], indirect=True)
+def test_kubelet_runs_static_pods(
+    kubelet: Kubelet,
+    registry: RegistryServer,
+    make_daemon: Callable[..., Daemon],
+) -> None:
+    timings = Timings()
+    manifest_digest = registry.push("e2e/busybox", build_image(), "v1")
+    image = f"{registry.host}/e2e/busybox:v1"
+    image_ref = f"{registry.host}/e2e/busybox@{manifest_digest}"
+    registry.mark()
+    daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
+    daemon.start()
+    kubelet.endpoint = f"unix://{daemon.socket}"
+
+    def probe(command: str, **more: int) -> dict[str, Any]:
+        # A generous timeout: on a loaded two-core machine an exec may take over a second.
+        action = {"exec": {"command": ["sh", "-c", command]}}
+        return {**action, "periodSeconds": 1, "timeoutSeconds": 5, **more}
+
+    data = [{"name": "data", "mountPath": "/data"}]
+    kubelet.write_pod("web", [{"name": "main", "image": image, "command": ["sh", "-c", LOOP]}])
+    kubelet.write_pod(
+        "shared",
+        [
+            {
+                "name": "writer",
+                "image": image,
+                "command": ["sh", "-c", f"echo hello > /data/greeting; {LOOP}"],
+                "volumeMounts": data,
+                "livenessProbe": probe("test -f /data/greeting", failureThreshold=2),
+                "readinessProbe": probe("test -f /data/greeting"),
+            },
+            {
+                "name": "reader",
+                "image": image,
+                "command": ["sh", "-c", LOOP],
+                "volumeMounts": data,
+                "readinessProbe": probe("grep -q hello /data/greeting"),
+            },
+        ],
+        volumes=[{"name": "data", "emptyDir": {}}],
+    )
+    kubelet.write_pod(
+        "crash",
+        [{"name": "fail", "image": image, "command": ["sh", "-c", "exit 1"]}],
+        restartPolicy="Always",
+    )
+    kubelet.write_pod(
+        "hostnet",
+        [{"name": "main", "image": image, "command": ["sh", "-c", LOOP]}],
+        hostNetwork=True,
+    )
+    # A container whose creation fails until its program appears in the shared emptyDir:
+    # kubelet numbers each try after the log files it finds, so a failed creation must
+    # leave none (its first successful attempt is then still attempt 0).
+    program = '#!/bin/sh\\ntrap "exit 0" TERM; while true; do sleep 1; done\\n'  # for printf
+    kubelet.write_pod(
+        "late",
+        [
+            {
+                "name": "maker",
+                "image": image,
+                "command": [
+                    "sh",
+                    "-c",
+                    f"sleep 4; printf '{program}' > /data/.run; chmod +x /data/.run; "
+                    f"mv /data/.run /data/run; {LOOP}",
+                ],
+                "volumeMounts": data,
+            },
+            {"name": "runner", "image": image, "command": ["/data/run"], "volumeMounts": data},
+        ],
+        volumes=[{"name": "data", "emptyDir": {}}],
+    )
+    timings.phase("registry, daemon and manifests ready")
+
+    kubelet.start()
+    timings.phase("kubelet healthy")
+    wait_until(
+        lambda: all(running_and_ready(kubelet.pods().get(n)) for n in ("web", "shared", "hostnet")),
+        timeout=90,
+        interval=0.5,
+    )
+    timings.phase("web, shared and hostnet running and ready (one pull)")
+
+    pods = kubelet.pods()
+    # The image as the pod names it, and its repository digest: pulled through the daemon.
+    for name in ("web", "shared", "hostnet"):
+        for status in containers_of(pods[name]).values():
+            assert (status["image"], status["imageID"]) == (image, image_ref), status
+    assert registry.manifest_gets(), "kubelet's PullImage did not reach the registry"
+    # The runtime agrees: one sandbox and running containers per pod, host network shared.
+    for name, count in (("web", 1), ("shared", 2), ("hostnet", 1)):
+        pod_name = f"{name}-{kubelet.node}"
+        (sandbox,) = sandboxes_of(daemon, pod_name)
+        assert sandbox.state == api_pb2.SANDBOX_READY
+        running = runtime_containers(daemon, pod_name, api_pb2.CONTAINER_RUNNING)
+        assert sorted(c.id for c in running) == sorted(
+            container_id(s) for s in containers_of(pods[name]).values()
+        )
+        assert len(running) == count
+    (hostnet,) = sandboxes_of(daemon, f"hostnet-{kubelet.node}")
+    sandbox_status = daemon.runtime().PodSandboxStatus(
+        api_pb2.PodSandboxStatusRequest(pod_sandbox_id=hostnet.id), timeout=10
+    )
+    assert sandbox_status.status.linux.namespaces.options.network == api_pb2.NODE
+
+    # The emptyDir is shared: the reader removes the file, the writer's liveness probe
+    # fails, kubelet restarts the writer, which writes it again.
+    (reader,) = [
+        c
+        for c in runtime_containers(daemon, f"shared-{kubelet.node}")
+        if c.metadata.name == "reader"
+    ]
+    daemon.runtime().ExecSync(
+        api_pb2.ExecSyncRequest(container_id=reader.id, cmd=["rm", "/data/greeting"], timeout=10),
+        timeout=30,
+    )
+
+    def writer_restarted() -> bool:
+        pod = kubelet.pods()["shared"]
+        return running_and_ready(pod) and containers_of(pod)["writer"]["restartCount"] == 1
+
+    wait_until(writer_restarted, timeout=60, interval=0.5)
+    assert containers_of(kubelet.pods()["shared"])["reader"]["restartCount"] == 0
+    timings.phase("liveness failure restarted the writer; ready again")
+
+    late = wait_until(lambda: running_and_ready(p := kubelet.pods().get("late")) and p, timeout=60)
+    assert containers_of(late)["runner"]["restartCount"] == 0
+    (runner,) = [
+        c for c in runtime_containers(daemon, f"late-{kubelet.node}") if c.metadata.name == "runner"
+    ]
+    assert runner.metadata.attempt == 0
+    logs = [p.name for p in POD_LOGS.glob(f"default_late-{kubelet.node}_*/runner/*")]
+    assert logs == ["0.log"], logs
+    failed = [
+        line for line in kubelet.log(tail=None).splitlines() if "CreateContainerError" in line
+    ]
+    assert failed, "the runner's creation never failed: the test did not test anything"
+    timings.phase(f"late program: created at attempt 0 after failures ({len(failed)} log lines)")
+
+    # A removed manifest: the pod goes from kubelet's view and from the runtime.
+    kubelet.remove_pod("web")
+    wait_until(lambda: "web" not in kubelet.pods(), timeout=30, interval=0.5)
+    timings.phase("removed manifest: pod gone from kubelet")
+    web = f"web-{kubelet.node}"
+    wait_until(
+        lambda: not sandboxes_of(daemon, web) and not runtime_containers(daemon, web),
+        timeout=120,
+        interval=0.5,
+    )
+    timings.phase("removed manifest: sandbox and containers gone from the runtime")
+
+    # restartPolicy Always: kubelet restarts the failing container with a growing back-off
+    # (10 s, then 20 s: the phases above ran meanwhile).
+    def crash_looping() -> dict[str, Any] | None:
+        fail = containers_of(kubelet.pods()["crash"]).get("fail")
+        waiting = (fail or {}).get("state", {}).get("waiting", {})
+        if fail and fail["restartCount"] >= 2 and waiting.get("reason") == "CrashLoopBackOff":
+            return fail
+        return None
+
+    fail = wait_until(crash_looping, timeout=60, interval=0.5)
+    assert "back-off" in fail["state"]["waiting"]["message"]
+    assert fail["lastState"]["terminated"]["exitCode"] == 1
+    # kubelet's count is the runtime's attempt number of the last container it made.
+    attempts = [c.metadata.attempt for c in runtime_containers(daemon, f"crash-{kubelet.node}")]
+    assert max(attempts) == fail["restartCount"], attempts
+    timings.phase(f"crash loop seen (restart count {fail['restartCount']})")
+
+    # kubelet and the daemon restarted: the running containers are adopted, not recreated.
+    before = {
+        (name, c): (container_id(s), s["restartCount"])
+        for name in ("shared", "hostnet")
+        for c, s in containers_of(kubelet.pods()[name]).items()
+    }
+    running_before = {c.id for c in runtime_containers(daemon, state=api_pb2.CONTAINER_RUNNING)}
+    kubelet.stop()
+    daemon.restart()
+    kubelet.start()
+    wait_until(
+        lambda: all(
+            running_and_ready(kubelet.pods().get(n)) for n in ("shared", "hostnet", "late")
+        ),
+        timeout=60,
+        interval=0.5,
+    )
+    timings.phase("kubelet and daemon restarted; pods ready again")
+    after = {
+        (name, c): (container_id(s), s["restartCount"])
+        for name in ("shared", "hostnet")
+        for c, s in containers_of(kubelet.pods()[name]).items()
+    }
+    assert after == before
+    running_after = {c.id for c in runtime_containers(daemon, state=api_pb2.CONTAINER_RUNNING)}
+    assert {ids for ids, _ in before.values()} <= running_after
+    assert running_after <= running_before | {
+        c.id for c in runtime_containers(daemon, f"crash-{kubelet.node}")
+    }
+    # The exited containers were restored too: the crash loop's count goes on from there.
+    wait_until(
+        lambda: (
+            containers_of(kubelet.pods()["crash"]).get("fail", {}).get("restartCount", -1)
+            >= fail["restartCount"]
+        ),
+        timeout=30,
+        interval=0.5,
+    )
+
+    # kubelet's summary API, from the CRI's pod stats: the pod's network and CPU rates.
+    def summary_of(name: str) -> dict[str, Any] | None:
+        pods = kubelet.get("/stats/summary").get("pods") or []
+        found = [p for p in pods if p["podRef"]["name"] == f"{name}-{kubelet.node}"]
+        pod = found[0] if found else None
+        return pod if pod and "usageNanoCores" in pod.get("cpu", {}) else None
+
+    shared = wait_until(lambda: summary_of("shared"), timeout=60, interval=1)
+    assert shared["network"]["name"] == "eth0"
+    assert shared["network"]["rxBytes"] > 0
+    assert {c["name"] for c in shared["containers"]} == {"writer", "reader"}
+    assert all("usageNanoCores" in c["cpu"] for c in shared["containers"])
+    timings.phase("summary API: the pod's network and CPU rates")
+
+    # Every manifest removed: kubelet stops everything; what its garbage collector has not
+    # removed yet is removed through the CRI, and then nothing may be left.
+    for name in ("shared", "crash", "hostnet", "late"):
+        kubelet.remove_pod(name)
+    wait_until(lambda: not kubelet.pods(), timeout=60, interval=0.5)
+    wait_until(
+        lambda: not runtime_containers(daemon, state=api_pb2.CONTAINER_RUNNING),
+        timeout=60,
+        interval=0.5,
+    )
+    timings.phase("all manifests removed: nothing running")
+    kubelet.stop()
+    kubelet.unmount()
+    assert not [p for p in mount_points() if p == kubelet.root or kubelet.root in p.parents]
+    runtime = daemon.runtime()
+    for sandbox in runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10).items:
+        runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=60)
+        runtime.RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=60
+        )
+    assert daemon.leaks() == {}, daemon.log()
+    timings.phase("kubelet stopped, its root unmounted; nothing leaked")
+    # No runtime failure reached kubelet (a probe meeting a stopped container is not one).
+    errors = [
+        line
+        for line in kubelet.log(tail=None).splitlines()
+        if ("code = Internal" in line or "code = Unknown" in line) and "/data/run" not in line
+    ]
+    assert not errors, "\n".join(errors[:5])
+    print(timings.report())
