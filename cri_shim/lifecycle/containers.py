@@ -232,7 +232,9 @@ class ContainerService(PersistedCreationHooks):
         if self._sandboxes.pause is not None:
             # A pod sharing one PID namespace: the container joins its pause process's.
             context = await self._sandboxes.pause.join(sandbox, context)
-        spec = build_spec(
+        # It reads the image's /etc/passwd and /etc/group and the host's mount table.
+        spec = await asyncio.to_thread(
+            build_spec,
             config,
             context,
             _image_view(image),

@@ -77,6 +77,8 @@ async def _container_stats(
     usage = await asyncio.to_thread(writable_layer_usage, container.bundle_dir / "upper")
     stats.writable_layer.CopyFrom(
         api_pb2.FilesystemUsage(
+            # kubelet dates the figures by it: without one they would read as of 1970.
+            timestamp=time.time_ns(),
             fs_id=api_pb2.FilesystemIdentifier(mountpoint=str(services.config.root)),
             used_bytes=_u64(usage.used_bytes),
             inodes_used=_u64(usage.inodes_used),

@@ -51,6 +51,8 @@ def test_pod_stats_carry_cpu_rates_and_the_pods_network(
         )
         (listed,) = daemon.runtime().ListContainerStats(request, timeout=10).stats
         assert 100_000_000 < listed.cpu.usage_nano_cores.value < 1_300_000_000
+        # kubelet dates the root filesystem's figures by the writable layer's timestamp
+        assert abs(listed.writable_layer.timestamp / 1e9 - time.time()) < 60
 
         network = second.linux.network
         assert network.default_interface.name == "eth0"
