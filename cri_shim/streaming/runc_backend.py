@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cri_shim.errors import FailedPrecondition, Internal
+from cri_shim.streaming.chunks import ChunkQueue
 from cri_shim.streaming.terminal import EOT, PtyMaster
 
 log = logging.getLogger("cri_shim.streaming.runc")
@@ -50,6 +51,8 @@ KILL_TIMEOUT = 5.0
 CONMON_STDOUT = 2
 CONMON_STDERR = 3
 CONMON_PACKET = 8192 + 1
+# Attach output held for a client that reads slowly, per stream.
+ATTACH_BUFFERED = 1024 * 1024
 CONMON_RESIZE = 1
 
 T = TypeVar("T")
@@ -385,8 +388,9 @@ class ConmonAttachSession:
         self._sock = sock
         self._control_fifo = control_fifo
         self._tty = tty
-        self._stdout: asyncio.Queue[bytes] = asyncio.Queue()
-        self._stderr: asyncio.Queue[bytes] = asyncio.Queue()
+        # Output the client has not taken yet: reading conmon's socket stops while full.
+        self._stdout = ChunkQueue(ATTACH_BUFFERED)
+        self._stderr = ChunkQueue(ATTACH_BUFFERED)
         self._reader = asyncio.create_task(self._read_packets())
         self._stdin_closed = False
 
@@ -416,12 +420,12 @@ class ConmonAttachSession:
             while packet := await loop.sock_recv(self._sock, CONMON_PACKET + 1):
                 pipe, data = packet[0], packet[1:]
                 if data:
-                    (self._stderr if pipe == CONMON_STDERR else self._stdout).put_nowait(data)
+                    await (self._stderr if pipe == CONMON_STDERR else self._stdout).put(data)
         except OSError as exc:
             log.debug("attach socket ended: %s", exc)
         finally:
-            self._stdout.put_nowait(b"")
-            self._stderr.put_nowait(b"")
+            self._stdout.end()
+            self._stderr.end()
 
     async def write_stdin(self, data: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -442,10 +446,10 @@ class ConmonAttachSession:
                 self._sock.shutdown(socket.SHUT_WR)
 
     async def read_stdout(self) -> bytes:
-        return await _read_queue(self._stdout)
+        return await self._stdout.get() or b""
 
     async def read_stderr(self) -> bytes:
-        return await _read_queue(self._stderr)
+        return await self._stderr.get() or b""
 
     async def resize(self, width: int, height: int) -> None:
         message = f"{CONMON_RESIZE} {height} {width}\n".encode()
@@ -456,13 +460,6 @@ class ConmonAttachSession:
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
         self._sock.close()
-
-
-async def _read_queue(queue: asyncio.Queue[bytes]) -> bytes:
-    chunk = await queue.get()
-    if not chunk:
-        queue.put_nowait(b"")  # the end stays the end for later reads
-    return chunk
 
 
 def _write_fifo(path: Path, message: bytes) -> None:

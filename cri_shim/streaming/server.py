@@ -90,6 +90,9 @@ class StreamingConfig:
     token_ttl: float = DEFAULT_TOKEN_TTL
     # How long a client may take to open all the streams of one exec/attach/port pair.
     stream_creation_timeout: float = 30.0
+    # How long a client may take to send its whole request head (a trickle of bytes
+    # cannot hold a connection for longer).
+    header_timeout: float = HEADER_TIMEOUT
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -227,18 +230,23 @@ class StreamingServer:
         request: h11.Request | None = None
         received = bytearray()  # the raw request, for websockets' own parser
         try:
-            while True:
-                event = http.next_event()
-                if event is h11.NEED_DATA:
-                    data = await asyncio.wait_for(reader.read(65536), HEADER_TIMEOUT)
-                    received += data
-                    http.receive_data(data)
-                elif isinstance(event, h11.Request):
-                    request = event
-                elif isinstance(event, h11.EndOfMessage) or event is h11.PAUSED:
-                    break
-                elif isinstance(event, h11.ConnectionClosed):
-                    return
+            async with asyncio.timeout(self._config.header_timeout):
+                while True:
+                    event = http.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await reader.read(65536)
+                        received += data
+                        http.receive_data(data)
+                    elif isinstance(event, h11.Request):
+                        request = event
+                        if _has_body(request):
+                            # Every path here is an upgrade with no body: none is read.
+                            await _respond(writer, http, 413, "a request body is not accepted")
+                            return
+                    elif isinstance(event, h11.EndOfMessage) or event is h11.PAUSED:
+                        break
+                    elif isinstance(event, h11.ConnectionClosed):
+                        return
         except h11.RemoteProtocolError as exc:
             await _respond(writer, http, 400, f"bad request: {exc}")
             return
@@ -483,6 +491,13 @@ class StreamingServer:
 
 
 _TUNNEL_BYTES = WS_PORTFORWARD_TUNNEL.encode()
+
+
+def _has_body(request: h11.Request) -> bool:
+    for name, value in request.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
 
 
 def _ws_token(name: str) -> str:

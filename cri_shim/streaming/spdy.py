@@ -34,6 +34,12 @@ MAX_HEADER_BLOCK = 256 * 1024
 # A peer that ignores flow control (Go's spdystream does) can queue unbounded data on a
 # stream nobody reads; past this we stop reading the connection until the reader catches up.
 MAX_BUFFERED_PER_STREAM = 16 * 1024 * 1024
+# A session as a whole: a peer spreading data over many streams that nobody reads must not
+# add up past this. Reading the transport pauses until readers catch up.
+MAX_BUFFERED_PER_SESSION = 32 * 1024 * 1024
+# Streams the peer may hold open at once: exec and attach need five, port-forward two per
+# connection it forwards. More are refused with RST_STREAM(REFUSED_STREAM).
+MAX_PEER_STREAMS = 256
 
 
 def _spdy3_dictionary() -> bytes:
@@ -603,6 +609,14 @@ class SpdySession:
             await self._send_frame(RstStream(frame.stream_id, RstStatus.PROTOCOL_ERROR))
             return
         self._last_peer_stream = frame.stream_id
+        if sum(1 for sid in self._streams if sid % 2 == expected_parity) >= MAX_PEER_STREAMS:
+            log.info(
+                "SPDY peer opened more than %d streams: refusing %d",
+                MAX_PEER_STREAMS,
+                frame.stream_id,
+            )
+            await self._send_frame(RstStream(frame.stream_id, RstStatus.REFUSED_STREAM))
+            return
         stream = SpdyStream(
             self, frame.stream_id, frame.headers, send_window=self._initial_send_window
         )
@@ -652,7 +666,11 @@ class SpdySession:
             stream._window_open.clear()
 
     def _update_room(self) -> None:
-        if any(s._buffered > MAX_BUFFERED_PER_STREAM for s in self._streams.values()):
+        streams = self._streams.values()
+        if (
+            any(s._buffered > MAX_BUFFERED_PER_STREAM for s in streams)
+            or sum(s._buffered for s in streams) > MAX_BUFFERED_PER_SESSION
+        ):
             self._room.clear()
         else:
             self._room.set()

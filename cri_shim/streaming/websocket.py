@@ -25,12 +25,16 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 from websockets.typing import Subprotocol
 
+from cri_shim.streaming.chunks import ChunkQueue
+
 log = logging.getLogger("cri_shim.streaming.websocket")
 
 CLOSE_CHANNEL = 255
 # A tunnelled SPDY frame or a stdin chunk can be large; the library's 1 MiB default
 # would close the connection on a big `kubectl cp`.
 MAX_MESSAGE = 16 * 1024 * 1024
+# Bytes received but not yet consumed, per connection and per channel.
+MAX_BUFFERED = 1024 * 1024
 CLOSE_TIMEOUT = 2.0
 
 
@@ -72,7 +76,8 @@ class WebSocketConnection:
         self._protocol = protocol
         self._reader = reader
         self._writer = writer
-        self._messages: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # Messages not yet taken by recv(): reading the socket stops while this is full.
+        self._messages = ChunkQueue(MAX_BUFFERED)
         self._fragments: list[bytes] = []
         self._write_lock = asyncio.Lock()
         self._eof_sent = False
@@ -110,8 +115,9 @@ class WebSocketConnection:
             if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
                 self._fragments.append(bytes(frame.data))
                 if frame.fin:
-                    self._messages.put_nowait(b"".join(self._fragments))
+                    message = b"".join(self._fragments)
                     self._fragments.clear()
+                    await self._messages.put(message)
             elif frame.opcode is Opcode.CLOSE:
                 self._finish()
         await self._flush()  # pongs, and our half of a closing handshake the client began
@@ -135,14 +141,11 @@ class WebSocketConnection:
     def _finish(self) -> None:
         if not self.closed.is_set():
             self.closed.set()
-            self._messages.put_nowait(None)
+            self._messages.end()
 
     async def recv(self) -> bytes | None:
         """The next message (text or binary, as bytes), or None once the connection closed."""
-        message = await self._messages.get()
-        if message is None:
-            self._messages.put_nowait(None)
-        return message
+        return await self._messages.get()
 
     async def send(self, data: bytes) -> None:
         if self._protocol.state is not State.OPEN or self._eof_sent:
@@ -189,10 +192,10 @@ class ChannelMux:
     def __init__(self, connection: WebSocketConnection, *, close_frames: bool) -> None:
         self._connection = connection
         self._close_frames = close_frames
-        self._inboxes: dict[int, asyncio.Queue[bytes]] = {}
+        self._inboxes: dict[int, ChunkQueue] = {}
 
     def reader(self, channel: int) -> ChannelReader:
-        return ChannelReader(self._inboxes.setdefault(channel, asyncio.Queue()))
+        return ChannelReader(self._inboxes.setdefault(channel, ChunkQueue(MAX_BUFFERED)))
 
     def writer(self, channel: int) -> ChannelWriter:
         return ChannelWriter(self, channel)
@@ -206,14 +209,16 @@ class ChannelMux:
                 channel, payload = message[0], message[1:]
                 if channel == CLOSE_CHANNEL and self._close_frames:
                     if payload and payload[0] in self._inboxes:
-                        self._inboxes[payload[0]].put_nowait(b"")
+                        self._inboxes[payload[0]].end()
                     continue
                 inbox = self._inboxes.get(channel)
                 if inbox is not None and payload:
-                    inbox.put_nowait(payload)
+                    # A reader that falls behind (stdin the process does not read) holds up
+                    # the connection: back-pressure, not an ever-growing queue.
+                    await inbox.put(payload)
         finally:
             for inbox in self._inboxes.values():
-                inbox.put_nowait(b"")
+                inbox.end()
 
     async def send(self, channel: int, payload: bytes) -> None:
         await self._connection.send(bytes([channel]) + payload)
@@ -224,17 +229,12 @@ class ChannelMux:
 
 
 class ChannelReader:
-    def __init__(self, inbox: asyncio.Queue[bytes]) -> None:
+    def __init__(self, inbox: ChunkQueue) -> None:
         self._inbox = inbox
-        self._ended = False
 
     async def read(self) -> bytes:
-        if self._ended:
-            return b""
-        chunk = await self._inbox.get()
-        if not chunk:
-            self._ended = True
-        return chunk
+        """The next chunk, or b"" once the channel or the connection ended."""
+        return await self._inbox.get() or b""
 
 
 class ChannelWriter:
