@@ -8,8 +8,6 @@ make kubelet start pods again at attempt 0).
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -23,6 +21,7 @@ import grpc
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.host.process import set_child_subreaper
 from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.lifecycle.containers import ContainerService
@@ -49,7 +48,6 @@ from cri_shim.streaming.server import StreamingConfig, StreamingServer
 
 log = logging.getLogger("cri_shim.daemon")
 
-PR_SET_CHILD_SUBREAPER = 36
 # Event streams (GetContainerEvents) take no admission slot; room for that many.
 STREAM_HEADROOM = 64
 
@@ -80,13 +78,6 @@ class Services:
         from cri_shim.server.container import to_status
 
         return [to_status(c) for c in self.containers.list(sandbox_id=sandbox_id)]
-
-
-def become_subreaper() -> None:
-    """Reap our own orphans at once; PID 1 on some nodes reaps only every few seconds."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno()))
 
 
 def notify_systemd(message: str) -> None:
@@ -199,7 +190,10 @@ class Daemon:
         self._metrics: MetricsExporter | None = None
 
     async def start(self) -> None:
-        become_subreaper()
+        try:
+            set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
+        except OSError as exc:
+            log.warning("%s", exc)
         services = build_services(self.config)
         await restore(services)
         # What each runtime handler supports, probed once off the event loop (Status and

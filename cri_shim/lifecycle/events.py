@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cri_shim.runtime.inotify import DirectoryWatch
+from cri_shim.host.inotify import DirectoryWatch
 
 log = logging.getLogger("cri_shim.events")
 

@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from cri_shim import mounts
+from cri_shim.host import mounts
 from cri_shim.lifecycle.containers import CREATED, RUNNING, ContainerService
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.network.netns import NamespacePinner
