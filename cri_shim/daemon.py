@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from cri_shim import logcontext
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.host.process import set_child_subreaper
@@ -78,6 +79,17 @@ class Services:
         from cri_shim.server.container import to_status
 
         return [to_status(c) for c in self.containers.list(sandbox_id=sandbox_id)]
+
+
+def bind_exited_object(services: Services, object_id: str) -> None:
+    """An exit file is named for a container, or for a pod's pause process."""
+    for kind, coordinator in (
+        ("container", services.containers.coordinator),
+        ("sandbox", services.sandboxes.coordinator),
+    ):
+        if (known := coordinator.identify(object_id)) is not None:
+            logcontext.bind_object(kind, *known)
+            return
 
 
 def notify_systemd(message: str) -> None:
@@ -212,8 +224,11 @@ class Daemon:
         install_renderer(services)
 
         def exited(name: str | None) -> None:
-            services.containers.notice_exit(name)
-            services.sandboxes.notice_exit(name)  # a pod's pause process
+            with logcontext.scope():
+                if name is not None:
+                    bind_exited_object(services, name)
+                services.containers.notice_exit(name)
+                services.sandboxes.notice_exit(name)  # a pod's pause process
 
         watcher = ExitWatcher(
             [backend.exits_dir for backend in services.containers.backends.values()], exited

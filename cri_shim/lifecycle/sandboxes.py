@@ -35,6 +35,7 @@ from cri_shim.lifecycle.events import (
 )
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_namespace
+from cri_shim.logcontext import object_fields
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
@@ -459,6 +460,7 @@ class SandboxService(PersistedCreationHooks):
                     "sandbox %s (%s): its pause process exited; the pod is not ready",
                     sandbox.id,
                     sandbox.name,
+                    extra=object_fields("sandbox", sandbox.id, sandbox.name),
                 )
                 self.mark_not_ready(sandbox.id)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import errno
 import logging
 import os
@@ -198,7 +199,9 @@ class NamespacePinner:
             if self._thread is None:
                 raise Internal("namespace pinner is closed")
             thread = self._thread
-            future = thread.executor.submit(self._guarded, thread, work)
+            # In the caller's context, so that the thread's log lines are about its pod.
+            context = contextvars.copy_context()
+            future = thread.executor.submit(context.run, self._guarded, thread, work)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
