@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -48,10 +46,3 @@ def test_a_thread_enters_the_namespace_and_returns() -> None:
     assert own != daemons
     assert inside == daemons
     assert after == own
-
-
-def test_the_daemon_starts_without_pyroute2() -> None:
-    """pyroute2 costs about 11 MiB resident: it is loaded by the first pod network."""
-    code = "import sys, cri_shim.cli, cri_shim.daemon; print('pyroute2' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
