@@ -8,8 +8,6 @@ make kubelet start pods again at attempt 0).
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -21,8 +19,10 @@ from typing import Any
 
 import grpc
 
+from cri_shim import logcontext
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.host.process import set_child_subreaper
 from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.lifecycle.containers import ContainerService
@@ -49,7 +49,6 @@ from cri_shim.streaming.server import StreamingConfig, StreamingServer
 
 log = logging.getLogger("cri_shim.daemon")
 
-PR_SET_CHILD_SUBREAPER = 36
 # Event streams (GetContainerEvents) take no admission slot; room for that many.
 STREAM_HEADROOM = 64
 
@@ -82,11 +81,15 @@ class Services:
         return [to_status(c) for c in self.containers.list(sandbox_id=sandbox_id)]
 
 
-def become_subreaper() -> None:
-    """Reap our own orphans at once; PID 1 on some nodes reaps only every few seconds."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno()))
+def bind_exited_object(services: Services, object_id: str) -> None:
+    """An exit file is named for a container, or for a pod's pause process."""
+    for kind, coordinator in (
+        ("container", services.containers.coordinator),
+        ("sandbox", services.sandboxes.coordinator),
+    ):
+        if (known := coordinator.identify(object_id)) is not None:
+            logcontext.bind_object(kind, *known)
+            return
 
 
 def notify_systemd(message: str) -> None:
@@ -199,7 +202,10 @@ class Daemon:
         self._metrics: MetricsExporter | None = None
 
     async def start(self) -> None:
-        become_subreaper()
+        try:
+            set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
+        except OSError as exc:
+            log.warning("%s", exc)
         services = build_services(self.config)
         await restore(services)
         # What each runtime handler supports, probed once off the event loop (Status and
@@ -218,8 +224,11 @@ class Daemon:
         install_renderer(services)
 
         def exited(name: str | None) -> None:
-            services.containers.notice_exit(name)
-            services.sandboxes.notice_exit(name)  # a pod's pause process
+            with logcontext.scope():
+                if name is not None:
+                    bind_exited_object(services, name)
+                services.containers.notice_exit(name)
+                services.sandboxes.notice_exit(name)  # a pod's pause process
 
         watcher = ExitWatcher(
             [backend.exits_dir for backend in services.containers.backends.values()], exited

@@ -4,15 +4,9 @@ Every line is one event: `ts`, `level`, `logger`, `msg`, then fields. A line abo
 sandbox or a container carries `sandbox_id` and `sandbox_name`, or `container_id` and
 `container_name` (the CRI name, `k8s_...`), so that `journalctl -u cri-shim | grep
 sandbox_id=<id>` follows one pod through its life. (`name` itself is taken: it is the
-logger's name on every LogRecord.)
-
-The convention for code that logs about an object: pass the fields explicitly,
-
-    log.info("sandbox stopped", extra=object_fields("sandbox", sandbox.id, sandbox.name))
-
-or use `ObjectLogger`. Lines that do not (the existing `"sandbox %s (%s) stopped"` style)
-get the fields inferred from the message by `ObjectFieldsFilter`, so both kinds of lines
-can be followed the same way.
+logger's name on every LogRecord.) Those fields come from what the task bound
+(`cri_shim.logcontext`), or from `extra=object_fields(...)` on the line itself; never
+from the message's wording.
 
 `RedactSecrets` is a safety net on every line: registry credentials must never be logged
 in the first place, but a password, an `Authorization` header or a token that slips into a
@@ -25,11 +19,11 @@ import json
 import logging
 import re
 import sys
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any, Literal, TextIO
+
+from cri_shim.logcontext import BoundObjectFilter
 
 LogFormat = Literal["logfmt", "json", "text"]
 
@@ -46,111 +40,6 @@ _STANDARD_ATTRS = frozenset(logging.LogRecord("", logging.INFO, "", 0, "", None,
 # INFO even when the daemon runs at debug, so that `--log-level debug` shows cri-shim's
 # own steps.
 _CHATTY_LIBRARIES = ("httpcore", "hpack", "grpc")
-
-
-# ---- object fields ------------------------------------------------------------------
-
-
-def object_fields(kind: str, object_id: str, name: str = "") -> dict[str, str]:
-    """The `extra=` fields of a line about a sandbox or a container."""
-    fields = {f"{kind}_id": object_id} if object_id else {}
-    if name:
-        fields[f"{kind}_name"] = name
-    return fields
-
-
-class ObjectLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """A logger whose every line carries one object's ID and name."""
-
-    def __init__(self, logger: logging.Logger, kind: str, object_id: str, name: str = "") -> None:
-        super().__init__(logger, object_fields(kind, object_id, name))
-
-    def process(
-        self, msg: Any, kwargs: MutableMapping[str, Any]
-    ) -> tuple[Any, MutableMapping[str, Any]]:
-        kwargs["extra"] = {**(self.extra or {}), **kwargs.get("extra", {})}
-        return msg, kwargs
-
-
-_OBJECT_KEYS = ("sandbox_id", "sandbox_name", "container_id", "container_name")
-_ID = r"[0-9a-f]{12,64}"
-_KIND = r"(?P<kind>sandbox|container)"
-# The shapes the lifecycle and the creation coordinator log in, most specific first:
-#   sandbox 'k8s_POD_web_default_uid_0' (4f1c...): stage sandbox network
-#   sandbox 4f1c... (k8s_POD_web_default_uid_0) stopped
-#   container 4f1c...: rollback left work for GC
-#   name 'k8s_POD_web_default_uid_0' is reserved for 4f1c...: creation in progress
-_OBJECT_PATTERNS = [
-    re.compile(rf"\b{_KIND} '(?P<name>[^']+)' \((?P<id>{_ID})\)"),
-    re.compile(rf"\b{_KIND} (?P<id>{_ID}) \((?P<name>[^)\s]+)\)"),
-    re.compile(rf"\b{_KIND} (?P<id>{_ID})\b"),
-    re.compile(rf"\bname '(?P<name>k8s_[^']+)' is reserved for (?P<id>{_ID})\b"),
-    re.compile(rf"\b{_KIND} '(?P<name>k8s_[^']+)'"),
-]
-# The pod a line about a container belongs to: `... (pod 4f1c...)`, `pod 4f1c...`.
-_POD_ID = re.compile(rf"\bpod (?P<id>{_ID})\b")
-# How many objects' names the filter remembers (far more than live on one node).
-_NAMES_REMEMBERED = 4096
-
-
-def infer_object_fields(message: str) -> dict[str, str]:
-    """The object a message is about, from the way the daemon names objects in messages."""
-    fields: dict[str, str] = {}
-    for pattern in _OBJECT_PATTERNS:
-        match = pattern.search(message)
-        if match is None:
-            continue
-        found = match.groupdict()
-        name = found.get("name") or ""
-        kind = found.get("kind") or ("sandbox" if name.startswith("k8s_POD_") else "container")
-        fields = object_fields(kind, found.get("id") or "", name)
-        break
-    if "sandbox_id" not in fields and (pod := _POD_ID.search(message)):
-        fields["sandbox_id"] = pod.group("id")
-    return fields
-
-
-class ObjectFieldsFilter(logging.Filter):
-    """Adds `<kind>_id` and `<kind>_name` to lines about an object.
-
-    Explicit fields (`extra=`) win; otherwise they are read from the message. A line that
-    gives only the ID gets the name from an earlier line that gave both (the creation's
-    first line always does), so that every line about an object can carry both.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._names: OrderedDict[str, str] = OrderedDict()
-        self._lock = threading.Lock()  # records arrive from worker threads too
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not any(hasattr(record, key) for key in _OBJECT_KEYS):
-            try:
-                message = record.getMessage()
-            except Exception:  # a broken format string: the handler reports it, not us
-                return True
-            for key, value in infer_object_fields(message).items():
-                setattr(record, key, value)
-        for kind in ("sandbox", "container"):
-            object_id = getattr(record, f"{kind}_id", None)
-            if isinstance(object_id, str) and object_id:
-                name = getattr(record, f"{kind}_name", None)
-                if isinstance(name, str) and name:
-                    self._remember(object_id, name)
-                elif (known := self._recall(object_id)) is not None:
-                    setattr(record, f"{kind}_name", known)
-        return True
-
-    def _remember(self, object_id: str, name: str) -> None:
-        with self._lock:
-            self._names[object_id] = name
-            self._names.move_to_end(object_id)
-            while len(self._names) > _NAMES_REMEMBERED:
-                self._names.popitem(last=False)
-
-    def _recall(self, object_id: str) -> str | None:
-        with self._lock:
-            return self._names.get(object_id)
 
 
 # ---- redaction ----------------------------------------------------------------------
@@ -304,9 +193,8 @@ def make_handler(fmt: str, stream: TextIO | None = None) -> logging.Handler:
     """A stream handler with the formatter for `fmt`, redaction and object fields."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(FORMATTERS[fmt]())
-    # Redact first, so that fields inferred from the message come from the clean text.
     handler.addFilter(RedactSecrets())
-    handler.addFilter(ObjectFieldsFilter())
+    handler.addFilter(BoundObjectFilter())
     handler.set_name("cri-shim")
     return handler
 

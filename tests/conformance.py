@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.mounts import unmount_below
+from cri_shim.host.mounts import unmount_below
 from tests.harness import REPO, Daemon, make_test_network
 from tests.registry import start_registry
 

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypedDict
 
+from cri_shim import logcontext
 from cri_shim.creation.registrar import NameRegistrar
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, NameReserved, Unavailable
 
@@ -244,6 +245,8 @@ class CreationCoordinator:
         if entry is None:
             entry = self._reserve(name, run)
             return await self._await_own_creation(entry, deadline)
+        # The rest of the request is about this object, its log lines included.
+        logcontext.bind_object(self._kind, entry.object_id, entry.name)
         if entry.phase is Phase.VISIBLE:
             # The same request again: its response was lost or it raced its own retry.
             # Answering with the object (as CRI-O does) is what keeps a claimed object from
@@ -275,8 +278,9 @@ class CreationCoordinator:
             requester_waiting=True,
         )
         self._entries[name] = entry
+        logcontext.bind_object(self._kind, object_id, name)
         self._count("reserved", entry, "reserved, creation started")
-        self._spawn(self._drive(entry, run), f"create {self._kind} {name}")
+        self._spawn(self._drive(entry, run), f"create {self._kind} {name}", entry)
         return entry
 
     async def _await_own_creation(self, entry: _Entry, deadline: float | None) -> str:
@@ -409,6 +413,7 @@ class CreationCoordinator:
         run_task = self._spawn(
             _call_creator(run, entry.object_id, stage),
             f"run {self._kind} {entry.name}",
+            entry,
             report_errors=False,  # this task's outcome is read below
         )
         entry.run_task = run_task
@@ -464,7 +469,7 @@ class CreationCoordinator:
             entry.phase = Phase.CACHED
             entry.expires_at = expires_at
             entry.expiry_task = self._spawn(
-                self._expire_when_due(entry), f"expire {self._kind} {entry.name}"
+                self._expire_when_due(entry), f"expire {self._kind} {entry.name}", entry
             )
             self._count(
                 "cached",
@@ -637,7 +642,9 @@ class CreationCoordinator:
         """
         entry = self._restore(name, object_id, Phase.CACHED)
         entry.expires_at = self._clock() + self._claim_grace
-        entry.expiry_task = self._spawn(self._expire_when_due(entry), f"expire {self._kind} {name}")
+        entry.expiry_task = self._spawn(
+            self._expire_when_due(entry), f"expire {self._kind} {name}", entry
+        )
         return entry.expires_at
 
     def _restore(self, name: str, object_id: str, phase: Phase) -> _Entry:
@@ -664,6 +671,17 @@ class CreationCoordinator:
         if entry is None:
             return None
         return NameInfo(entry.name, entry.object_id, entry.phase, entry.stage, entry.expires_at)
+
+    def identify(self, ref: str) -> tuple[str, str] | None:
+        """(object ID, name) of the object whose ID is `ref` or starts with it, when one
+        does; for the log context of a request that names an object by its ID."""
+        name = self._registrar.name_of(ref)
+        if name is not None:
+            return ref, name
+        found = [e for e in self._entries.values() if e.object_id.startswith(ref)] if ref else []
+        if len(found) == 1:
+            return found[0].object_id, found[0].name
+        return None
 
     def stats(self) -> CreationStats:
         """Counters and what is in flight, for Status verbose and metrics."""
@@ -730,10 +748,19 @@ class CreationCoordinator:
     # ---- task ownership ----------------------------------------------------------------
 
     def _spawn(
-        self, coro: Coroutine[Any, Any, None], name: str, *, report_errors: bool = True
+        self,
+        coro: Coroutine[Any, Any, None],
+        name: str,
+        entry: _Entry,
+        *,
+        report_errors: bool = True,
     ) -> asyncio.Task[None]:
-        """Start a task the coordinator owns: tracked until done, cancelled by aclose."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+        """Start a task the coordinator owns: tracked until done, cancelled by aclose.
+
+        The task's log lines are about `entry`'s object, bound now: it outlives the
+        request that started it, and runs the domain's creator and cleanup."""
+        context = logcontext.context_for(self._kind, entry.object_id, entry.name)
+        task = asyncio.get_running_loop().create_task(coro, name=name, context=context)
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._task_done(t, report_errors))
         return task

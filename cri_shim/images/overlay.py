@@ -1,4 +1,4 @@
-"""Container root filesystems: overlayfs mounts made with mount(2) through ctypes.
+"""Container root filesystems: overlayfs mounts made with mount(2).
 
 A subprocess per mount would cost a millisecond and an extra failure mode; the syscall is
 one call. The kernel takes the mount options as one page (4096 bytes here). An image
@@ -11,43 +11,18 @@ and no symlink farm to clean up. Past that, the mount fails with a message that 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from cri_shim.errors import Internal, InvalidArgument
-from cri_shim.mounts import is_mounted as is_mounted  # re-exported for callers of unmount
-from cri_shim.mounts import mount_points as mount_points
-from cri_shim.runtime.userns import idmapped_layers
+from cri_shim.host import mounts
+from cri_shim.host.idmap import idmapped_layers
 
-MS_RDONLY = 0x1
-MNT_DETACH = 0x2
 # The mount data argument is copied into a single page by the kernel.
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # The kernel's limit on stacked lower layers (OVL_MAX_STACK).
 MAX_LOWER_DIRS = 500
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
-]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
-
-def _mount(source: str, target: Path, fstype: str, flags: int, data: str) -> None:
-    result = _libc.mount(
-        source.encode(), os.fsencode(target), fstype.encode(), flags, data.encode()
-    )
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(target))
 
 
 def _check_path(path: Path, what: str) -> str:
@@ -105,12 +80,12 @@ def mount_rootfs(
     _check_path(target, "mount target")
     for directory in (upper, work, target):
         directory.mkdir(parents=True, exist_ok=True)
-    flags = MS_RDONLY if readonly else 0
+    flags = mounts.MS_RDONLY if readonly else 0
 
     options = overlay_options(lowers, upper_text, work_text)
     try:
         if len(options) < PAGE_SIZE:
-            _mount("overlay", target, "overlay", flags, options)
+            mounts.mount("overlay", target, "overlay", flags, options)
             return
         with _lower_fds(lower_dirs) as fd_paths:
             options = overlay_options(fd_paths, upper_text, work_text)
@@ -119,11 +94,11 @@ def mount_rootfs(
                     f"overlay options for {len(lower_dirs)} layers are {len(options)} bytes even "
                     f"with fd paths; the kernel takes at most {PAGE_SIZE - 1}"
                 )
-            _mount("overlay", target, "overlay", flags, options)
+            mounts.mount("overlay", target, "overlay", flags, options)
     except OSError as exc:
         raise Internal(
             f"mount overlay on {target} ({len(lower_dirs)} layers, options {len(options)} "
-            f"bytes): {exc.strerror}; the kernel log (dmesg) says why"
+            f"bytes): {os.strerror(exc.errno or 0)}; the kernel log (dmesg) says why"
         ) from exc
 
 
@@ -151,13 +126,12 @@ def mount_idmapped_rootfs(
 def unmount(target: Path) -> None:
     """Detach whatever is mounted on `target`; nothing mounted is not an error. Lazy
     (MNT_DETACH) so that a process still inside cannot make the teardown fail."""
-    path = os.fsencode(target)
     for _attempt in range(8):  # stacked mounts come off one at a time
-        if _libc.umount2(path, MNT_DETACH) != 0:
-            err = ctypes.get_errno()
-            if err in (errno.EINVAL, errno.ENOENT):
+        try:
+            if not mounts.detach(target):
                 return  # not a mount point (any more), or gone
-            raise Internal(f"unmount {target}: {os.strerror(err)}")
-        if not is_mounted(target):
+        except OSError as exc:
+            raise Internal(f"unmount {target}: {os.strerror(exc.errno or 0)}") from exc
+        if not mounts.is_mounted(target):
             return
     raise Internal(f"unmount {target}: still mounted after 8 unmounts (mounts stacked there?)")

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cri_shim import mounts
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
@@ -31,6 +30,7 @@ from cri_shim.errors import (
     NotFound,
 )
 from cri_shim.faults import fault_point
+from cri_shim.host import mounts
 from cri_shim.images import overlay
 from cri_shim.images.reference import parse_reference
 from cri_shim.images.store import ImageRecord, ImageStore

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cri_shim.runtime.inotify import DirectoryWatch
+from cri_shim.host.inotify import DirectoryWatch
+from cri_shim.logcontext import object_fields
 
 log = logging.getLogger("cri_shim.events")
 
@@ -167,7 +168,13 @@ class EventBus:
 
     def emit(self, container_id: str, sandbox_id: str, kind: int) -> None:
         event = ContainerEvent(container_id, sandbox_id, kind, time.time_ns())
-        log.debug("event %s %s (pod %s)", event.kind_name, container_id, sandbox_id)
+        log.debug(
+            "event %s %s (pod %s)",
+            event.kind_name,
+            container_id,
+            sandbox_id,
+            extra=_event_fields(container_id, sandbox_id),
+        )
         if not self._subscribers:
             return  # nobody listens: rendering statuses would be wasted work
         self._pending.append(event)
@@ -185,13 +192,24 @@ class EventBus:
             item = self.render(event) if self.render is not None else event
         except Exception:  # a transition must never fail because its event could not render
             log.exception(
-                "rendering the %s event of %s failed", event.kind_name, event.container_id
+                "rendering the %s event of %s failed",
+                event.kind_name,
+                event.container_id,
+                extra=_event_fields(event.container_id, event.sandbox_id),
             )
             return
         if item is None:
             return
         for subscription in list(self._subscribers.values()):
             subscription.put(item)
+
+
+def _event_fields(container_id: str, sandbox_id: str) -> dict[str, str]:
+    # A pod's own events carry its ID in both places.
+    fields = object_fields("sandbox", sandbox_id)
+    if container_id != sandbox_id:
+        fields |= object_fields("container", container_id)
+    return fields
 
 
 class ExitWatcher:

@@ -13,6 +13,7 @@ import time
 
 from cri_shim.creation.coordinator import CreationCoordinator
 from cri_shim.errors import InvalidArgument
+from cri_shim.logcontext import object_bound
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 
@@ -89,27 +90,28 @@ class PersistedCreationHooks:
         hand cached objects back to the coordinator with a fresh expiry, re-register the
         visible ones, and drop reservations that never got a row."""
         for row in self._db.query(f"SELECT id, name, phase FROM {self.table}"):
-            if row["phase"] == "cached":
-                expires_at = self.coordinator.restore_cached(row["name"], row["id"])
-                self._db.execute(
-                    f"UPDATE {self.table} SET cached_until = ? WHERE id = ?",
-                    (_wall_clock(expires_at), row["id"]),
-                )
-            elif row["phase"] == "visible":
-                self.coordinator.restore_visible(row["name"], row["id"])
-            else:
-                log.warning(
-                    "%s %s (%s): %s was interrupted; rolling it back",
-                    self.kind,
-                    row["id"],
-                    row["name"],
-                    row["phase"],
-                )
-                try:
-                    await self._journal.undo(row["id"], budget=self._cleanup_budget)
-                except UndoFailed as exc:
-                    log.error("%s %s: rollback left work for GC: %s", self.kind, row["id"], exc)
-                self.forget(row["id"])
+            with object_bound(self.kind, row["id"], row["name"]):
+                if row["phase"] == "cached":
+                    expires_at = self.coordinator.restore_cached(row["name"], row["id"])
+                    self._db.execute(
+                        f"UPDATE {self.table} SET cached_until = ? WHERE id = ?",
+                        (_wall_clock(expires_at), row["id"]),
+                    )
+                elif row["phase"] == "visible":
+                    self.coordinator.restore_visible(row["name"], row["id"])
+                else:
+                    log.warning(
+                        "%s %s (%s): %s was interrupted; rolling it back",
+                        self.kind,
+                        row["id"],
+                        row["name"],
+                        row["phase"],
+                    )
+                    try:
+                        await self._journal.undo(row["id"], budget=self._cleanup_budget)
+                    except UndoFailed as exc:
+                        log.error("%s %s: rollback left work for GC: %s", self.kind, row["id"], exc)
+                    self.forget(row["id"])
         # A name reserved just before a crash, with no row yet: nothing was done for it.
         self._db.execute(
             f"DELETE FROM names WHERE kind = ? AND object_id NOT IN (SELECT id FROM {self.table})",

@@ -17,12 +17,12 @@ import json
 import os
 from pathlib import Path, PurePosixPath
 
-from cri_shim import mounts
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import Internal, InvalidArgument, NotFound
+from cri_shim.host import mounts
+from cri_shim.host.idmap import idmapped_layers
 from cri_shim.images.store import ImageStore
 from cri_shim.runtime.identity import resolve_in_root
-from cri_shim.runtime.userns import idmapped_layers
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 

@@ -16,9 +16,10 @@ import shutil
 import time
 from pathlib import Path
 
-from cri_shim import mounts
+from cri_shim.host import mounts
 from cri_shim.lifecycle.containers import CREATED, RUNNING, ContainerService
 from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.logcontext import object_bound, object_fields
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.state.db import Database
 
@@ -78,7 +79,10 @@ async def reconcile_host(
         ):
             # Started just before a crash, before the row said so.
             log.warning(
-                "container %s (%s) was started before the restart", container.id, container.name
+                "container %s (%s) was started before the restart",
+                container.id,
+                container.name,
+                extra=object_fields("container", container.id, container.name),
             )
             containers.mark_started(container, time.time_ns())
             containers.refresh(container)
@@ -91,7 +95,8 @@ async def reconcile_host(
             "unknown",
         ):
             # Gone without an exit record (the node rebooted): report it exited, unknown code.
-            containers.mark_lost(container)
+            with object_bound("container", container.id, container.name):
+                containers.mark_lost(container)
             found += 1
 
     for sandbox in sandboxes.list():
@@ -104,6 +109,7 @@ async def reconcile_host(
                 "sandbox %s (%s): its network namespace is gone; marking it not ready",
                 sandbox.id,
                 sandbox.name,
+                extra=object_fields("sandbox", sandbox.id, sandbox.name),
             )
             sandboxes.mark_not_ready(sandbox.id)
             found += 1

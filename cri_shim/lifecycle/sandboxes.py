@@ -18,13 +18,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from cri_shim import mounts
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.creation.names import sandbox_name
 from cri_shim.errors import FailedPrecondition, InvalidArgument, NotFound
 from cri_shim.faults import fault_point
+from cri_shim.host import mounts
+from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.lifecycle.events import (
     CONTAINER_CREATED,
     CONTAINER_DELETED,
@@ -34,11 +35,12 @@ from cri_shim.lifecycle.events import (
 )
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_namespace
+from cri_shim.logcontext import object_fields
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
-from cri_shim.runtime.userns import UserNamespaceMappings, pod_mappings, require_searchable
+from cri_shim.runtime.userns import pod_mappings, require_searchable
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
@@ -458,6 +460,7 @@ class SandboxService(PersistedCreationHooks):
                     "sandbox %s (%s): its pause process exited; the pod is not ready",
                     sandbox.id,
                     sandbox.name,
+                    extra=object_fields("sandbox", sandbox.id, sandbox.name),
                 )
                 self.mark_not_ready(sandbox.id)
 

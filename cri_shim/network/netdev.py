@@ -10,19 +10,14 @@ is forked (which a gRPC daemon must avoid) and nothing is mounted.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-CLONE_NEWNET = 0x40000000
+from cri_shim.host.namespaces import netns_entered
+
 # Generous: entering a namespace and reading one file takes well under a millisecond.
 READ_TIMEOUT = 5.0
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 
 
 @dataclass(frozen=True)
@@ -85,23 +80,5 @@ def read_netns_counters(netns: Path) -> dict[str, InterfaceCounters]:
 
 
 def _read_inside(netns: Path) -> dict[str, InterfaceCounters]:
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _setns(target, f"enter {netns}")
-        finally:
-            os.close(target)
-        try:
-            with open("/proc/thread-self/net/dev") as handle:
-                return parse_net_dev(handle.read())
-        finally:
-            _setns(home, "return to the daemon's network namespace")
-    finally:
-        os.close(home)
-
-
-def _setns(fd: int, what: str) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {what}: {os.strerror(err)}")
+    with netns_entered(netns), open("/proc/thread-self/net/dev") as handle:
+        return parse_net_dev(handle.read())

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
+import contextvars
 import errno
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -35,30 +34,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST, NLMSG_ERROR, nlmsgerr
-from pyroute2.netlink.rtnl import RTM_NEWLINK
-from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
-
 from cri_shim.errors import Internal, InvalidArgument
-from cri_shim.mounts import unescape_mountinfo
-from cri_shim.runtime.userns import UserNamespaceMappings
+from cri_shim.host import mounts, netlink
+from cri_shim.host.idmap import UserNamespaceMappings
+from cri_shim.host.namespaces import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWUTS,
+    sethostname,
+    setns,
+    unshare,
+)
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUTS = 0x04000000
-CLONE_NEWIPC = 0x08000000
 USERNS_DIR = "userns"
 # util-linux's unshare(1) flag for each pinned kind (it makes them in one unshare call).
 _UNSHARE_FLAGS = {"net": "--net", "uts": "--uts", "ipc": "--ipc"}
 # How long the helper may take to make its namespaces; it takes about 2 ms.
 _HELPER_TIMEOUT = 5.0
-MS_BIND = 0x1000
-MS_REC = 0x4000
-MS_SHARED = 1 << 20
-MNT_DETACH = 0x2
 # HOST_NAME_MAX on Linux; sethostname fails with EINVAL beyond it.
 _HOSTNAME_MAX = 64
 
@@ -69,93 +65,12 @@ _KINDS: dict[str, tuple[str, int]] = {
     "ipc": ("ipcns", CLONE_NEWIPC),
 }
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_void_p,
-]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.unshare.argtypes = [ctypes.c_int]
-_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-_libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(source: str | None, target: Path, flags: int) -> None:
-    _check(
-        _libc.mount(
-            source.encode() if source is not None else None,
-            bytes(target),
-            None,
-            flags,
-            None,
-        ),
-        f"mount {source or ''} {target}",
-    )
-
-
-def _umount_detach(target: Path) -> None:
-    """Lazy unmount; a path that is gone or no longer a mount point counts as done."""
-    if _libc.umount2(bytes(target), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):
-            raise OSError(err, f"umount {target}: {os.strerror(err)}")
-
 
 def _unlink_missing_ok(path: Path) -> None:
     try:
         path.unlink()
     except FileNotFoundError:
         pass
-
-
-def _loopback_up() -> None:
-    """Bring up `lo` in the calling thread's network namespace.
-
-    A netlink socket belongs to the namespace of the thread that opens it, so this talks to
-    the new netns without forking into it. The message is encoded by pyroute2 but sent on a
-    plain socket: `IPRoute()` builds an asyncio event loop per instance, which costs 0.6 ms
-    against 0.1 ms here, half of a whole pin. In a fresh netns `lo` is always ifindex 1.
-    """
-    msg = ifinfmsg()
-    msg["index"] = 1
-    msg["flags"] = IFF_UP
-    msg["change"] = IFF_UP
-    msg["header"]["type"] = RTM_NEWLINK
-    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK
-    msg["header"]["sequence_number"] = 1
-    msg.encode()
-    with socket.socket(
-        socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
-    ) as sock:
-        sock.sendto(msg.data, (0, 0))
-        reply = nlmsgerr(sock.recv(65536))
-    reply.decode()
-    if reply["header"]["type"] != NLMSG_ERROR:
-        raise OSError(errno.EPROTO, f"bring up lo: unexpected netlink reply {reply['header']}")
-    if reply["error"]:
-        raise OSError(-reply["error"], f"bring up lo: {os.strerror(-reply['error'])}")
-
-
-def _mount_propagation(path: Path) -> str | None:
-    """The optional fields of the last mount at exactly `path`, or None if not a mount point."""
-    found: str | None = None
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            if unescape_mountinfo(fields[4]) == str(path):
-                sep = fields.index("-")
-                # The last entry wins: it is the mount on top, the one lookups see.
-                found = " ".join(fields[6:sep])
-    return found
 
 
 @dataclass
@@ -193,7 +108,7 @@ class _PinThread:
 
     def go_home(self, kinds: list[str]) -> None:
         for kind in kinds:
-            _check(_libc.setns(self.home[kind], _KINDS[kind][1]), f"setns back to host {kind}")
+            setns(self.home[kind], _KINDS[kind][1], f"setns back to host {kind}")
 
     def close(self, wait: bool) -> None:
         self.executor.shutdown(wait=wait)
@@ -284,7 +199,9 @@ class NamespacePinner:
             if self._thread is None:
                 raise Internal("namespace pinner is closed")
             thread = self._thread
-            future = thread.executor.submit(self._guarded, thread, work)
+            # In the caller's context, so that the thread's log lines are about its pod.
+            context = contextvars.copy_context()
+            future = thread.executor.submit(context.run, self._guarded, thread, work)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -326,12 +243,12 @@ class NamespacePinner:
             return
         for directory in self._dirs.values():
             directory.mkdir(parents=True, exist_ok=True, mode=0o755)
-            propagation = _mount_propagation(directory.resolve())
+            propagation = mounts.propagation(directory.resolve())
             if propagation is None:
-                _mount(str(directory), directory, MS_BIND | MS_REC)
+                mounts.mount(str(directory), directory, None, mounts.MS_BIND | mounts.MS_REC)
                 propagation = ""
             if "shared:" not in propagation:
-                _mount(None, directory, MS_SHARED | MS_REC)
+                mounts.mount(None, directory, None, mounts.MS_SHARED | mounts.MS_REC)
         self._dirs_ready = True
 
     def _pin_in_thread(
@@ -377,7 +294,7 @@ class NamespacePinner:
         # and a thread never leaves the daemon's.
         for target in mounted:
             try:
-                _umount_detach(target)
+                mounts.detach(target)
             except OSError:
                 log.exception("undo of a failed pin: unmount %s", target)
         for target in created:
@@ -397,14 +314,14 @@ class NamespacePinner:
         flags = 0
         for kind in kinds:
             flags |= _KINDS[kind][1]
-        _check(_libc.unshare(flags), "unshare")
+        unshare(flags)
         try:
             if "uts" in kinds:
-                _sethostname(hostname.encode())
+                sethostname(hostname.encode())
             if "net" in kinds:
-                _loopback_up()
+                netlink.loopback_up()
             for kind, target in targets.items():
-                _mount(f"/proc/thread-self/ns/{kind}", target, MS_BIND)
+                mounts.mount(f"/proc/thread-self/ns/{kind}", target, None, mounts.MS_BIND)
                 mounted.append(target)
         finally:
             _return_home(thread, kinds)
@@ -435,11 +352,11 @@ class NamespacePinner:
                 with open(f"/proc/{helper.pid}/{kind}_map", "w") as map_file:
                     map_file.write(userns.map_text(kind))
             if "uts" in kinds:
-                _inside(thread, "uts", f"{ns_dir}/uts", lambda: _sethostname(hostname.encode()))
+                _inside(thread, "uts", f"{ns_dir}/uts", lambda: sethostname(hostname.encode()))
             if "net" in kinds:
-                _inside(thread, "net", f"{ns_dir}/net", _loopback_up)
+                _inside(thread, "net", f"{ns_dir}/net", netlink.loopback_up)
             for kind, target in targets.items():
-                _mount(f"{ns_dir}/{kind}", target, MS_BIND)
+                mounts.mount(f"{ns_dir}/{kind}", target, None, mounts.MS_BIND)
                 mounted.append(target)
         finally:
             _stop_helper(helper)
@@ -457,17 +374,13 @@ def _inside(thread: _PinThread, kind: str, ns_path: str, work: Callable[[], None
     """Run `work` with the pinning thread in the namespace at `ns_path`, then return."""
     fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        _check(_libc.setns(fd, _KINDS[kind][1]), f"setns {kind}")
+        setns(fd, _KINDS[kind][1], f"setns {kind}")
     finally:
         os.close(fd)
     try:
         work()
     finally:
         _return_home(thread, [kind])
-
-
-def _sethostname(name: bytes) -> None:
-    _check(_libc.sethostname(name, len(name)), "sethostname")
 
 
 def _wait_for_new_userns(helper: subprocess.Popen[str]) -> None:
@@ -500,7 +413,7 @@ def _stop_helper(helper: subprocess.Popen[str]) -> None:
 
 def _unpin_now(path: Path) -> None:
     try:
-        _umount_detach(path)
+        mounts.detach(path)
         _unlink_missing_ok(path)
     except OSError as exc:
         raise Internal(f"removing namespace pin {path} failed: {exc}") from exc

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
-from cri_shim.runtime.userns import IDMAP_KERNEL, UserNamespaceMappings
+from cri_shim.host.idmap import UserNamespaceMappings
+from cri_shim.runtime.userns import IDMAP_KERNEL
 
 log = logging.getLogger(__name__)
 

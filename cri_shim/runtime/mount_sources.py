@@ -15,7 +15,7 @@ step unmounts everything below it before removing it.
 
 In a pod with a user namespace of its own, every bind mount is staged this way, the
 pod's own files (/etc/hosts, /dev/shm, ...) too, and each staging mount is an idmapped
-clone (runtime/userns.py), so that what the host's root owns the pod's root owns.
+clone (host/idmap.py), so that what the host's root owns the pod's root owns.
 Image volumes are the exception: overlayfs cannot be idmapped, so they are stacked from
 idmapped layers instead (lifecycle/image_volumes.py).
 """
@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cri_shim import mounts
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
-from cri_shim.runtime.userns import idmapped_mount, open_userns
+from cri_shim.host import mounts
+from cri_shim.host.idmap import idmapped_mount, open_userns
 
 log = logging.getLogger(__name__)
 

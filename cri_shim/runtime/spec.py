@@ -19,12 +19,12 @@ from typing import Any
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
+from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.runtime.capabilities import resolve_capabilities
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.identity import EtcReader, read_in_root, resolve_identity
 from cri_shim.runtime.resources import clamp_oom_score_adj, linux_resources
 from cri_shim.runtime.seccomp import default_profile, load_localhost_profile
-from cri_shim.runtime.userns import UserNamespaceMappings
 
 log = logging.getLogger(__name__)
 

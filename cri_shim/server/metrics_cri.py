@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 import grpc
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.logcontext import object_fields
 from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
 from cri_shim.runtime.cgroup_metrics import (
     CgroupFigures,
@@ -512,7 +513,12 @@ def _pod_metrics(
         try:
             interfaces = read_netns_counters(sandbox.netns_path)
         except (OSError, TimeoutError) as err:
-            log.warning("network metrics of pod %s: %s", sandbox.id, err)
+            log.warning(
+                "network metrics of pod %s: %s",
+                sandbox.id,
+                err,
+                extra=object_fields("sandbox", sandbox.id, sandbox.name),
+            )
             interfaces = {}
         labels = {**pod, "container": "POD", "id": sandbox.id, "image": "", "name": sandbox.name}
         for interface, counters in sorted(interfaces.items()):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from cri_shim import errors
+from cri_shim import errors, logcontext
 from cri_shim.server.limits import admitted
 
 if TYPE_CHECKING:
@@ -55,6 +55,21 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 Handler = Callable[["Services", Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
+# The request fields that name an object, and the kind of object each names.
+_OBJECT_FIELDS = (("pod_sandbox_id", "sandbox"), ("container_id", "container"))
+
+
+def bind_request_objects(services: Services, request: Any) -> None:
+    """Bind the objects the request names by ID to the log context, with their names
+    (and full IDs, for an ID prefix) when the daemon knows them."""
+    for field, kind in _OBJECT_FIELDS:
+        ref = getattr(request, field, "")
+        if not isinstance(ref, str) or not ref:
+            continue
+        coordinator = (services.sandboxes if kind == "sandbox" else services.containers).coordinator
+        object_id, name = coordinator.identify(ref) or (ref, "")
+        logcontext.bind_object(kind, object_id, name)
+
 
 def cri_method_name(name: str) -> str:
     """`run_pod_sandbox` → `RunPodSandbox`: the method as the CRI (and crictl) names it,
@@ -79,24 +94,27 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             raise AssertionError("abort returns by raising")
         started = time.perf_counter()
         code = grpc.StatusCode.OK
-        try:
-            # Validated and admitted first (issue 9): a bad or surplus call does nothing.
-            return await admitted(handler, services, request, context, request_deadline(context))
-        except errors.CriError as exc:
-            code = status_code(exc)
-            log.info("%s: %s: %s", name, code.name, exc)
-            await context.abort(code, str(exc))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
+        with logcontext.scope():  # what the request binds ends with it
+            try:
+                bind_request_objects(services, request)
+                # Validated and admitted first (issue 9): a bad or surplus call does nothing.
+                return await admitted(
+                    handler, services, request, context, request_deadline(context)
+                )
+            except errors.CriError as exc:
+                code = status_code(exc)
+                log.info("%s: %s: %s", name, code.name, exc)
+                await context.abort(code, str(exc))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
                 raise
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed unexpectedly", name)
-            await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
-        finally:
-            if services is not None:
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed unexpectedly", name)
+                await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
+            finally:
                 services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 
     method.__name__ = name

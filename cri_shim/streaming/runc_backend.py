@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import inspect
 import logging
@@ -38,12 +37,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from cri_shim.errors import FailedPrecondition, Internal
+from cri_shim.host.namespaces import netns_entered
+from cri_shim.host.process import set_child_subreaper
 from cri_shim.streaming.chunks import ChunkQueue
 from cri_shim.streaming.terminal import EOT, PtyMaster
 
 log = logging.getLogger("cri_shim.streaming.runc")
 
-CLONE_NEWNET = 0x40000000
 CONSOLE_TIMEOUT = 10.0
 DIAL_TIMEOUT = 5.0
 KILL_TIMEOUT = 5.0
@@ -56,8 +56,6 @@ ATTACH_BUFFERED = 1024 * 1024
 CONMON_RESIZE = 1
 
 T = TypeVar("T")
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,7 @@ class RuncExecProcess:
     async def _start_tty(
         cls, argv: list[str], container_id: str, cmd: list[str], pid_file: Path, scratch: Path
     ) -> RuncExecProcess:
-        become_subreaper()
+        set_child_subreaper()
         console = scratch / "console.sock"
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
             listener.bind(str(console))
@@ -336,17 +334,6 @@ async def _readable(fd: int) -> None:
         loop.remove_reader(fd)
 
 
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def become_subreaper() -> None:
-    """Detached TTY execs are re-parented to the nearest subreaper; it must be us to learn
-    their exit code. The daemon already is one (DESIGN §5); this makes sure of it."""
-    if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
-
-
 async def _receive_console(listener: socket.socket, process: asyncio.subprocess.Process) -> int:
     """Accept runc's connection on the console socket and take the pty master it sends."""
     loop = asyncio.get_running_loop()
@@ -479,31 +466,14 @@ def _write_fifo(path: Path, message: bytes) -> None:
 # -- port-forward --------------------------------------------------------------------------
 
 
-def _setns(fd: int, nstype: int) -> None:
-    if _libc.setns(fd, nstype) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
 def _connect_in_netns(netns: Path | None, port: int, timeout: float) -> socket.socket:
     """Runs in a thread of its own (see dial_in_netns): setns only changes the caller thread."""
     if netns is None:
         return _connect_loopback(port, timeout)
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        target = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _setns(target, CLONE_NEWNET)
-        finally:
-            os.close(target)
-        try:
-            return _connect_loopback(port, timeout)
-        finally:
-            # If this fails the thread stays in the pod's namespace, which is harmless:
-            # it is this dial's own thread and it ends right after.
-            _setns(own, CLONE_NEWNET)
-    finally:
-        os.close(own)
+    # Should the way back fail, the thread stays in the pod's namespace, which is
+    # harmless: it is this dial's own thread and it ends right after.
+    with netns_entered(netns):
+        return _connect_loopback(port, timeout)
 
 
 def _connect_loopback(port: int, timeout: float) -> socket.socket:

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.mounts import mount_points, unmount_below
+from cri_shim.host.mounts import mount_points, unmount_below
 from tests.harness import REPO, Daemon, wait_until
 from tests.imagebuild import build_image
 from tests.registry import RegistryServer, free_port, start_registry

@@ -1,7 +1,9 @@
-"""Structured log lines: the three formats, object fields on every line, secrets redacted."""
+"""Structured log lines: the three formats, the bound objects' fields on every line, secrets
+redacted."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -9,15 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from cri_shim.logsetup import (
-    REDACTED,
-    ObjectLogger,
-    infer_object_fields,
-    logfmt_value,
-    object_fields,
-    redact,
-    setup_logging,
-)
+from cri_shim.logcontext import bind_object, object_bound, object_fields
+from cri_shim.logsetup import REDACTED, logfmt_value, redact, setup_logging
 
 SANDBOX_ID = "4f1c" * 16
 CONTAINER_ID = "9a0b" * 16
@@ -124,19 +119,22 @@ def test_logfmt_values(value: object, written: str) -> None:
 
 def test_json_lines_are_objects_with_the_same_keys(root_logger: logging.Logger) -> None:
     stream, log = emit("json", root_logger)
-    log.warning("sandbox %s (%s) stopped", SANDBOX_ID, POD)
+    with object_bound("sandbox", SANDBOX_ID, POD):
+        log.warning("stopped")
     log.debug('ünïcode and "quotes"', extra={"count": 3})
     first, second = (json.loads(line) for line in lines(stream))
     assert first["level"] == "warning"
-    assert first["msg"] == f"sandbox {SANDBOX_ID} ({POD}) stopped"
+    assert first["msg"] == "stopped"
     assert first["sandbox_id"] == SANDBOX_ID and first["sandbox_name"] == POD
     assert first["logger"] == "cri_shim.test"
     assert second["msg"] == 'ünïcode and "quotes"' and second["count"] == 3
+    assert "sandbox_id" not in second
 
 
 def test_text_lines_keep_the_classic_form_with_fields_after(root_logger: logging.Logger) -> None:
     stream, log = emit("text", root_logger)
-    log.info("container %s (%s) started", CONTAINER_ID, CTR)
+    with object_bound("container", CONTAINER_ID, CTR):
+        log.info("container %s (%s) started", CONTAINER_ID, CTR)
     [line] = lines(stream)
     assert f"INFO cri_shim.test: container {CONTAINER_ID} ({CTR}) started" in line
     assert line.endswith(f"[container_id={CONTAINER_ID} container_name={CTR}]")
@@ -166,47 +164,14 @@ def test_setting_up_again_replaces_the_handler(root_logger: logging.Logger) -> N
 # ---- object fields ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("message", "fields"),
-    [
-        # the creation coordinator
-        (
-            f"sandbox '{POD}' ({SANDBOX_ID}): stage sandbox network",
-            {"sandbox_id": SANDBOX_ID, "sandbox_name": POD},
-        ),
-        (
-            f"container '{CTR}' ({CONTAINER_ID}): claimed from the cache, now visible",
-            {"container_id": CONTAINER_ID, "container_name": CTR},
-        ),
-        (f"sandbox '{POD}': duplicate request gets the creation's error", {"sandbox_name": POD}),
-        # the lifecycle
-        (f"sandbox {SANDBOX_ID} ({POD}) removed", {"sandbox_id": SANDBOX_ID, "sandbox_name": POD}),
-        (f"container {CONTAINER_ID}: rollback left work for GC: x", {"container_id": CONTAINER_ID}),
-        # the gRPC edge answering a duplicate
-        (
-            f"RunPodSandbox: ALREADY_EXISTS: name '{POD}' is reserved for {SANDBOX_ID}: creation "
-            "in progress (stage: sandbox network)",
-            {"sandbox_id": SANDBOX_ID, "sandbox_name": POD},
-        ),
-        # a container's event names its pod
-        (
-            f"event started {CONTAINER_ID} (pod {SANDBOX_ID})",
-            {"sandbox_id": SANDBOX_ID},
-        ),
-        ("serving CRI on unix:///run/cri-shim/cri-shim.sock", {}),
-        ("sandbox network not ready", {}),
-    ],
-)
-def test_object_fields_are_inferred_from_the_daemons_messages(
-    message: str, fields: dict[str, str]
+def test_every_line_of_a_bound_task_carries_the_objects_id_and_name(
+    root_logger: logging.Logger,
 ) -> None:
-    assert infer_object_fields(message) == fields
-
-
-def test_every_line_about_an_object_carries_its_id_and_name(root_logger: logging.Logger) -> None:
     stream, log = emit("logfmt", root_logger)
-    log.info("%s %r (%s): %s", "sandbox", POD, SANDBOX_ID, "cached for 120s")
-    log.info("sandbox %s (%s) stopped", SANDBOX_ID, POD)
+    with object_bound("sandbox", SANDBOX_ID, POD):
+        log.info("cached for %ds", 120)
+        log.info("network ready")
+        log.error("rollback left work for GC: %s", "x")
     for line in lines(stream):
         fields = parse_logfmt(line)
         assert fields["sandbox_id"] == SANDBOX_ID
@@ -214,41 +179,71 @@ def test_every_line_about_an_object_carries_its_id_and_name(root_logger: logging
         assert fields["logger"] == "cri_shim.test"
 
 
-def test_a_line_with_only_the_id_gets_the_name_from_an_earlier_line(
+def test_the_wording_of_a_message_is_not_a_contract(root_logger: logging.Logger) -> None:
+    """A message that names an object outside of its binding gets no fields from it."""
+    stream, log = emit("logfmt", root_logger)
+    log.info("sandbox %s (%s) stopped", SANDBOX_ID, POD)
+    log.info(f"name '{POD}' is reserved for {SANDBOX_ID}")
+    for line in lines(stream):
+        assert "sandbox_id" not in parse_logfmt(line)
+
+
+def test_a_container_line_carries_its_pod_too(root_logger: logging.Logger) -> None:
+    stream, log = emit("json", root_logger)
+    with object_bound("sandbox", SANDBOX_ID, POD), object_bound("container", CONTAINER_ID, CTR):
+        log.info("started")
+    log.info("after")
+    first, after = (json.loads(line) for line in lines(stream))
+    assert first["sandbox_id"] == SANDBOX_ID and first["sandbox_name"] == POD
+    assert first["container_id"] == CONTAINER_ID and first["container_name"] == CTR
+    assert not {"sandbox_id", "container_id"} & set(after)
+
+
+def test_binding_another_object_of_a_kind_drops_the_first_ones_name(
     root_logger: logging.Logger,
 ) -> None:
     stream, log = emit("logfmt", root_logger)
-    log.debug("event created %s (pod %s)", "f" * 64, "e" * 64)  # never named: no name
-    log.info("%s %r (%s): reserved, creation started", "sandbox", POD, SANDBOX_ID)
-    log.debug("event created %s (pod %s)", SANDBOX_ID, SANDBOX_ID)
-    log.error("sandbox %s: rollback left work for GC: x", SANDBOX_ID)
-    log.info("restored", extra={"sandbox_id": SANDBOX_ID})
-    first, *rest = (parse_logfmt(line) for line in lines(stream))
-    assert first["sandbox_id"] == "e" * 64 and "sandbox_name" not in first
-    for fields in rest:
-        assert fields["sandbox_id"] == SANDBOX_ID
-        assert fields["sandbox_name"] == POD
-
-
-def test_explicit_fields_win_over_inferred_ones(root_logger: logging.Logger) -> None:
-    stream, log = emit("logfmt", root_logger)
-    log.info(
-        f"sandbox {SANDBOX_ID} ({POD}) is mentioned", extra=object_fields("container", "c1", "n1")
-    )
+    with object_bound("sandbox", "e" * 64, "k8s_POD_other_default_uid-2_0"):
+        bind_object("sandbox", SANDBOX_ID)  # known by its ID only
+        log.info("stopped")
     fields = parse_logfmt(lines(stream)[0])
-    assert fields["container_id"] == "c1" and fields["container_name"] == "n1"
-    assert "sandbox_id" not in fields
+    assert fields["sandbox_id"] == SANDBOX_ID and "sandbox_name" not in fields
 
 
-def test_object_logger_puts_the_fields_on_every_line(root_logger: logging.Logger) -> None:
-    stream, log = emit("json", root_logger)
-    olog = ObjectLogger(log, "container", CONTAINER_ID, CTR)
-    olog.info("started")
-    olog.warning("exited", extra={"exit_code": 1})
-    for line in lines(stream):
-        event = json.loads(line)
-        assert event["container_id"] == CONTAINER_ID and event["container_name"] == CTR
-    assert json.loads(lines(stream)[1])["exit_code"] == 1
+def test_explicit_fields_win_over_bound_ones(root_logger: logging.Logger) -> None:
+    stream, log = emit("logfmt", root_logger)
+    with object_bound("container", CONTAINER_ID, CTR):
+        log.info("about another", extra=object_fields("container", "c1", "n1"))
+        log.info("about this one, by ID", extra=object_fields("container", CONTAINER_ID))
+    other, same = (parse_logfmt(line) for line in lines(stream))
+    assert other["container_id"] == "c1" and other["container_name"] == "n1"
+    assert same["container_id"] == CONTAINER_ID and same["container_name"] == CTR
+
+
+async def test_the_binding_follows_the_task_into_its_tasks_and_threads_and_no_further(
+    root_logger: logging.Logger,
+) -> None:
+    stream, log = emit("logfmt", root_logger)
+
+    async def started() -> None:
+        log.info("in a task it started")
+
+    async def request(object_id: str, name: str) -> None:
+        bind_object("sandbox", object_id, name)
+        await asyncio.sleep(0)  # the other request runs meanwhile
+        log.info("in the request")
+        await asyncio.create_task(started())
+        await asyncio.to_thread(log.info, "in a worker thread")
+
+    await asyncio.gather(request(SANDBOX_ID, POD), request("e" * 64, "k8s_POD_b_default_u_0"))
+    log.info("outside")
+    seen = [parse_logfmt(line) for line in lines(stream)]
+    assert len(seen) == 7
+    for fields in seen[:-1]:
+        expected = POD if fields["sandbox_id"] == SANDBOX_ID else "k8s_POD_b_default_u_0"
+        assert fields["sandbox_name"] == expected
+    assert sorted(f["sandbox_id"] for f in seen[:-1]) == [SANDBOX_ID] * 3 + ["e" * 64] * 3
+    assert "sandbox_id" not in seen[-1]
 
 
 # ---- redaction ----------------------------------------------------------------------

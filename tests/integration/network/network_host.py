@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import shlex
 import subprocess
 import time
@@ -11,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cri_shim.host import mounts
 from cri_shim.network.cni import CniNetwork
 from tests.harness import bridge_veths, host_local_allocations
 
 REPO = Path(__file__).resolve().parents[3]
-MNT_DETACH = 2
 
 
 def mounts_below(path: Path) -> list[str]:
@@ -44,9 +43,8 @@ async def wait_until(condition: Callable[[], bool], limit: float = 5.0) -> None:
 
 
 def detach_mounts_below(path: Path) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
     for point in sorted(mounts_below(path), key=len, reverse=True):
-        libc.umount2(point.encode(), MNT_DETACH)
+        mounts.detach(Path(point))
 
 
 def nat_chains() -> set[str]:

@@ -13,9 +13,10 @@ import pytest
 from network_host import mount_options, mounts_below
 
 from cri_shim.errors import Internal, InvalidArgument
+from cri_shim.host import mounts, netlink
+from cri_shim.host.idmap import IdRange, UserNamespaceMappings
 from cri_shim.network import netns
 from cri_shim.network.netns import NamespacePinner
-from cri_shim.runtime.userns import IdRange, UserNamespaceMappings
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -127,21 +128,21 @@ async def test_bad_hostname_is_invalid(pinner: NamespacePinner) -> None:
 async def test_failure_midway_undoes_everything(
     pinner: NamespacePinner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_mount = netns._mount
+    real_mount = mounts.mount
 
-    def fail_on_ipc(source: str | None, target: Path, flags: int) -> None:
+    def fail_on_ipc(source: str | None, target: Path, fstype: str | None, flags: int = 0) -> None:
         if source is not None and source.endswith("/ipc"):
             raise OSError(28, "injected: no space left")
-        real_mount(source, target, flags)
+        real_mount(source, target, fstype, flags)
 
-    monkeypatch.setattr(netns, "_mount", fail_on_ipc)
+    monkeypatch.setattr(mounts, "mount", fail_on_ipc)
     with pytest.raises(Internal, match="injected"):
         await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="h")
 
     assert pinner.pinned() == []
     assert [p for p in mounts_below(pinner.run_root) if "pod1" in p] == []
     assert await thread_namespaces(pinner) == host_namespaces()
-    monkeypatch.setattr(netns, "_mount", real_mount)
+    monkeypatch.setattr(mounts, "mount", real_mount)
     assert (await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="h")).net
 
 
@@ -151,7 +152,7 @@ async def test_failure_bringing_up_lo_undoes_everything(
     def broken() -> None:
         raise OSError(1, "injected: lo")
 
-    monkeypatch.setattr(netns, "_loopback_up", broken)
+    monkeypatch.setattr(netlink, "loopback_up", broken)
     with pytest.raises(Internal, match="injected: lo"):
         await pinner.pin("pod1", net=True, uts=True, ipc=False, hostname="h")
     assert pinner.pinned() == []
@@ -230,14 +231,14 @@ async def test_a_user_namespace_is_pinned_and_owns_the_others(pinner: NamespaceP
 async def test_a_failed_user_namespace_pin_undoes_everything(
     pinner: NamespacePinner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_mount = netns._mount
+    real_mount = mounts.mount
 
-    def fail_on_user(source: str | None, target: Path, flags: int) -> None:
+    def fail_on_user(source: str | None, target: Path, fstype: str | None, flags: int = 0) -> None:
         if source is not None and source.endswith("/user"):
             raise OSError(28, "injected: no space left")
-        real_mount(source, target, flags)
+        real_mount(source, target, fstype, flags)
 
-    monkeypatch.setattr(netns, "_mount", fail_on_user)
+    monkeypatch.setattr(mounts, "mount", fail_on_user)
     with pytest.raises(Internal, match="injected"):
         await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="h", userns=MAPPINGS)
     assert pinner.pinned() == []

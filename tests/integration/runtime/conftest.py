@@ -7,7 +7,6 @@ the backend (which is part of what these tests check).
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -16,27 +15,22 @@ from pathlib import Path
 import pytest
 from runc_harness import Runtime
 
+from cri_shim.host.process import set_child_subreaper
 from cri_shim.runtime.conmon import RuntimeBackend
 
 RUNC = Path("/usr/sbin/runc")
 CONMON = Path("/usr/bin/conmon")
 BUSYBOX = Path("/bin/busybox")
-PR_SET_CHILD_SUBREAPER = 36
 
 PASSWD = "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1001:App:/home/app:/bin/sh\n"
 GROUP = "root:x:0:\napp:x:1001:\naudio:x:29:app\n"
 
 
-def _prctl_subreaper(on: bool) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
-
-
 @pytest.fixture(scope="module", autouse=True)
 def subreaper() -> Iterator[None]:
-    _prctl_subreaper(True)
+    set_child_subreaper(True)
     yield
-    _prctl_subreaper(False)
+    set_child_subreaper(False)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import NotFound
+from cri_shim.host.process import set_child_subreaper
 from cri_shim.streaming.runc_backend import ContainerEndpoint, RuncStreamingBackend
 from cri_shim.streaming.server import StreamingConfig, StreamingServer
 from tests.integration.streaming.clients import (
@@ -196,8 +196,7 @@ async def runc_server(container: Container, short_tmp: Path) -> AsyncIterator[St
 def _stop_being_subreaper() -> None:
     """TTY execs make the process a child subreaper (as the daemon is); undo it for the
     rest of the test session and reap whatever was re-parented to us meanwhile."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(36, 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    set_child_subreaper(False)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass

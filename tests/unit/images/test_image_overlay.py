@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import InvalidArgument
+from cri_shim.host.mounts import is_mounted, mount_points
 from cri_shim.images.importer import import_image
 from cri_shim.images.overlay import (
     PAGE_SIZE,
-    is_mounted,
-    mount_points,
     mount_rootfs,
     overlay_options,
     unmount,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from cri_shim.lifecycle.events import (
     EventBus,
     ExitWatcher,
 )
-from cri_shim.runtime.inotify import DirectoryWatch
 
 
 async def test_a_full_queue_drops_its_oldest_event_and_says_so(
@@ -92,17 +90,6 @@ async def test_a_subscriber_waits_for_the_next_event() -> None:
         bus.emit("c", "pod", CONTAINER_CREATED)
         event = await asyncio.wait_for(waiter, 1)
         assert isinstance(event, ContainerEvent) and event.kind_name == "created"
-
-
-def test_directory_watch_sees_a_file_renamed_into_place(tmp_path: Path) -> None:
-    """conmon (glib's g_file_set_contents) writes a temporary file and renames it."""
-    with DirectoryWatch([tmp_path]) as watch:
-        assert watch.read() == []
-        temporary = tmp_path / "abc.X1Y2Z3"
-        temporary.write_text("0")
-        os.rename(temporary, tmp_path / "abc")
-        names = [event.name for event in watch.read()]
-    assert names == ["abc.X1Y2Z3", "abc"]
 
 
 async def test_exit_watcher_reports_exit_files_as_they_appear(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import Internal, InvalidArgument
-from cri_shim.mounts import unescape_mountinfo
 from cri_shim.network.netns import NamespacePinner, PinnedNamespaces
 
 
@@ -60,10 +59,3 @@ async def test_closed_pinner_refuses_work(pinner: NamespacePinner) -> None:
     pinner.close()  # closing twice is harmless
     with pytest.raises(Internal, match="closed"):
         await pinner.unpin(pinner.run_root / "netns" / "pod1")
-
-
-def test_mountinfo_escapes_are_decoded() -> None:
-    assert unescape_mountinfo(r"/run/my\040dir/a\134b") == "/run/my dir/a\\b"
-    assert unescape_mountinfo("/plain/path") == "/plain/path"
-    assert unescape_mountinfo("/trailing\\04") == "/trailing\\04"
-    assert unescape_mountinfo("/ends/in\\040") == "/ends/in "

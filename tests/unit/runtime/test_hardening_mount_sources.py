@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from cri_shim import mounts
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
+from cri_shim.host import mounts
 from cri_shim.runtime.mount_sources import pin_bind_sources
 
 pytestmark = [pytest.mark.root]  # bind mounts

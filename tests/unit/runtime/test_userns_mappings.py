@@ -15,6 +15,7 @@ from runtime_spec_inputs import container_config
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
+from cri_shim.host.idmap import IdRange, UserNamespaceMappings
 from cri_shim.runtime.features import (
     HandlerFeatures,
     features_from_json,
@@ -22,12 +23,7 @@ from cri_shim.runtime.features import (
     user_namespaces_allowed,
 )
 from cri_shim.runtime.spec import SandboxContext
-from cri_shim.runtime.userns import (
-    IdRange,
-    UserNamespaceMappings,
-    pod_mappings,
-    require_searchable,
-)
+from cri_shim.runtime.userns import pod_mappings, require_searchable
 
 SpecOf = Callable[..., dict[str, Any]]
 BASE = 65536 * 7

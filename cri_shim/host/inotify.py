@@ -1,4 +1,4 @@
-"""inotify(7) through ctypes: which files appeared in a set of directories, as it happens.
+"""inotify(7): which files appeared in a set of directories, as it happens.
 
 conmon records a container's exit by writing `exits/<id>` (a temporary file renamed into
 place). Watching those directories tells the daemon of an exit at once, with no polling
@@ -8,14 +8,14 @@ kernel says it is readable.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from cri_shim.host.libc import check, libc
 
 IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_TO = 0x00000080
@@ -30,10 +30,6 @@ IN_CLOEXEC = os.O_CLOEXEC
 _HEADER = struct.Struct("iIII")
 # Room for many events per read: a burst of exits is drained in one system call.
 _READ_SIZE = 64 * 1024
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.inotify_init1.argtypes = [ctypes.c_int]
-_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 
 
 @dataclass(frozen=True)
@@ -55,18 +51,15 @@ class DirectoryWatch:
     """
 
     def __init__(self, directories: list[Path], mask: int = IN_CLOSE_WRITE | IN_MOVED_TO) -> None:
-        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        fd = check(libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         self._fd: int = int(fd)
         self._watches: dict[int, Path] = {}
         try:
             for directory in directories:
-                wd = _libc.inotify_add_watch(fd, os.fsencode(directory), mask | IN_ONLYDIR)
-                if wd < 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"inotify_add_watch {directory}: {os.strerror(err)}")
+                wd = check(
+                    libc.inotify_add_watch(fd, os.fsencode(directory), mask | IN_ONLYDIR),
+                    f"inotify_add_watch {directory}",
+                )
                 self._watches[wd] = directory
         except BaseException:
             os.close(fd)

@@ -1,0 +1,107 @@
+"""Host mounts through mount(2)/umount2(2) directly (no `mount` process per call), and
+what /proc/self/mountinfo says is mounted."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from cri_shim.host.libc import check, last_errno, libc
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SHARED = 1 << 20
+MNT_DETACH = 2
+
+
+def mount(
+    source: str | None, target: Path, fstype: str | None, flags: int = 0, data: str = ""
+) -> None:
+    """mount(2); `source` None for a change of propagation. Raises OSError naming both."""
+    check(
+        libc.mount(
+            source.encode() if source is not None else None,
+            os.fsencode(target),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
+        f"mount {source or 'none'} on {target} ({fstype or 'bind'})",
+    )
+
+
+def mount_tmpfs(target: Path, *, size: int, mode: int = 0o755) -> None:
+    mount("shm", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"mode={mode:o},size={size}")
+
+
+def detach(target: Path) -> bool:
+    """Lazily unmount the top mount at `target` (MNT_DETACH, so that a process still inside
+    cannot make a teardown fail). False when there was none: not a mount point (any more),
+    or gone."""
+    if libc.umount2(os.fsencode(target), MNT_DETACH) == 0:
+        return True
+    err = last_errno()
+    if err in (errno.EINVAL, errno.ENOENT):
+        return False
+    raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def unmount(target: Path) -> None:
+    """Detach whatever is mounted at `target` (all stacked mounts); nothing mounted is fine."""
+    while is_mounted(target):
+        if not detach(target):
+            return
+
+
+def unescape_mountinfo(field: str) -> str:
+    """A path as mountinfo writes it, with space, tab, newline and backslash as \\ooo
+    octal, turned back into the path."""
+    out, i = [], 0
+    while i < len(field):
+        code = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(code) == 3 and code.isdigit():
+            out.append(chr(int(code, 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _mountinfo() -> list[list[str]]:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as mountinfo:
+        return [line.split(" ") for line in mountinfo if line.strip()]
+
+
+def mount_points() -> list[Path]:
+    """Every mount point of this mount namespace, in mount order."""
+    return [Path(unescape_mountinfo(fields[4])) for fields in _mountinfo()]
+
+
+def is_mounted(target: Path) -> bool:
+    return Path(os.path.realpath(target)) in mount_points() or target in mount_points()
+
+
+def propagation(path: Path) -> str | None:
+    """The optional fields (`shared:N`, `master:N`) of the top mount at exactly `path`, or
+    None if it is not a mount point."""
+    found: str | None = None
+    for fields in _mountinfo():
+        if unescape_mountinfo(fields[4]) == str(path):
+            # The last entry wins: it is the mount on top, the one lookups see.
+            found = " ".join(fields[6 : fields.index("-")])
+    return found
+
+
+def unmount_below(root: Path) -> None:
+    """Unmount everything at or below `root`, deepest first."""
+    root = Path(os.path.realpath(root))
+    below = [p for p in mount_points() if p == root or root in p.parents]
+    for point in sorted(set(below), key=lambda p: len(p.parts), reverse=True):
+        unmount(point)

@@ -1,0 +1,22 @@
+"""What the mount helpers read from mountinfo (no root needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cri_shim.host.mounts import is_mounted, mount_points, propagation, unescape_mountinfo
+
+
+def test_mountinfo_escapes_are_decoded() -> None:
+    assert unescape_mountinfo(r"/run/my\040dir/a\134b") == "/run/my dir/a\\b"
+    assert unescape_mountinfo("/plain/path") == "/plain/path"
+    assert unescape_mountinfo("/trailing\\04") == "/trailing\\04"
+    assert unescape_mountinfo("/ends/in\\040") == "/ends/in "
+
+
+def test_the_root_is_a_mount_point_and_a_fresh_directory_is_not(tmp_path: Path) -> None:
+    assert Path("/") in mount_points()
+    assert is_mounted(Path("/"))
+    assert not is_mounted(tmp_path)
+    assert propagation(tmp_path) is None
+    assert propagation(Path("/")) is not None
