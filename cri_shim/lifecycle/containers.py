@@ -257,8 +257,13 @@ class ContainerService(PersistedCreationHooks):
         fault_point("container:runtime-journaled")
         # Host paths opened once and mounted by fd, so a swap cannot redirect runc's bind
         # mounts (issue 9); staging mounts left by a failure go with the bundle directory.
-        pinned = pin_bind_sources(
-            spec, config.mounts, bundle / "mounts", userns_path=context.userns_path
+        # Opening host paths may block (a hung NFS mount): off the event loop.
+        pinned = await asyncio.to_thread(
+            pin_bind_sources,
+            spec,
+            config.mounts,
+            bundle / "mounts",
+            userns_path=context.userns_path,
         )
         pid = await backend.create(
             container_id,

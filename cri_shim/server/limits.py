@@ -172,9 +172,19 @@ async def admitted(
     docstring); raises the domain errors the rpc wrapper maps to status codes."""
     name = handler.__name__
     rpc = _rpc_name(name)
-    validate_request(rpc, request)
+    if rpc in _VALIDATED_OFF_LOOP or request.ByteSize() > _LARGE_REQUEST:
+        # Checking a request of many megabytes takes seconds of Python, and
+        # CreateContainer's checks stat host paths (a hung NFS mount): neither may hold up
+        # the RPCs served beside it.
+        await asyncio.to_thread(validate_request, rpc, request)
+    else:
+        validate_request(rpc, request)
     async with limiter_of(services).admit(rpc, deadline):
         return await handler(services, request, context)
+
+
+_VALIDATED_OFF_LOOP = frozenset({"CreateContainer"})
+_LARGE_REQUEST = 256 * 1024
 
 
 def _rpc_name(handler_name: str) -> str:
