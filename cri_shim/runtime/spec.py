@@ -431,6 +431,13 @@ APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
 APPARMOR_PROFILES = Path("/sys/kernel/security/apparmor/profiles")
 
 
+def apparmor_enabled(enabled_file: Path = APPARMOR_ENABLED) -> bool:
+    try:
+        return enabled_file.read_text().strip() == "Y"
+    except OSError:
+        return False
+
+
 def container_apparmor(
     sc: api_pb2.LinuxContainerSecurityContext,
     *,
@@ -451,10 +458,7 @@ def container_apparmor(
         legacy = sc.apparmor_profile
         name = legacy.removeprefix("localhost/") if legacy.startswith("localhost/") else ""
         unconfined = legacy == "unconfined"
-    try:
-        enabled = enabled_file.read_text().strip() == "Y"
-    except OSError:
-        enabled = False
+    enabled = apparmor_enabled(enabled_file)
     if not name:
         return "unconfined" if unconfined and enabled and not sc.privileged else None
     field = "security_context.apparmor"

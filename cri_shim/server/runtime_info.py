@@ -11,6 +11,7 @@ import grpc
 from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
 from cri_shim.runtime.features import handler_features, to_cri
+from cri_shim.runtime.spec import apparmor_enabled
 
 if TYPE_CHECKING:
     from cri_shim.daemon import Services
@@ -71,6 +72,13 @@ async def status(
                 "hand_off": services.config.creation.hand_off,
             },
             "creation": services.creation_stats(),
+            # RuntimeDefault is the host's own confinement: none where AppArmor is off.
+            "apparmor": {
+                "enabled": apparmor_enabled(),
+                "runtime_default": "the host's default profile"
+                if apparmor_enabled()
+                else "unconfined: AppArmor is not enabled on this host",
+            },
         }
         response.info["info"] = json.dumps(info, sort_keys=True)
     return response

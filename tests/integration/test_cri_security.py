@@ -184,6 +184,13 @@ def test_without_apparmor_on_the_host_a_named_profile_is_refused_and_default_run
         apparmor=api_pb2.SecurityProfile(profile_type=api_pb2.SecurityProfile.RuntimeDefault)
     )
     assert run_to_exit(daemon, p, container_config("aa", "true", linux=default)).exit_code == 0
+    # Status says what RuntimeDefault means here.
+    verbose = daemon.runtime().Status(api_pb2.StatusRequest(verbose=True), timeout=10)
+    apparmor = json.loads(verbose.info["info"])["apparmor"]
+    assert apparmor == {
+        "enabled": False,
+        "runtime_default": "unconfined: AppArmor is not enabled on this host",
+    }
 
 
 # ---- recursive read-only mounts -----------------------------------------------------------
