@@ -5,19 +5,25 @@ request leaves behind and expires what nobody claims. Pure asyncio, no I/O of it
 from cri_shim.creation.coordinator import (
     CreationCoordinator,
     CreationHooks,
-    CreationStats,
     Creator,
-    InFlightInfo,
     NameInfo,
     Phase,
     Stage,
 )
 from cri_shim.creation.names import container_name, sandbox_name
 from cri_shim.creation.registrar import NameRegistrar, NameTaken
+from cri_shim.creation.statistics import (
+    CreationObserver,
+    CreationStatistics,
+    CreationStats,
+    InFlightInfo,
+)
 
 __all__ = [
     "CreationCoordinator",
     "CreationHooks",
+    "CreationObserver",
+    "CreationStatistics",
     "CreationStats",
     "Creator",
     "InFlightInfo",

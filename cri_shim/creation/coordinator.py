@@ -4,7 +4,8 @@ The coordinator owns the life of a *name*, from its reservation to its release, 
 tasks that live in between: the creation itself (detached from the request that started
 it), the expiry timer of a finished but unclaimed object, and its cleanup. It does no I/O
 of its own: the domain layer does the work in the creator it passes to `create()` and
-persists every decision through `CreationHooks`, in the same step as the memory change.
+persists every decision through `CreationHooks`, in the same step as the memory change;
+what happens is counted by a `CreationObserver` (statistics.py).
 
 A name is in one of four phases:
 
@@ -26,13 +27,19 @@ import asyncio
 import enum
 import logging
 import secrets
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypedDict
+from typing import Any, NoReturn, Protocol
 
 from cri_shim import logcontext
 from cri_shim.creation.registrar import NameRegistrar
+from cri_shim.creation.statistics import (
+    CreationObserver,
+    CreationStatistics,
+    CreationStats,
+    InFlightInfo,
+)
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, NameReserved, Unavailable
 
 log = logging.getLogger("cri_shim.creation")
@@ -40,25 +47,6 @@ log = logging.getLogger("cri_shim.creation")
 # The stage a name is at before its creator reports one, and while it is being undone.
 STAGE_RESERVED = "reserved"
 STAGE_CLEANUP = "cleanup"
-
-# Every counter stats() reports, present from the start so that a scrape sees zeros.
-COUNTERS = (
-    "reserved",  # a new name was reserved and its creation started
-    "created",  # finished while its request waited: published and returned
-    "handed_off",  # a duplicate that waited on the creation was given the finished object
-    "timed_out",  # the request's deadline passed before its creation finished
-    "client_gone",  # the request was cancelled before its creation finished
-    "cached",  # finished after its request had gone: kept for the retry
-    "claimed",  # a retry took a cached object
-    "returned_existing",  # a retry found its object already visible
-    "waiting",  # a duplicate request started watching a creation in flight
-    "name_reserved",  # a duplicate request was answered `name is reserved`
-    "failed",  # a creation failed (or was abandoned) and was rolled back
-    "abandoned",  # keep_on_timeout=False: a creation cancelled because its request gave up
-    "expired",  # a cached object was never claimed and was cleaned up
-    "cleanup_failed",  # a cleanup raised or overran its budget; the name was released anyway
-    "released",  # a name freed after a cleanup
-)
 
 
 class CreationHooks(Protocol):
@@ -134,30 +122,6 @@ class NameInfo:
     expires_at: float | None
 
 
-class InFlightInfo(TypedDict):
-    name: str
-    object_id: str
-    stage: str
-    age_seconds: float  # since the name was reserved
-    stage_seconds: float  # since the current stage was entered
-    watchers: int
-    requester_waiting: bool
-
-
-class CreationStats(TypedDict):
-    kind: str
-    counters: dict[str, int]
-    stages_entered: dict[str, int]
-    # Seconds spent in each stage by creations that have left it: with stages_entered,
-    # the average duration of a stage.
-    stage_seconds: dict[str, float]
-    stalled_by_stage: dict[str, int]  # in-flight creations, grouped by their current stage
-    in_flight: list[InFlightInfo]
-    cached: int
-    visible: int
-    cleaning: int
-
-
 @dataclass(eq=False)
 class _Entry:
     """One held name and what is happening to it."""
@@ -209,6 +173,7 @@ class CreationCoordinator:
         cleanup_timeout: float = 120.0,
         clock: Callable[[], float] | None = None,
         new_id: Callable[[], str] | None = None,
+        observer: CreationObserver | None = None,
     ) -> None:
         self._kind = kind
         self._hooks = hooks
@@ -221,9 +186,7 @@ class CreationCoordinator:
         self._registrar = NameRegistrar()
         self._entries: dict[str, _Entry] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._stages_entered: Counter[str] = Counter()
-        self._stage_seconds: defaultdict[str, float] = defaultdict(float)
+        self._observer = observer if observer is not None else CreationStatistics()
         self._closing = False
 
     # ---- the request path ----------------------------------------------------------
@@ -424,7 +387,7 @@ class CreationCoordinator:
             raise
         entry.run_task = None
         # The last stage ends with the creation, whatever its outcome.
-        self._stage_seconds[entry.stage] += self._clock() - entry.stage_since
+        self._observer.stage_left(entry.stage, self._clock() - entry.stage_since)
         error: BaseException | None
         if run_task.cancelled():
             # Only keep_on_timeout=False cancels a creation: its requester gave up.
@@ -538,7 +501,7 @@ class CreationCoordinator:
             async with asyncio.timeout(self._cleanup_timeout):
                 await self._hooks.cleanup(entry.object_id)
         except TimeoutError:
-            self._counters["cleanup_failed"] += 1
+            self._observer.counted("cleanup_failed")
             log.error(
                 "%s %r (%s): cleanup did not finish within %.0fs; releasing the name anyway, "
                 "what is left is for garbage collection",
@@ -548,7 +511,7 @@ class CreationCoordinator:
                 self._cleanup_timeout,
             )
         except Exception:
-            self._counters["cleanup_failed"] += 1
+            self._observer.counted("cleanup_failed")
             log.exception(
                 "%s %r (%s): cleanup failed; releasing the name anyway",
                 self._kind,
@@ -584,10 +547,10 @@ class CreationCoordinator:
         # Persist before recording, so that memory never says more than the database.
         self._hooks.stage_changed(entry.object_id, stage)
         now = self._clock()
-        self._stage_seconds[entry.stage] += now - entry.stage_since
+        self._observer.stage_left(entry.stage, now - entry.stage_since)
         entry.stage = stage
         entry.stage_since = now
-        self._stages_entered[stage] += 1
+        self._observer.stage_entered(stage)
         log.info("%s %r (%s): stage %s", self._kind, entry.name, entry.object_id, stage)
 
     def _abandoned_error(self, entry: _Entry) -> DeadlineExceeded:
@@ -688,11 +651,12 @@ class CreationCoordinator:
         now = self._clock()
         in_flight = [e for e in self._entries.values() if e.phase is Phase.IN_FLIGHT]
         phases = Counter(e.phase for e in self._entries.values())
+        figures = self._observer.figures()
         return CreationStats(
             kind=self._kind,
-            counters=dict(self._counters),
-            stages_entered=dict(self._stages_entered),
-            stage_seconds={k: round(v, 6) for k, v in self._stage_seconds.items()},
+            counters=figures["counters"],
+            stages_entered=figures["stages_entered"],
+            stage_seconds=figures["stage_seconds"],
             stalled_by_stage=dict(Counter(e.stage for e in in_flight)),
             in_flight=[
                 InFlightInfo(
@@ -774,7 +738,7 @@ class CreationCoordinator:
             log.error("%s task %r failed", self._kind, task.get_name(), exc_info=error)
 
     def _count(self, counter: str, entry: _Entry, message: str, level: int = logging.INFO) -> None:
-        self._counters[counter] += 1
+        self._observer.counted(counter)
         log.log(level, "%s %r (%s): %s", self._kind, entry.name, entry.object_id, message)
 
 
