@@ -1,11 +1,12 @@
 """Idempotent creation under client deadlines: the contract of DESIGN §2, and nothing else.
 
-The coordinator owns the life of a *name*, from its reservation to its release, and the
-tasks that live in between: the creation itself (detached from the request that started
-it), the expiry timer of a finished but unclaimed object, and its cleanup. It does no I/O
-of its own: the domain layer does the work in the creator it passes to `create()` and
-persists every decision through `CreationHooks`, in the same step as the memory change;
-what happens is counted by a `CreationObserver` (statistics.py).
+The coordinator owns the life of a *name*, from its reservation to its release: one
+coroutine per name runs the creation (detached from the request that started it), publishes
+or caches what it made, waits for a claim or the expiry, and cleans up. These coroutines
+belong to the coordinator's task group, which `aclose()` (daemon shutdown) cancels. It does
+no I/O of its own: the domain layer does the work in the creator it passes to `create()` and
+persists every decision through `CreationHooks`, in the same step as the memory change; what
+happens is counted by a `CreationObserver` (statistics.py).
 
 A name is in one of four phases:
 
@@ -24,13 +25,17 @@ clock must run at the loop's pace; tests that want virtual time run a virtual-ti
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn, Protocol
+
+import anyio
+import anyio.abc
 
 from cri_shim import logcontext
 from cri_shim.creation.registrar import NameRegistrar
@@ -132,8 +137,8 @@ class _Entry:
     stage: str
     reserved_at: float
     stage_since: float
-    # Resolved when the current creation (or expiry cleanup) settles; what requests wait on.
-    settled: asyncio.Future[None] | None = None
+    # Set when the current creation (or expiry cleanup) settles; what requests wait on.
+    settled: anyio.Event | None = None
     # The error of a failed creation, handed to every request waiting on it.
     error: BaseException | None = None
     requester_waiting: bool = False
@@ -141,8 +146,10 @@ class _Entry:
     # The latest time any request waiting on this creation gives up (see `_expiry_time`).
     latest_deadline: float | None = None
     expires_at: float | None = None
-    run_task: asyncio.Task[None] | None = None
-    expiry_task: asyncio.Task[None] | None = None
+    # keep_on_timeout is off and the request gave up: the creation is rolled back.
+    abandoned: bool = False
+    creator_scope: anyio.CancelScope | None = None  # while the creator runs
+    claimed: anyio.Event | None = None  # while the object waits in the cache
 
     def note_deadline(self, when: float) -> None:
         if self.latest_deadline is None or when > self.latest_deadline:
@@ -160,6 +167,10 @@ class CreationCoordinator:
     `hand_off=False` is the CRI-O-like comparison mode: a duplicate that waits on a creation
     is refused with `name is reserved` even when the creation finishes while it waits, and
     only its next retry gets the object (from the cache).
+
+    `hooks` persists and undoes (the domain layer implements CreationHooks); `observer` is
+    told of every event and stage change, and its figures are what stats() reports
+    (CreationStatistics unless another is given).
     """
 
     def __init__(
@@ -184,9 +195,12 @@ class CreationCoordinator:
         self._clock = clock if clock is not None else _loop_time
         self._new_id = new_id if new_id is not None else _random_id
         self._registrar = NameRegistrar()
-        self._entries: dict[str, _Entry] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._observer = observer if observer is not None else CreationStatistics()
+        self._entries: dict[str, _Entry] = {}
+        # The task group of the names' coroutines, and the task that holds it open.
+        self._group: anyio.abc.TaskGroup | None = None
+        self._group_host: asyncio.Task[None] | None = None
+        self._not_started: list[tuple[_Entry, Creator | None, contextvars.Context]] = []
         self._closing = False
 
     # ---- the request path ----------------------------------------------------------
@@ -237,13 +251,13 @@ class CreationCoordinator:
             stage=STAGE_RESERVED,
             reserved_at=now,
             stage_since=now,
-            settled=asyncio.get_running_loop().create_future(),
+            settled=anyio.Event(),
             requester_waiting=True,
         )
         self._entries[name] = entry
         logcontext.bind_object(self._kind, object_id, name)
         self._count("reserved", entry, "reserved, creation started")
-        self._spawn(self._drive(entry, run), f"create {self._kind} {name}", entry)
+        self._start(entry, run)
         return entry
 
     async def _await_own_creation(self, entry: _Entry, deadline: float | None) -> str:
@@ -259,7 +273,7 @@ class CreationCoordinator:
             self._requester_gone(entry, deadline, cancelled=False)
             if entry.error is not None:
                 raise self._error_of(entry)  # failed before the deadline; being undone now
-            if self._keep_on_timeout:
+            if not entry.abandoned:
                 raise DeadlineExceeded(
                     f"deadline exceeded: {self._kind} creation of {entry.name!r} continues in "
                     "the background; retry with the same name to get it "
@@ -288,18 +302,18 @@ class CreationCoordinator:
             self._count("timed_out", entry, "requester's deadline passed, creation continues")
         if not self._keep_on_timeout:
             self._count("abandoned", entry, "keep_on_timeout is off: cancelling the creation")
-            if entry.run_task is not None:
-                entry.run_task.cancel()
+            entry.abandoned = True
+            if entry.creator_scope is not None:
+                entry.creator_scope.cancel()
 
     def _claim_cached(self, entry: _Entry) -> str:
         """A retry takes the object that was finished for it: publish and return it."""
         # Publish first: if persisting fails, the object stays cached and claimable.
         self._hooks.publish(entry.object_id)
-        if entry.expiry_task is not None:
-            entry.expiry_task.cancel()
-            entry.expiry_task = None
         entry.phase = Phase.VISIBLE
         entry.expires_at = None
+        if entry.claimed is not None:
+            entry.claimed.set()  # ends the wait for the expiry
         self._count("claimed", entry, "claimed from the cache, now visible")
         return entry.object_id
 
@@ -350,96 +364,107 @@ class CreationCoordinator:
             f"(stage: {entry.stage}); retry to get it once done"
         )
 
-    async def _wait(self, settled: asyncio.Future[None] | None, deadline: float | None) -> bool:
-        """Wait for `settled` until `deadline`; True if it resolved.
+    async def _wait(self, settled: anyio.Event | None, deadline: float | None) -> bool:
+        """Wait for `settled` until `deadline`; True if it was set.
 
-        This is the shield between a request and the creation: asyncio.wait never cancels
-        what it waits for, so a request that times out or is cancelled leaves the creation
-        (and everybody else waiting on it) untouched.
+        The creation runs in the coordinator's task group, not in the request's task: a
+        request that times out or is cancelled leaves it (and everybody else waiting on it)
+        untouched.
         """
         assert settled is not None, "only in-flight and cleaning names are waited on"
-        if settled.done():
+        if settled.is_set():
             return True
         timeout = None if deadline is None else max(0.0, deadline - self._clock())
-        await asyncio.wait((settled,), timeout=timeout)
-        return settled.done()
+        with anyio.move_on_after(timeout):
+            await settled.wait()
+        return settled.is_set()
 
     # ---- the creation, detached from any request -------------------------------------
 
-    async def _drive(self, entry: _Entry, run: Creator) -> None:
-        """Run one creation to its end: publish it, cache it, or undo it."""
-        if not self._keep_on_timeout and not entry.requester_waiting:
-            # The request gave up before the creation even started.
-            await self._undo(entry, self._abandoned_error(entry))
-            return
+    async def _life(self, entry: _Entry, run: Creator | None) -> None:
+        """One name from its reservation to its release, in the contract's order: run the
+        creator, publish or cache what it made, wait for a claim or the expiry, clean up.
+
+        `run` is None for an object restored into the cache: its life starts at the claim.
+        Daemon shutdown cancels this coroutine wherever it is, without cleanup (`aclose`).
+        """
+        if run is not None:
+            error = await self._run(entry, run)
+            if error is None:
+                error = self._publish_or_cache(entry)
+            if error is not None:
+                self._fail(entry, error)
+                await self._clean_up(entry)
+                return
+        if entry.phase is not Phase.CACHED or await self._claimed_in_time(entry):
+            return  # visible: the domain's from now on, until it calls release()
+        self._expire(entry)
+        await self._clean_up(entry)
+
+    async def _run(self, entry: _Entry, run: Creator) -> BaseException | None:
+        """Run the creator to its end; the error it ended with, if any.
+
+        Only an abandonment (keep_on_timeout off, the request gave up) cancels the creator's
+        scope, so that the coroutine carries on with the rollback; shutdown cancels it all.
+        """
+        if entry.abandoned:
+            return self._abandoned_error(entry)  # gave up before the creation even started
         stage = Stage(lambda new: self._stage_changed(entry, new))
-        run_task = self._spawn(
-            _call_creator(run, entry.object_id, stage),
-            f"run {self._kind} {entry.name}",
-            entry,
-            report_errors=False,  # this task's outcome is read below
-        )
-        entry.run_task = run_task
-        try:
-            await asyncio.wait((run_task,))
-        except asyncio.CancelledError:
-            run_task.cancel()  # daemon shutdown: stop here; a restart rolls it back
-            raise
-        entry.run_task = None
+        error: BaseException | None = None
+        with anyio.CancelScope() as scope:
+            entry.creator_scope = scope
+            try:
+                await run(entry.object_id, stage)
+            except Exception as exc:
+                error = exc
+        entry.creator_scope = None
         # The last stage ends with the creation, whatever its outcome.
         self._observer.stage_left(entry.stage, self._clock() - entry.stage_since)
-        error: BaseException | None
-        if run_task.cancelled():
-            # Only keep_on_timeout=False cancels a creation: its requester gave up.
-            error = self._abandoned_error(entry)
-        else:
-            error = run_task.exception()
-        if error is None:
-            try:
-                self._finish(entry)
-                return
-            except Exception as exc:  # a hook failed to persist: the object is not usable
-                error = exc
-        await self._undo(entry, error)
+        if scope.cancelled_caught:
+            return self._abandoned_error(entry)
+        return error
 
-    def _finish(self, entry: _Entry) -> None:
+    def _publish_or_cache(self, entry: _Entry) -> BaseException | None:
         """The creator is done: whoever waits on it gets the object, else the cache.
 
         Waiting duplicates count only with `hand_off`: without it they are refused, and the
-        object is kept in the cache for their next retry.
+        object is kept in the cache for their next retry. Returns the error that makes the
+        object unusable (a hook failed to persist, or it was abandoned), if any.
         """
-        if entry.requester_waiting:
-            self._hooks.publish(entry.object_id)
-            entry.phase = Phase.VISIBLE
-            self._count("created", entry, "created, now visible")
-        elif self._hand_off and entry.watchers > 0:
-            self._hooks.publish(entry.object_id)
-            entry.phase = Phase.VISIBLE
-            log.info(
-                "%s %r (%s): finished after its request gave up, while %d duplicate "
-                "request(s) waited; handed to them, now visible",
-                self._kind,
-                entry.name,
-                entry.object_id,
-                entry.watchers,
-            )
-        elif not self._keep_on_timeout:
-            # Finished in the instant its request gave up; without a cache it goes.
-            raise self._abandoned_error(entry)
-        else:
-            expires_at = self._expiry_time(entry)
-            self._hooks.cached(entry.object_id, expires_at)
-            entry.phase = Phase.CACHED
-            entry.expires_at = expires_at
-            entry.expiry_task = self._spawn(
-                self._expire_when_due(entry), f"expire {self._kind} {entry.name}", entry
-            )
-            self._count(
-                "cached",
-                entry,
-                f"finished after its request gave up; cached for {expires_at - self._clock():.0f}s",
-            )
+        try:
+            if entry.requester_waiting:
+                self._hooks.publish(entry.object_id)
+                entry.phase = Phase.VISIBLE
+                self._count("created", entry, "created, now visible")
+            elif self._hand_off and entry.watchers > 0:
+                self._hooks.publish(entry.object_id)
+                entry.phase = Phase.VISIBLE
+                log.info(
+                    "%s %r (%s): finished after its request gave up, while %d duplicate "
+                    "request(s) waited; handed to them, now visible",
+                    self._kind,
+                    entry.name,
+                    entry.object_id,
+                    entry.watchers,
+                )
+            elif entry.abandoned:
+                # Finished in the instant its request gave up; without a cache it goes.
+                return self._abandoned_error(entry)
+            else:
+                expires_at = self._expiry_time(entry)
+                self._hooks.cached(entry.object_id, expires_at)
+                entry.phase = Phase.CACHED
+                entry.expires_at = expires_at
+                self._count(
+                    "cached",
+                    entry,
+                    f"finished after its request gave up; cached for "
+                    f"{expires_at - self._clock():.0f}s",
+                )
+        except Exception as exc:
+            return exc
         self._settle(entry)
+        return None
 
     def _expiry_time(self, entry: _Entry) -> float:
         """When an unclaimed object is cleaned up: claim_grace after the last request gave up.
@@ -455,30 +480,29 @@ class CreationCoordinator:
             start = max(start, entry.latest_deadline)
         return start + self._claim_grace
 
-    async def _expire_when_due(self, entry: _Entry) -> None:
+    async def _claimed_in_time(self, entry: _Entry) -> bool:
+        """Wait for a retry to claim the cached object (`_claim_cached`) until it expires."""
         assert entry.expires_at is not None
-        delay = entry.expires_at - self._clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        # A claim during the sleep cancels this task. Past it, nothing else runs until the
-        # cleanup's first await, so no claim can slip in between the wake-up and CLEANING.
-        entry.expiry_task = None
+        entry.claimed = anyio.Event()
+        with anyio.move_on_after(max(0.0, entry.expires_at - self._clock())):
+            await entry.claimed.wait()
+        # Whichever came first decides; from here to CLEANING nothing else runs, so no
+        # claim can slip in between.
+        return entry.phase is not Phase.CACHED
+
+    def _expire(self, entry: _Entry) -> None:
         entry.phase = Phase.CLEANING
         entry.stage = STAGE_CLEANUP
         entry.stage_since = self._clock()
         # Duplicates arriving during the cleanup wait for the name to be free again.
-        entry.settled = asyncio.get_running_loop().create_future()
+        entry.settled = anyio.Event()
         self._count("expired", entry, "never claimed; cleaning up")
-        try:
-            await self._cleanup(entry)
-        finally:
-            self._release_after_cleanup(entry)
 
-    async def _undo(self, entry: _Entry, error: BaseException) -> None:
-        """A creation failed or was abandoned: undo it, free the name, then tell everyone.
+    def _fail(self, entry: _Entry, error: BaseException) -> None:
+        """A creation failed or was abandoned: what waiters will be told, once it is undone.
 
-        Waiting requests are woken only after the name is free, so that a client retrying
-        at once on the error finds the name available rather than reserved.
+        Waiting requests are woken only after the name is free (`_clean_up`), so that a
+        client retrying at once on the error finds the name available rather than reserved.
         """
         self._count(
             "failed",
@@ -490,15 +514,12 @@ class CreationCoordinator:
         entry.stage = STAGE_CLEANUP
         entry.stage_since = self._clock()
         entry.error = error
-        try:
-            await self._cleanup(entry)
-        finally:
-            self._release_after_cleanup(entry)
 
-    async def _cleanup(self, entry: _Entry) -> None:
-        """Run the domain's cleanup within its own budget; failures are logged, not raised."""
+    async def _clean_up(self, entry: _Entry) -> None:
+        """Run the domain's cleanup within its own budget, then free the name whatever
+        happened; failures are logged and counted, not raised."""
         try:
-            async with asyncio.timeout(self._cleanup_timeout):
+            with anyio.fail_after(self._cleanup_timeout):
                 await self._hooks.cleanup(entry.object_id)
         except TimeoutError:
             self._observer.counted("cleanup_failed")
@@ -518,6 +539,8 @@ class CreationCoordinator:
                 entry.name,
                 entry.object_id,
             )
+        finally:
+            self._release_after_cleanup(entry)
 
     def _release_after_cleanup(self, entry: _Entry) -> None:
         """Free the name (memory, then database) and wake whoever waits on it.
@@ -568,8 +591,8 @@ class CreationCoordinator:
 
     @staticmethod
     def _settle(entry: _Entry) -> None:
-        if entry.settled is not None and not entry.settled.done():
-            entry.settled.set_result(None)
+        if entry.settled is not None:
+            entry.settled.set()
 
     # ---- the domain's side: removal and restore --------------------------------------
 
@@ -605,9 +628,7 @@ class CreationCoordinator:
         """
         entry = self._restore(name, object_id, Phase.CACHED)
         entry.expires_at = self._clock() + self._claim_grace
-        entry.expiry_task = self._spawn(
-            self._expire_when_due(entry), f"expire {self._kind} {name}", entry
-        )
+        self._start(entry, None)
         return entry.expires_at
 
     def _restore(self, name: str, object_id: str, phase: Phase) -> _Entry:
@@ -678,7 +699,7 @@ class CreationCoordinator:
     # ---- shutdown ----------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Daemon shutdown: stop creations and timers where they are, WITHOUT cleanup.
+        """Daemon shutdown: stop every name's coroutine where it is, WITHOUT cleanup.
 
         Their rows still say reserved / creating / cached, so the restart rolls interrupted
         creations back from the journal and restores cached objects; cleaning up here would
@@ -696,54 +717,80 @@ class CreationCoordinator:
             ", ".join(busy) or "none",
         )
         for entry in self._entries.values():
-            if entry.settled is not None and not entry.settled.done():
+            if entry.settled is not None and not entry.settled.is_set():
                 # Even a failed creation's waiters get this: its rollback is not done, so
                 # only a retry after the restart can tell whether the name is free.
                 entry.error = Unavailable(
                     f"cri-shim is shutting down during the creation of {entry.name!r}; "
                     "retry once it is back"
                 )
-                entry.settled.set_result(None)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+                entry.settled.set()
+        if self._group is not None:
+            self._group.cancel_scope.cancel()
+        if self._group_host is not None:
+            await self._group_host
 
     # ---- task ownership ----------------------------------------------------------------
 
-    def _spawn(
-        self,
-        coro: Coroutine[Any, Any, None],
-        name: str,
-        entry: _Entry,
-        *,
-        report_errors: bool = True,
-    ) -> asyncio.Task[None]:
-        """Start a task the coordinator owns: tracked until done, cancelled by aclose.
+    def _start(self, entry: _Entry, run: Creator | None) -> None:
+        """Start the name's coroutine in the coordinator's task group.
 
-        The task's log lines are about `entry`'s object, bound now: it outlives the
-        request that started it, and runs the domain's creator and cleanup."""
+        Synchronous, so that a reservation and the start of its creation are one step. The
+        group is opened by its host task on first use; until that task runs, what is to
+        start waits in a list that the host drains.
+
+        The coroutine's log lines are about `entry`'s object, bound now, in a copy of the
+        caller's context: it outlives the request that started it, and runs the domain's
+        creator and cleanup.
+        """
         context = logcontext.context_for(self._kind, entry.object_id, entry.name)
-        task = asyncio.get_running_loop().create_task(coro, name=name, context=context)
-        self._tasks.add(task)
-        task.add_done_callback(lambda t: self._task_done(t, report_errors))
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any], report_errors: bool) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
+        if self._group is not None:
+            self._start_in(self._group, entry, run, context)
             return
-        error = task.exception()  # retrieved always, so asyncio never warns it was lost
-        if error is not None and report_errors:
-            log.error("%s task %r failed", self._kind, task.get_name(), exc_info=error)
+        self._not_started.append((entry, run, context))
+        if self._group_host is None or self._group_host.done():
+            self._group_host = asyncio.get_running_loop().create_task(
+                self._host_group(), name=f"{self._kind} creations"
+            )
+
+    async def _host_group(self) -> None:
+        """Hold the task group of the names' coroutines open until `aclose` cancels it."""
+        try:
+            async with anyio.create_task_group() as group:
+                if self._closing:
+                    return  # closed before this task first ran: nothing is started
+                self._group = group
+                for entry, run, context in self._not_started:
+                    self._start_in(group, entry, run, context)
+                self._not_started.clear()
+                await anyio.sleep_forever()
+        finally:
+            self._group = None
+
+    def _start_in(
+        self,
+        group: anyio.abc.TaskGroup,
+        entry: _Entry,
+        run: Creator | None,
+        context: contextvars.Context,
+    ) -> None:
+        # A task copies the context it is created in: started inside `context`, the
+        # coroutine runs in a copy of it.
+        name = f"{self._kind} {entry.name}"
+        context.run(lambda: group.start_soon(self._own, entry, run, name=name))
+
+    async def _own(self, entry: _Entry, run: Creator | None) -> None:
+        # A bug in one name's life must not cancel every other name's (the group would).
+        try:
+            await self._life(entry, run)
+        except Exception:
+            log.exception(
+                "%s %r (%s): its coroutine failed", self._kind, entry.name, entry.object_id
+            )
 
     def _count(self, counter: str, entry: _Entry, message: str, level: int = logging.INFO) -> None:
         self._observer.counted(counter)
         log.log(level, "%s %r (%s): %s", self._kind, entry.name, entry.object_id, message)
-
-
-async def _call_creator(run: Creator, object_id: str, stage: Stage) -> None:
-    await run(object_id, stage)
 
 
 def _loop_time() -> float:

@@ -27,6 +27,7 @@ from creation_fakes import (
 
 from cri_shim.creation.coordinator import CreationCoordinator, Phase, Stage
 from cri_shim.creation.registrar import NameTaken
+from cri_shim.creation.statistics import COUNTERS, CreationStatistics
 from cri_shim.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -702,6 +703,69 @@ async def test_stats_show_creations_stalled_per_stage() -> None:
     assert stats["counters"]["reserved"] == 3 and stats["counters"]["waiting"] == 1
     await coordinator.aclose()
     await asyncio.gather(*requests)
+
+
+@in_virtual_time
+async def test_stats_count_from_zero_and_time_each_stage_left() -> None:
+    coordinator, _ = make()
+    assert coordinator.stats()["counters"] == dict.fromkeys(COUNTERS, 0)
+    creator = FakeCreator(steps=[("sandbox storage", 1.0), ("sandbox network", 2.5)])
+
+    await coordinator.create(NAME, 10.0, creator)
+
+    stats = coordinator.stats()
+    assert stats["stage_seconds"] == {
+        "reserved": 0.0,
+        "sandbox storage": 1.0,
+        "sandbox network": 2.5,
+    }
+    assert stats["stages_entered"] == {"sandbox storage": 1, "sandbox network": 1}
+    assert {k: v for k, v in stats["counters"].items() if v} == {"reserved": 1, "created": 1}
+    await coordinator.aclose()
+
+
+class RecordingObserver(CreationStatistics):
+    """The default figures, and what the coordinator told, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[tuple[str, ...]] = []
+
+    def counted(self, event: str) -> None:
+        super().counted(event)
+        self.told.append(("counted", event))
+
+    def stage_entered(self, stage: str) -> None:
+        super().stage_entered(stage)
+        self.told.append(("entered", stage))
+
+    def stage_left(self, stage: str, seconds: float) -> None:
+        super().stage_left(stage, seconds)
+        self.told.append(("left", stage, str(seconds)))
+
+
+@in_virtual_time
+async def test_an_injected_observer_is_told_each_event_and_stats_report_its_figures() -> None:
+    observer = RecordingObserver()
+    coordinator, _ = make(observer=observer)
+    creator = FakeCreator(steps=[("sandbox network", 6.0)])
+
+    with pytest.raises(DeadlineExceeded):
+        await coordinator.create(NAME, 4.0, creator)
+    await advance_to(7.0)  # finished at t=6 with nobody waiting: cached
+    assert await coordinator.create(NAME, 10.0, creator) == "id1"  # claimed
+
+    assert observer.told == [
+        ("counted", "reserved"),
+        ("left", "reserved", "0.0"),
+        ("entered", "sandbox network"),
+        ("counted", "timed_out"),
+        ("left", "sandbox network", "6.0"),
+        ("counted", "cached"),
+        ("counted", "claimed"),
+    ]
+    assert coordinator.stats()["counters"] == observer.figures()["counters"]
+    await coordinator.aclose()
 
 
 @in_virtual_time

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from creation_fakes import CleanupPlan, FakeCreator, FakeHooks, in_virtual_time
 
+from cri_shim import logcontext
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.errors import DeadlineExceeded, NameReserved
 from cri_shim.logcontext import BoundObjectFilter, bound_fields
@@ -105,4 +106,31 @@ async def test_a_failed_creations_rollback_logs_about_its_object(captured: Captu
         await coordinator.create(NAME, 10.0, FakeCreator(error=RuntimeError("plugin failed")))
     assert captured.about("rolling back") == OBJECT
     assert captured.about("cleanup failed") == OBJECT
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_a_creation_keeps_what_its_request_bound_besides_its_object(
+    captured: Captured,
+) -> None:
+    """A container's creation logs about its pod too, which the gRPC edge bound."""
+    ids = (f"c{n}" for n in itertools.count(1))
+    coordinator = CreationCoordinator("container", FakeHooks(), new_id=lambda: next(ids))
+
+    async def creator(object_id: str, stage: Stage) -> None:
+        await asyncio.sleep(1.0)
+        log.info("created %s", object_id)
+
+    async def request(pod: str, name: str) -> None:
+        logcontext.bind_object("sandbox", pod)
+        await coordinator.create(name, 10.0, creator)
+
+    # The first starts the coordinator's task group, the second joins it.
+    await asyncio.gather(
+        asyncio.create_task(request("pod1", "k8s_a_nginx_default_uid-1_0")),
+        asyncio.create_task(request("pod2", "k8s_b_nginx_default_uid-2_0")),
+    )
+    for object_id, pod in (("c1", "pod1"), ("c2", "pod2")):
+        [record] = [r for r in captured.records if r.getMessage() == f"created {object_id}"]
+        assert (record.container_id, record.sandbox_id) == (object_id, pod)  # type: ignore[attr-defined]
     await coordinator.aclose()
