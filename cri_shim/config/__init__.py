@@ -1,0 +1,60 @@
+"""The daemon's configuration: the typed model (`model`), loaded and checked from TOML
+(`validation`), printed back and documented key by key (`reference`).
+
+Importers take every public name from here.
+"""
+
+from cri_shim.config.model import (
+    BUNDLED_CNI_DIR,
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    CreationConfig,
+    ImagesConfig,
+    MetricsConfig,
+    NetworkConfig,
+    RequestsConfig,
+    RuntimeConfig,
+    RuntimeHandler,
+    StreamingSection,
+    redact_userinfo,
+)
+from cri_shim.config.reference import (
+    KEY_DOCS,
+    ConfigKey,
+    config_keys,
+    config_reference_markdown,
+    config_reference_toml,
+    config_to_toml,
+)
+from cri_shim.config.units import format_duration, format_size, parse_duration, parse_size
+from cri_shim.config.validation import apply_overrides, config_from_dict, load_config
+
+__all__ = [
+    "BUNDLED_CNI_DIR",
+    "DEFAULT_CONFIG_PATH",
+    "KEY_DOCS",
+    "Config",
+    "ConfigError",
+    "ConfigKey",
+    "CreationConfig",
+    "ImagesConfig",
+    "MetricsConfig",
+    "NetworkConfig",
+    "RequestsConfig",
+    "RuntimeConfig",
+    "RuntimeHandler",
+    "StreamingSection",
+    "apply_overrides",
+    "config_from_dict",
+    "config_keys",
+    "config_reference_markdown",
+    "config_reference_toml",
+    "config_to_toml",
+    "format_duration",
+    "format_size",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+    "redact_userinfo",
+]

@@ -1,0 +1,165 @@
+"""The daemon's configuration as typed dataclasses: every key, its type and its default.
+
+Loading and checking a file is `validation`; printing it back and documenting every key
+is `reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_CONFIG_PATH = Path("/etc/cri-shim/config.toml")
+# The default bridge network shipped with the source tree (used when config_dir is empty).
+BUNDLED_CNI_DIR = Path(__file__).resolve().parents[2] / "cni"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+@dataclass
+class NetworkConfig:
+    config_dir: Path = Path("/etc/cni/net.d")
+    bin_dirs: list[Path] = field(
+        default_factory=lambda: [Path("/usr/lib/cni"), Path("/opt/cni/bin")]
+    )
+    # A minute more than kubelet's longest request, so a slow plugin's work can be reused.
+    setup_timeout: float = 300.0
+    teardown_timeout: float = 120.0
+
+
+@dataclass
+class CreationConfig:
+    claim_grace: float = 120.0
+    keep_on_timeout: bool = True
+    hand_off: bool = True
+    cleanup_timeout: float = 120.0
+
+
+@dataclass
+class RuntimeHandler:
+    path: Path = Path("runc")
+    root: Path | None = None
+
+
+@dataclass
+class RuntimeConfig:
+    default_handler: str = "runc"
+    conmon: Path = Path("conmon")
+    handlers: dict[str, RuntimeHandler] = field(
+        default_factory=lambda: {"runc": RuntimeHandler(path=Path("runc"))}
+    )
+    stop_timeout_grace: float = 10.0
+
+
+@dataclass
+class ImagesConfig:
+    insecure_registries: list[str] = field(default_factory=list)
+    mirrors: dict[str, list[str]] = field(default_factory=dict)
+    # Limits on one layer as it is unpacked: a decompression bomb stops here, with a
+    # message naming the key. Generous: real layers reach tens of GiB.
+    max_layer_bytes: int = 64 << 30
+    max_layer_entries: int = 1_000_000
+    # Device nodes in a layer can open host devices to whoever may use the image's
+    # files; overlay whiteouts (0/0 character devices) are always kept.
+    allow_device_nodes: bool = False
+    # Layer downloads: the daemon runs at most max_concurrent_downloads at once, one
+    # registry at most max_downloads_per_registry of them, each within download_timeout,
+    # and one slower than download_min_rate bytes a second over download_rate_window is cut
+    # off, so no registry can hold the others up.
+    max_concurrent_downloads: int = 4
+    max_downloads_per_registry: int = 2
+    download_timeout: float = 3600.0
+    download_min_rate: int = 10 << 10
+    download_rate_window: float = 30.0
+
+    def __repr__(self) -> str:
+        # A mirror may be written http://user:password@host; reprs reach logs and tracebacks.
+        mirrors = {k: [redact_userinfo(url) for url in v] for k, v in self.mirrors.items()}
+        rest = (f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"ImagesConfig({', '.join(r for r in rest if not r.startswith('mirrors='))}, " + (
+            f"mirrors={mirrors!r})"
+        )
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redact_userinfo(url: str) -> str:
+    """`url` without its `user:password@`, for messages and reprs; any text works."""
+    return _USERINFO.sub("", url)
+
+
+@dataclass
+class RequestsConfig:
+    """Admission of CRI calls: a flood is queued or refused, never unbounded."""
+
+    # Calls that do host work (create, stop, remove, exec, pull) running at once...
+    max_in_flight: int = 32
+    # ...and waiting for a slot; a call beyond both is refused with RESOURCE_EXHAUSTED.
+    max_queued: int = 256
+    # Calls answered from memory and the database (list, status, stats, version).
+    max_reads_in_flight: int = 1024
+
+
+@dataclass
+class StreamingSection:
+    # Loopback on a free port: kubelet proxies exec/attach/port-forward from the node.
+    address: str = "127.0.0.1:0"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+
+@dataclass
+class MetricsConfig:
+    listen: str = ""
+
+
+@dataclass
+class Config:
+    listen: str = "unix:///run/cri-shim/cri-shim.sock"
+    root: Path = Path("/var/lib/cri-shim")
+    run_root: Path = Path("/run/cri-shim")
+    log_level: str = "info"
+    log_format: str = "logfmt"
+    cgroup_manager: str = "cgroupfs"
+    # gRPC refuses bigger requests with RESOURCE_EXHAUSTED before any handler sees them.
+    max_message_bytes: int = 16 << 20
+    # The socket is created 0660; this group (name or number) may connect. "" keeps root's.
+    socket_group: str = ""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    creation: CreationConfig = field(default_factory=CreationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    streaming: StreamingSection = field(default_factory=StreamingSection)
+    requests: RequestsConfig = field(default_factory=RequestsConfig)
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.listen.removeprefix("unix://"))
+
+    @property
+    def state_db(self) -> Path:
+        return self.root / "state.db"
+
+
+# Fields given as durations ("90s") and byte counts ("16MiB") in the file; "" is the top
+# level. The loader parses them so, and the printer and the reference write them so.
+DURATION_KEYS = {
+    ("network", "setup_timeout"),
+    ("network", "teardown_timeout"),
+    ("creation", "claim_grace"),
+    ("creation", "cleanup_timeout"),
+    ("runtime", "stop_timeout_grace"),
+    ("images", "download_timeout"),
+    ("images", "download_rate_window"),
+}
+SIZE_KEYS = {
+    ("", "max_message_bytes"),
+    ("images", "max_layer_bytes"),
+    ("images", "download_min_rate"),
+}
