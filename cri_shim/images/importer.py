@@ -28,6 +28,8 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Protocol
 
 from cri_shim.errors import CriError, InvalidArgument
+from cri_shim.images.catalog import ImageRecord
+from cri_shim.images.layers import LayerBlob, chain_ids
 from cri_shim.images.manifest import (
     CONTAINERD_NAME_ANNOTATION,
     DOCKER_LAYER,
@@ -45,7 +47,7 @@ from cri_shim.images.manifest import (
     select_platform,
 )
 from cri_shim.images.reference import parse_named, parse_reference
-from cri_shim.images.store import ImageRecord, ImageStore, LayerBlob, chain_ids
+from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import BoundedTarInfo, UnpackPolicy, sniff_compression
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,9 @@ from cri_shim.errors import (
 from cri_shim.faults import fault_point
 from cri_shim.host import mounts
 from cri_shim.images import overlay
+from cri_shim.images.catalog import ImageRecord
 from cri_shim.images.reference import parse_reference
-from cri_shim.images.store import ImageRecord, ImageStore
+from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.events import (
     CONTAINER_CREATED,
     CONTAINER_DELETED,

@@ -14,8 +14,8 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.auth import Credentials
+from cri_shim.images.catalog import ImageRecord
 from cri_shim.images.pull import ImagePuller
-from cri_shim.images.store import ImageRecord
 from cri_shim.server import listing
 
 if TYPE_CHECKING:

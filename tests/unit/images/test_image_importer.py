@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import InvalidArgument
+from cri_shim.images.content import DigestMismatch
 from cri_shim.images.importer import import_image
 from cri_shim.images.manifest import host_platform
-from cri_shim.images.store import DigestMismatch, ImageStore
+from cri_shim.images.store import ImageStore
 from tests.imagebuild import (
     DEFAULT_REF_NAME,
     BuiltImage,

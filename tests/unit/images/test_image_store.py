@@ -20,12 +20,9 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
-from cri_shim.images.store import (
-    DigestMismatch,
-    ImageStore,
-    LayerBlob,
-    chain_ids,
-)
+from cri_shim.images.content import DigestMismatch
+from cri_shim.images.layers import LayerBlob, chain_ids
+from cri_shim.images.store import ImageStore
 from cri_shim.state.db import Database
 
 
@@ -458,7 +455,7 @@ def test_a_failed_unpack_leaves_no_directory(
         (dest / "partial").mkdir(parents=True)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("cri_shim.images.store.unpack_layer", disk_full)
+    monkeypatch.setattr("cri_shim.images.layers.unpack_layer", disk_full)
     with pytest.raises(Internal, match="No space left"):
         add(store, [BASE])
     assert list(store.layers_dir.iterdir()) == []

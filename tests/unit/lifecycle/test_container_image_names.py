@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.images.store import ImageRecord
+from cri_shim.images.catalog import ImageRecord
 from cri_shim.lifecycle.containers import image_names
 
 ID = "sha256:" + "ab" * 32
