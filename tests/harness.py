@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from tests.waiting import wait_until as wait_until  # for the daemon tests
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"
@@ -343,17 +344,6 @@ def pod_config(
         linux=kwargs.pop("linux", api_pb2.LinuxPodSandboxConfig()),
         **kwargs,
     )
-
-
-def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached in time")
-        time.sleep(interval)
 
 
 def ping(ip: str) -> bool:

@@ -203,10 +203,13 @@ def test_stop_escalates_to_sigkill(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
 ) -> None:
     container_id = create(
-        daemon, pod, container_config("stubborn", ["trap '' TERM; while true; do sleep 1; done"])
+        daemon,
+        pod,
+        container_config("stubborn", ["trap '' TERM; echo trapped; while true; do sleep 1; done"]),
     )
     start(daemon, container_id)
-    time.sleep(0.5)
+    # The shell has installed its trap once it prints.
+    wait_until(lambda: "trapped" in log_lines(status(daemon, container_id).log_path))
     t0 = time.monotonic()
     daemon.runtime().StopContainer(
         api_pb2.StopContainerRequest(container_id=container_id, timeout=2), timeout=60
@@ -397,7 +400,9 @@ def test_restart_keeps_running_container_and_picks_up_exit(
     start(daemon, container_id)
     daemon.kill9()
     (flag / "go").write_text("")
-    time.sleep(1.5)
+    # The container exits while the daemon is down: conmon records its exit code.
+    exit_file = daemon.run_root / "conmon" / "runc" / "exits" / container_id
+    wait_until(lambda: exit_file.exists() and exit_file.read_text().strip())
     daemon.start()
     st = status(daemon, container_id)
     assert st.state == api_pb2.CONTAINER_EXITED

@@ -15,6 +15,7 @@ from cri_shim.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from cri_shim.server.limits import READ_RPCS, RequestLimiter, _rpc_name
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.validation import validate_request
+from tests.waiting import until
 
 
 def test_every_served_rpc_is_admitted_under_its_own_name() -> None:
@@ -220,8 +221,7 @@ async def test_work_calls_queue_then_are_refused_and_reads_pass() -> None:
             await release.wait()
 
     running = [asyncio.create_task(work(n)) for n in range(4)]
-    await asyncio.sleep(0.01)
-    assert (limiter.working, limiter.queued) == (2, 2)
+    await until(lambda: (limiter.working, limiter.queued) == (2, 2))
     with pytest.raises(ResourceExhausted, match="max_in_flight, max_queued"):
         await work(99)
     # Reads do not wait behind the work calls.

@@ -28,6 +28,7 @@ from cri_shim.metrics import (
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.runtime.oci import OciRuntime
 from cri_shim.server.rpc import cri_method_name, rpc
+from tests.waiting import until
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -207,7 +208,8 @@ async def test_a_scrape_follows_the_three_request_protocol() -> None:
     assert creation(during, "cri_shim_creation_events_total", event="claimed") == 0
 
     network_done.set()
-    await asyncio.sleep(0.01)  # the creation finishes into the cache
+    # The creation finishes into the cache.
+    await until(lambda: creation(scrape(services), "cri_shim_creation_objects", phase="cached"))
     cached = scrape(services)
     assert creation(cached, "cri_shim_creation_objects", phase="cached") == 1
     assert creation(cached, "cri_shim_creation_stalled", stage="sandbox network") is None
@@ -320,7 +322,7 @@ async def test_closing_stops_listening_and_drops_idle_connections() -> None:
     # A scraper that connected and never finished its request must not hold the stop up.
     _, idle = await asyncio.open_connection(*address)
     idle.write(b"GET /metr")
-    await asyncio.sleep(0.05)
+    await until(lambda: server._connections)  # the server is reading that request
     await asyncio.wait_for(server.aclose(), 2)
     idle.close()
     with pytest.raises(OSError):

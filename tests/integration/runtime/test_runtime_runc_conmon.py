@@ -25,6 +25,7 @@ from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext
+from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -198,9 +199,11 @@ async def test_exec_sync_timeout_returns_promptly_and_leaves_no_process(runtime:
 
 
 async def test_stop_escalates_to_sigkill_for_a_process_that_traps_term(runtime: Runtime) -> None:
-    cid = await runtime.create(shell("trap 'echo got TERM' TERM; while :; do sleep 0.1; done"))
+    cid = await runtime.create(
+        shell("trap 'echo got TERM' TERM; echo trapped; while :; do sleep 0.1; done")
+    )
     await runtime.backend.start(cid)
-    await asyncio.sleep(0.3)
+    await until(lambda: "trapped" in runtime.output(cid))  # the trap is installed
     started = time.monotonic()
     await runtime.backend.stop(cid, 1.0, signal.SIGTERM)
     assert 1.0 <= time.monotonic() - started < 3
@@ -223,13 +226,13 @@ async def test_memory_limit_oom_is_reported(runtime: Runtime) -> None:
 async def test_reopen_log(runtime: Runtime) -> None:
     cid = await runtime.create(shell("i=0; while :; do echo line $i; i=$((i+1)); sleep 0.02; done"))
     await runtime.backend.start(cid)
-    await asyncio.sleep(0.3)
     log = runtime.log_path(cid)
+    await until(lambda: log.exists() and log.read_text())
     rotated = log.with_suffix(".log.1")
     log.rename(rotated)
     await runtime.backend.reopen_log(cid)
     assert log.exists()
-    await asyncio.sleep(0.3)
+    await until(log.read_text)
     await runtime.backend.stop(cid, 0, signal.SIGKILL)
     before = rotated.read_text().splitlines()
     after = log.read_text().splitlines()
@@ -373,15 +376,12 @@ async def test_an_orphan_on_the_subreaper_does_not_block_delete(runtime: Runtime
         "4343",
         start_new_session=True,
     )
-    for _ in range(250):  # runc writes the pid file once the process runs
-        if pid_file.exists() and pid_file.read_text():
-            break
-        await asyncio.sleep(0.02)
+    # runc writes the pid file once the process runs.
+    await until(lambda: pid_file.exists() and pid_file.read_text(), timeout=5)
     orphan = int(pid_file.read_text())
     runc_exec.kill()
     await runc_exec.wait()
-    await asyncio.sleep(0.1)
-    assert _parent_of(orphan) == os.getpid()  # re-parented to us, the subreaper
+    await until(lambda: _parent_of(orphan) == os.getpid())  # re-parented to us, the subreaper
     reaper = asyncio.create_task(OrphanReaper().run(interval=0.1))
     try:
         await runtime.backend.delete(cid)

@@ -17,19 +17,28 @@ from cri_shim.images.store import ImageStore
 from tests.hostile_layers import Tar, image_of_layers
 from tests.imagebuild import BuiltImage, build_image
 from tests.registry import FakeRegistry, fake_transport
+from tests.waiting import until
 
 IMAGE = build_image()
 # Shares no layer with IMAGE: a layer fetch is shared by digest, whichever registry serves it.
 OTHER = image_of_layers([Tar().file("other", b"other image").bytes()])
 
 
-def stalled(image: BuiltImage, started: asyncio.Event | None = None, rate: float = 0.0) -> Callable:
-    """A `fail` hook whose layer bodies send one byte every `rate` seconds (never, at 0)."""
+def stalled(
+    image: BuiltImage,
+    started: asyncio.Event | None = None,
+    rate: float = 0.0,
+    bodies: list[bytes] | None = None,
+) -> Callable:
+    """A `fail` hook whose layer bodies send one byte every `rate` seconds (never, at 0);
+    `started` is set, and `bodies` appended to, as each body starts."""
     layers = {layer.digest: layer.data for layer in image.layers}
 
     async def body(data: bytes) -> AsyncIterator[bytes]:
         if started is not None:
             started.set()
+        if bodies is not None:
+            bodies.append(data)
         for index in range(len(data)):
             await asyncio.sleep(rate or 3600)
             yield data[index : index + 1]
@@ -80,10 +89,10 @@ async def test_one_registry_cannot_hold_every_slot(store: ImageStore) -> None:
     for n, image in enumerate([IMAGE, *others]):
         slow.put_image(f"app{n}", image, "v1")
     fast.put_image("app", OTHER, "v1")
-    started = asyncio.Event()
-    slow.fail = stalled(IMAGE, started)
+    bodies: list[bytes] = []
+    slow.fail = stalled(IMAGE, bodies=bodies)
     for image in others:
-        hook = stalled(image, started)
+        hook = stalled(image, bodies=bodies)
         previous = slow.fail
 
         def both(request: httpx.Request, hook: Callable = hook, previous: Callable = previous):
@@ -94,8 +103,8 @@ async def test_one_registry_cannot_hold_every_slot(store: ImageStore) -> None:
     puller = ImagePuller(store, transport=fake_transport(slow, fast), limits=limits)
     hung = [asyncio.create_task(puller.pull(f"slow.test/app{n}:v1")) for n in range(4)]
     try:
-        await asyncio.wait_for(started.wait(), 5)
-        await asyncio.sleep(0.1)  # every slot the slow registry can get, taken
+        # Every slot the slow registry can get, taken.
+        await until(lambda: len(bodies) >= limits.per_registry, timeout=5)
         assert await pulled(puller, "fast.test/app:v1", 5) == OTHER.image_id
     finally:
         for task in hung:

@@ -18,6 +18,7 @@ from cri_shim.images.registry import ContentMismatch
 from cri_shim.images.store import ImageStore
 from tests.imagebuild import build_image
 from tests.registry import DOCKER_LIST, FakeRegistry, fake_transport
+from tests.waiting import until
 
 HOST = host_platform()
 OTHER = Platform("linux", "s390x") if HOST.architecture != "s390x" else Platform("linux", "ppc64le")
@@ -268,14 +269,11 @@ async def test_a_caller_that_leaves_does_not_stop_the_download_within_the_grace(
     registry.put_image("app", image, "v1")
     registry.delay = 0.05
     pull = asyncio.create_task(puller.pull("reg.test/app:v1"))
-    await asyncio.sleep(0.12)  # manifest resolved, blobs on their way
+    await until(registry.gets)  # manifest resolved, blobs on their way
     pull.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pull
-    for _ in range(100):
-        if store.get("reg.test/app:v1") is not None:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: store.get("reg.test/app:v1"))
     assert store.resolve("reg.test/app:v1").id == image.image_id
     registry.requests.clear()
     await puller.pull("reg.test/app:v1")
@@ -344,18 +342,12 @@ async def test_interrupted_pull_keeps_verified_blobs_and_resumes(
     registry.fail = hang
     puller = ImagePuller(store, transport=fake_transport(registry))
     pull = asyncio.create_task(puller.pull("reg.test/app:v1"))
-    for _ in range(100):
-        if store.has_blob(image.layers[0].digest):
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: store.has_blob(image.layers[0].digest))
     await puller.aclose()  # what the daemon stopping does
     with pytest.raises((asyncio.CancelledError, Exception)):
         await pull
-    for _ in range(100):  # the writing thread removes its temporary file
-        if not list(store.tmp_dir.iterdir()):
-            break
-        await asyncio.sleep(0.02)
-    assert list(store.tmp_dir.iterdir()) == []
+    # The writing thread removes its temporary file.
+    await until(lambda: not list(store.tmp_dir.iterdir()))
     assert store.has_blob(image.layers[0].digest) and not store.has_blob(slow)
 
     registry.fail = None

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from fake_cni import FakeCni
 
 from cri_shim.errors import DeadlineExceeded, Internal, InvalidArgument
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest, result_ips
+from tests.waiting import until
 
 POD_ID = "a" * 64
 
@@ -48,13 +48,6 @@ def request(**overrides: Any) -> PodNetworkRequest:
 
 def network(fake: FakeCni, **kwargs: Any) -> CniNetwork:
     return CniNetwork(fake.config_dir, [fake.bin_dir, Path("/nonexistent/bin")], None, **kwargs)
-
-
-async def wait_until(condition: Callable[[], bool], limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def alive(pid: int) -> bool:
@@ -237,9 +230,7 @@ async def test_timeout_kills_the_plugin_and_its_children(fake_cni: FakeCni) -> N
     calls = fake_cni.calls()
     plugin_pid = calls[0]["pid"]
     child_pid = next(c["pid"] for c in calls if c["command"] == "child")
-    await asyncio.sleep(0.2)
-    assert not alive(plugin_pid)
-    assert not alive(child_pid)
+    await until(lambda: not alive(plugin_pid) and not alive(child_pid))
     # The timed-out ADD was undone with a DEL.
     assert calls[-1]["command"] == "DEL"
 
@@ -255,12 +246,11 @@ async def test_plugin_timeout_caps_each_call(fake_cni: FakeCni) -> None:
 async def test_cancelled_add_kills_the_plugin(fake_cni: FakeCni) -> None:
     fake_cni.write_conflist([{"type": "slow", "sleep": 60}])
     task = asyncio.create_task(network(fake_cni).add(request(), timeout=300))
-    await wait_until(lambda: bool(fake_cni.calls()))
+    await until(lambda: bool(fake_cni.calls()))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.2)
-    assert not alive(fake_cni.calls()[0]["pid"])
+    await until(lambda: not alive(fake_cni.calls()[0]["pid"]))
 
 
 async def test_bad_pod_metadata_is_rejected_before_any_plugin_runs(fake_cni: FakeCni) -> None:

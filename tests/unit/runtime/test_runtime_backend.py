@@ -7,7 +7,6 @@ logic: ordering, idempotency, cleanup on failure, timeouts, restart-safety.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.logs.crilog import Stream, join_partials, read_records
 from cri_shim.runtime.conmon import RuntimeBackend
+from tests.waiting import until
 
 
 def spec_for(tmp_path: Path, script: str) -> dict[str, Any]:
@@ -132,9 +132,12 @@ async def test_create_timeout_kills_the_monitor_and_cleans_up(
 
 
 async def test_stop_escalates_to_sigkill(stub_backend: RuntimeBackend, tmp_path: Path) -> None:
-    pid = await create(stub_backend, tmp_path, "trap '' TERM; while :; do sleep 0.05; done")
+    trapped = tmp_path / "trapped"
+    pid = await create(
+        stub_backend, tmp_path, f"trap '' TERM; : > {trapped}; while :; do sleep 0.05; done"
+    )
     await stub_backend.start("c1")
-    await asyncio.sleep(0.2)  # let the shell install its trap
+    await until(trapped.exists)  # the shell has installed its trap
     started = time.monotonic()
     await stub_backend.stop("c1", 0.5, signal.SIGTERM)
     elapsed = time.monotonic() - started
@@ -283,11 +286,11 @@ async def test_reopen_log_after_rotation(stub_backend: RuntimeBackend, tmp_path:
     )
     await stub_backend.start("c1")
     log = tmp_path / "logs" / "c1.log"
-    await asyncio.sleep(0.2)
+    await until(lambda: log.exists() and lines(log))
     log.rename(tmp_path / "logs" / "c1.log.1")
     await stub_backend.reopen_log("c1")
     assert log.exists()  # returned only once the new file is there
-    await asyncio.sleep(0.2)
+    await until(lambda: lines(log))
     await stub_backend.stop("c1", 0, signal.SIGKILL)
     old = [c for _, c in lines(tmp_path / "logs" / "c1.log.1")]
     new = [c for _, c in lines(log)]
@@ -302,7 +305,9 @@ async def test_reopen_log_of_an_exited_container(
     await create(stub_backend, tmp_path, "true")
     await stub_backend.start("c1")
     await stub_backend.wait_exit("c1", 5)
-    await asyncio.sleep(0.1)  # the monitor closes its control FIFO as it exits
+    # The monitor closes its control FIFO as it exits, just after the container.
+    conmon_pid = int((tmp_path / "state" / "containers" / "c1" / "conmon.pid").read_text())
+    await until(lambda: not alive(conmon_pid))
     with pytest.raises(FailedPrecondition, match="not running"):
         await stub_backend.reopen_log("c1")
     with pytest.raises(NotFound):
@@ -356,7 +361,7 @@ async def test_tty_output_is_logged_as_stdout(stub_backend: RuntimeBackend, tmp_
     )
     await stub_backend.start("c1")
     assert (await stub_backend.wait_exit("c1", 5))[0] == 0
-    await asyncio.sleep(0.05)
+    await until(lambda: lines(tmp_path / "logs" / "c1.log"))
     assert lines(tmp_path / "logs" / "c1.log") == [(Stream.STDOUT, b"on-a-tty\r")]
 
 

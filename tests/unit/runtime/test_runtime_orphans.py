@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio, ctypes, os, sys, time
     from cri_shim.runtime.orphans import OrphanReaper
+    from tests.waiting import until
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
@@ -35,14 +36,13 @@ SCRIPT = textwrap.dedent(
         if middle == 0:
             grandchild = os.fork()
             if grandchild == 0:
-                time.sleep(0.2)
+                time.sleep(0.2)  # outlives its parent, so it is re-parented to us alive
                 os._exit(0)
             os.write(write, str(grandchild).encode())
             os._exit(0)
         os.waitpid(middle, 0)
         orphan = int(os.read(read, 32))
-        await asyncio.sleep(0.4)
-        assert zombie_state(orphan) == "Z", zombie_state(orphan)
+        await until(lambda: zombie_state(orphan) == "Z")
 
         reaper = OrphanReaper()
         assert reaper.scan() == []  # seen once: might still be someone else's to reap

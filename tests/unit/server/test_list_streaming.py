@@ -170,7 +170,8 @@ async def test_a_slow_reader_holds_the_listing_back(serve: Any) -> None:
     call = served.stub.StreamContainers(api_pb2.StreamContainersRequest())
     first = await call.read()
     assert isinstance(first, api_pb2.StreamContainersResponse)
-    await asyncio.sleep(0.5)  # the client reads nothing more for a while
+    # Timed on purpose: a reader that reads nothing more for a while is what is tested.
+    await asyncio.sleep(0.5)
     held = served.containers.handed_out
     # The transport's window and socket buffers hold a few hundred KB: far from 20 MB.
     assert held < N // 4, f"{held} of {N} listed while the client read one"
@@ -186,6 +187,7 @@ async def test_a_client_that_goes_away_ends_the_listing(serve: Any) -> None:
     call = served.stub.StreamContainers(api_pb2.StreamContainersRequest())
     await call.read()
     call.cancel()
+    # Timed on purpose: that the listing makes no more progress is checked over a while.
     await asyncio.sleep(0.3)
     held = served.containers.handed_out
     await asyncio.sleep(0.3)

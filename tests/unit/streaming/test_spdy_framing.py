@@ -27,6 +27,7 @@ from cri_shim.streaming.spdy import (
     decode_header_block,
     encode_header_block,
 )
+from tests.waiting import until
 
 
 def test_dictionary_is_the_spdy3_one() -> None:
@@ -153,7 +154,8 @@ async def test_sender_honours_a_peer_that_announces_flow_control() -> None:
         assert accepted is not None
 
         writing = asyncio.create_task(accepted.write(b"z" * 5000))
-        await asyncio.sleep(0.1)
+        await until(lambda: client_stream._buffered == 1000)
+        await asyncio.sleep(0)
         assert not writing.done()  # stalled at the 1000-byte window
         # Reading the client's side grants window back only in batches of 32 KiB, so
         # grant explicitly as a flow-controlling client would.
