@@ -1,4 +1,4 @@
-"""Hostile image layers, built by the tests (issue 9): every trick a layer tarball can play
+"""Hostile image layers, built by the tests: every trick a layer tarball can play
 on an unpacker, each aimed at a marker path outside the layer, and the way to wrap one
 into an image for `cri-shim images import` or a registry push.
 

@@ -11,7 +11,7 @@ Every path is resolved one component at a time from a directory fd with O_NOFOLL
 entry can never be written outside the layer directory or through a symlink, whatever the
 archive contains; entries that try are refused with `InvalidArgument`.
 
-Hostile archives (issue 9) meet an `UnpackPolicy`: limits on the uncompressed bytes and on
+Hostile archives meet an `UnpackPolicy`: limits on the uncompressed bytes and on
 the number of entries (a decompression bomb stops at the limit, and the message names the
 config key), bounded tar metadata (PAX and GNU long-name headers, path length and depth),
 and character or block devices refused unless the configuration allows them (0/0

@@ -1,4 +1,4 @@
-"""Bind-mount sources resolved once (issue 9): a host path swapped between the check and
+"""Bind-mount sources resolved once: a host path swapped between the check and
 the mount cannot redirect the mount.
 
 A request's `mounts[i].host_path` is checked when the request is validated, and runc

@@ -155,7 +155,7 @@ def _clone_rules(machine: str) -> list[dict[str, Any]]:
     return rules
 
 
-# Real profiles are tens of KiB; the path comes from a request (issue 9).
+# Real profiles are tens of KiB; the path comes from a request, so it may name anything.
 MAX_PROFILE_BYTES = 1 << 20
 
 

@@ -1,4 +1,4 @@
-"""Helpers for the issue-10 integration tests (test_cri_*): pods, containers, event streams.
+"""Helpers for the CRI integration tests (test_cri_*): pods, containers, event streams.
 
 Everything here talks to the real daemon over gRPC, as kubelet does.
 """

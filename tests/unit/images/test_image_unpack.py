@@ -40,7 +40,7 @@ def test_files_dirs_links_keep_content_mode_owner_and_mtime(tmp_path: Path) -> N
         .add("null", tarfile.CHRTYPE, mode=0o666, devmajor=1, devminor=3)
         .bytes()
     )
-    # Device nodes only by policy (issue 9; refusal tested in test_hardening_unpack.py).
+    # Device nodes only by policy (refusal tested in test_image_unpack_hostile_layers.py).
     root = tmp_path / "layer" / "diff"
     unpack_layer(io.BytesIO(data), root, UnpackPolicy(allow_device_nodes=True))
     tool = root / "usr/bin/tool"

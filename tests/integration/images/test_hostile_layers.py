@@ -1,4 +1,4 @@
-"""Hostile layers through the real entry points (issue 9): `cri-shim images import` beside a
+"""Hostile layers through the real entry points: `cri-shim images import` beside a
 running daemon for every case, and PullImage from docker-registry for some. The import or
 pull fails naming the entry; nothing appears outside the layer; the store keeps no layer,
 temporary directory or image of it; and the daemon lists no such image."""

@@ -1,4 +1,4 @@
-"""Registry credentials never leave the pull that carried them (issue 9): after pulls with
+"""Registry credentials never leave the pull that carried them: after pulls with
 credentials in every AuthConfig form, good and bad, against docker-registry with basic
 auth and against an unreachable registry, no secret is in the daemon's log (at debug
 level), in any file under its state and runtime roots (state.db and its WAL included),

@@ -1,4 +1,4 @@
-"""Request validation and admission at the gRPC edge (issue 9), without a daemon: every
+"""Request validation and admission at the gRPC edge, without a daemon: every
 RPC goes through them, hostile fields are named, and a flood is queued or refused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile layers against the unpacker and the store (issue 9): every trick is refused
+"""Hostile layers against the unpacker and the store: every trick is refused
 with a message naming the entry, nothing outside the layer changes, and a refused layer
 leaves nothing half-unpacked in the store. Legitimate oddities (setuid bits, whiteouts,
 duplicate entries, FIFOs, overlay's own 0/0 whiteout devices) keep their meaning."""

@@ -1,4 +1,4 @@
-"""Every RPC with generated messages against ONE running daemon (issue 9).
+"""Every RPC with generated messages against ONE running daemon.
 
 A small hypothesis strategy builds a random message from any protobuf descriptor (random
 and hostile strings, unicode, extreme numbers, unknown enum values, missing and
@@ -37,9 +37,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cri_shim.api.v1 import api_pb2
-from tests.hardening_kit import IMAGE, container_config, create_request
 from tests.harness import CniTestNetwork, Daemon, import_image, make_test_network, pod_config
 from tests.imagebuild import cached_oci_layout
+from tests.refused_calls import IMAGE, container_config, create_request
 
 pytestmark = [
     pytest.mark.integration,

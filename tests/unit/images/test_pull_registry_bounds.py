@@ -1,5 +1,5 @@
 """What a registry or token server sends is bounded, and secrets go only where they
-belong (issue "Hardening, round two"): token responses are capped as they stream,
+belong: token responses are capped as they stream,
 descriptors must carry the size that caps a download, a plain-HTTP realm gets nothing
 from an HTTPS registry's clients, a redirect to another host gets no credentials or
 refresh token, and reprs hide a mirror's password."""

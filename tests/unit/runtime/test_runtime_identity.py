@@ -1,6 +1,6 @@
-"""An image's /etc/passwd and /etc/group are the image author's (issue "Hardening, round
-two"): they are streamed a line at a time, a lookup stops at its match, and a file past
-the cap is refused, not read, so that its size costs neither memory nor time."""
+"""An image's /etc/passwd and /etc/group are the image author's: they are streamed a line
+at a time, a lookup stops at its match, and a file past the cap is refused, not read, so
+that its size costs neither memory nor time."""
 
 from __future__ import annotations
 

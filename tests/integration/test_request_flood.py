@@ -1,4 +1,4 @@
-"""Floods of concurrent calls against the real daemon (issue 9): every call is answered
+"""Floods of concurrent calls against the real daemon: every call is answered
 (or refused with RESOURCE_EXHAUSTED), the daemon stays up, reads stay quick, and a normal
 pod lifecycle goes through during the flood. Clients are grpc.aio, as many in flight at
 once as the test asks."""
@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
-from tests.hardening_kit import container_config, create_request
 from tests.harness import CniTestNetwork, Daemon, import_image, pod_config, wait_until
+from tests.refused_calls import container_config, create_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 

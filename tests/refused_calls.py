@@ -1,5 +1,5 @@
-"""Shared by the issue-9 integration tests (test_hardening_*): a pod with the busybox test
-image, containers, and the checks that a refused call left nothing behind."""
+"""Shared by the integration tests of hostile requests, floods and fuzzing: a pod with the
+busybox test image, containers, and the checks that a refused call left nothing behind."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Localhost seccomp profiles are read from a path a request names (issue 9): a device,
+"""Localhost seccomp profiles are read from a path a request names: a device,
 a FIFO or a huge file is refused at once instead of read forever or waited on."""
 
 from __future__ import annotations

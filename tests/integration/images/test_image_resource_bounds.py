@@ -1,5 +1,5 @@
 """Hostile images and registries against the daemon's memory, event loop and download
-slots (issue "Hardening, round two"): a layer whose sparse map is a few hundred KB on
+slots: a layer whose sparse map is a few hundred KB on
 the wire; an image whose /etc/passwd is huge, in which CreateContainer looks a user up;
 a registry trickling a byte every half second. Each is refused or cut off, naming what
 it refused, without growing the daemon, blocking its RPCs or holding up other pulls.
@@ -17,7 +17,6 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.hardening_kit import code_of, container_config, create_request, running_pod
 from tests.harness import Daemon, import_image
 from tests.hostile_layers import (
     Tar,
@@ -27,6 +26,7 @@ from tests.hostile_layers import (
     zero_bomb,
 )
 from tests.imagebuild import base_layer_tar
+from tests.refused_calls import code_of, container_config, create_request, running_pod
 from tests.registry import RegistryServer, TrickleProxy, start_registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]

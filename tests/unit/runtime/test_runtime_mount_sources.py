@@ -1,4 +1,4 @@
-"""Bind-mount sources resolved once (issue 9): after the pin, swapping the host path (a
+"""Bind-mount sources resolved once: after the pin, swapping the host path (a
 symlink re-pointed, a directory renamed) no longer changes what a mount gets."""
 
 from __future__ import annotations

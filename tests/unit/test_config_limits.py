@@ -1,4 +1,5 @@
-"""The hardening keys of the configuration (issue 9): defaults, sizes, bad values named."""
+"""The configuration's limits on layers, downloads, messages and requests: defaults, sizes,
+bad values named."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile requests against the real daemon over gRPC (issue 9): each is refused with
+"""Hostile requests against the real daemon over gRPC: each is refused with
 INVALID_ARGUMENT naming the field and leaves nothing behind; container paths stay in the
 root filesystem; mount sources are pinned; oversized messages are refused; the socket is
 0660 with its group, in a directory nobody else may write."""
@@ -20,7 +20,11 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.hardening_kit import (
+from tests.harness import REPO, Daemon, import_image, pod_config
+from tests.hostile_layers import Tar, image_of_layers, write_layout
+from tests.imagebuild import base_layer_tar, build_oci_layout
+from tests.integration.cri_testkit import create, start
+from tests.refused_calls import (
     code_of,
     container_config,
     container_traces,
@@ -29,10 +33,6 @@ from tests.hardening_kit import (
     run_to_exit,
     running_pod,
 )
-from tests.harness import REPO, Daemon, import_image, pod_config
-from tests.hostile_layers import Tar, image_of_layers, write_layout
-from tests.imagebuild import base_layer_tar, build_oci_layout
-from tests.integration.cri_testkit import create, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 

@@ -1,4 +1,4 @@
-"""Layer downloads share the daemon fairly (issue "Hardening, round two"): a registry
+"""Layer downloads share the daemon fairly: a registry
 trickling bytes is cut off below the minimum rate, a download has a total budget, one
 registry cannot hold every slot, and a download nobody waits for gives its slot back."""
 
