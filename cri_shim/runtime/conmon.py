@@ -167,7 +167,21 @@ class RuntimeBackend:
         stdin_once: bool,
     ) -> int:
         meta = self._prepare(container_id, cdir, bundle, spec, log_path, tty)
+        args = self._conmon_args(container_id, cdir, bundle, log_path, tty, stdin, stdin_once)
+        report = await self._run_conmon(container_id, cdir, args)
+        self._record_conmon(cdir, meta)
+        return _pid_from_report(container_id, cdir, report)
 
+    def _conmon_args(
+        self,
+        container_id: str,
+        cdir: Path,
+        bundle: Path,
+        log_path: Path,
+        tty: bool,
+        stdin: bool,
+        stdin_once: bool,
+    ) -> list[str]:
         args = [
             str(self.conmon_path),
             "--api-version",
@@ -209,7 +223,11 @@ class RuntimeBackend:
             if not stdin_once:
                 # kubelet's stdinOnce=false: stdin stays open across attach sessions.
                 args.append("--leave-stdin-open")
+        return args
 
+    async def _run_conmon(self, container_id: str, cdir: Path, args: list[str]) -> bytes:
+        """Start conmon and wait, within the create budget, for its first process to exit
+        and for the report on the sync pipe (empty when conmon closed it without one)."""
         deadline = time.monotonic() + self.create_timeout
         sync_read, sync_write = os.pipe()
         diagnostics = os.open(cdir / "conmon.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
@@ -253,31 +271,17 @@ class RuntimeBackend:
                 await proc.wait()
             with contextlib.suppress(OSError):
                 os.close(sync_read)
+        return report
 
+    def _record_conmon(self, cdir: Path, meta: _Meta) -> None:
+        """Add conmon's identity (pid and start time) to the container's meta.json, so that
+        a later stop or restart can tell conmon from a process that reused its pid."""
         conmon = self._read_conmon_ref(cdir)
         if conmon is not None:
             meta = _Meta(
                 **{**asdict(meta), "conmon_pid": conmon.pid, "conmon_start_time": conmon.start_time}
             )
             _write_atomic(cdir / "meta.json", json.dumps(asdict(meta)).encode())
-
-        if not report:
-            raise Internal(
-                f"conmon for {container_id} exited without reporting the container's pid: "
-                f"{_tail(cdir / 'conmon.log')}"
-            )
-        try:
-            message = json.loads(report)
-            pid = int(message["data"])
-        except (ValueError, KeyError, TypeError):
-            raise Internal(
-                f"conmon for {container_id} sent an unreadable report: {report!r}"
-            ) from None
-        if pid <= 0:
-            text = str(message.get("message", ""))
-            reason = runtime_error_message(text) or text or "no message"
-            raise Internal(f"creating container {container_id} failed: {reason}")
-        return pid
 
     def _prepare(
         self,
@@ -599,6 +603,25 @@ def _executable(path: Path, what: str) -> Path:
     if found is None:
         raise FailedPrecondition(f"{what} {path} not found or not executable")
     return Path(found).resolve()
+
+
+def _pid_from_report(container_id: str, cdir: Path, report: bytes) -> int:
+    """The container's pid from conmon's sync-pipe report; a failure names runc's reason."""
+    if not report:
+        raise Internal(
+            f"conmon for {container_id} exited without reporting the container's pid: "
+            f"{_tail(cdir / 'conmon.log')}"
+        )
+    try:
+        message = json.loads(report)
+        pid = int(message["data"])
+    except (ValueError, KeyError, TypeError):
+        raise Internal(f"conmon for {container_id} sent an unreadable report: {report!r}") from None
+    if pid <= 0:
+        text = str(message.get("message", ""))
+        reason = runtime_error_message(text) or text or "no message"
+        raise Internal(f"creating container {container_id} failed: {reason}")
+    return pid
 
 
 def _remaining(deadline: float) -> float:

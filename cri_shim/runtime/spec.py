@@ -20,9 +20,9 @@ from typing import Any
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
-from cri_shim.runtime.capabilities import resolve_capabilities
+from cri_shim.runtime.capabilities import CapabilitySet, resolve_capabilities
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
-from cri_shim.runtime.identity import EtcReader, read_in_root, resolve_identity
+from cri_shim.runtime.identity import EtcReader, ProcessIdentity, read_in_root, resolve_identity
 from cri_shim.runtime.resources import clamp_oom_score_adj, linux_resources
 from cri_shim.runtime.seccomp import default_profile, load_localhost_profile
 
@@ -148,7 +148,6 @@ def build_spec(
         raise InvalidArgument(
             "security_context.privileged: a privileged container needs a privileged pod"
         )
-
     caps = resolve_capabilities(
         add=sc.capabilities.add_capabilities,
         drop=sc.capabilities.drop_capabilities,
@@ -157,21 +156,70 @@ def build_spec(
         bounding_set=host.capability_bounding_set,
         container=name,
     )
+    identity = _container_identity(sc, sandbox, image, rootfs)
+    process = _process(cfg, image, sandbox, identity, caps, host, name)
+    if sandbox.userns is not None:
+        _require_mapped(sandbox.userns, identity.uid, identity.gid, identity.additional_gids)
+    linux = _linux(cfg, sandbox, caps, host, container_id, privileged, target_pid_ns_path, host_dev)
+    apparmor = container_apparmor(sc)
+    if apparmor is not None:
+        process["apparmorProfile"] = apparmor
+    mounts, rootfs_propagation = container_mounts(
+        cfg, sandbox, privileged=privileged, mountinfo=mountinfo, image_mounts=image_mounts
+    )
+    if rootfs_propagation:
+        linux["rootfsPropagation"] = rootfs_propagation
+
+    spec: dict[str, Any] = {
+        "ociVersion": OCI_VERSION,
+        "process": process,
+        "root": {"path": str(rootfs), "readonly": sc.readonly_rootfs},
+        "mounts": mounts,
+        "annotations": {
+            **dict(cfg.annotations),
+            "io.kubernetes.cri.container-type": "container",
+            "io.kubernetes.cri.container-name": cfg.metadata.name,
+            "io.kubernetes.cri.sandbox-id": sandbox.pod_id,
+        },
+        "linux": linux,
+    }
+    # The pod's hostname, where the pod has a UTS namespace of its own.
+    if sandbox.uts_ns_path is not None and sandbox.hostname:
+        spec["hostname"] = sandbox.hostname
+    return spec
+
+
+def _container_identity(
+    sc: api_pb2.LinuxContainerSecurityContext,
+    sandbox: SandboxContext,
+    image: ImageConfigView,
+    rootfs: Path,
+) -> ProcessIdentity:
+    """The user, group and supplementary groups the process runs as."""
     # kubelet copies the pod's policy into each container; either one saying Strict wins.
     policies = (sc.supplemental_groups_policy, sandbox.supplemental_groups_policy)
-    strict_groups = api_pb2.Strict in policies
-    identity = resolve_identity(
+    return resolve_identity(
         run_as_user=sc.run_as_user.value if sc.HasField("run_as_user") else None,
         run_as_username=sc.run_as_username,
         run_as_group=sc.run_as_group.value if sc.HasField("run_as_group") else None,
         image_user=image.user,
         supplemental_groups=[*sandbox.supplemental_groups, *sc.supplemental_groups],
         read_etc=image.read_etc or read_in_root(rootfs),
-        strict_groups=strict_groups,
+        strict_groups=api_pb2.Strict in policies,
     )
-    uts_private = sandbox.uts_ns_path is not None
-    hostname = sandbox.hostname if uts_private else ""
 
+
+def _process(
+    cfg: api_pb2.ContainerConfig,
+    image: ImageConfigView,
+    sandbox: SandboxContext,
+    identity: ProcessIdentity,
+    caps: CapabilitySet,
+    host: HostLimits,
+    name: str,
+) -> dict[str, Any]:
+    """The spec's `process`: what runs, as whom, with which capabilities and limits."""
+    linux_cfg = cfg.linux
     process: dict[str, Any] = {
         "terminal": cfg.tty,
         "user": {"uid": identity.uid, "gid": identity.gid},
@@ -193,20 +241,33 @@ def build_spec(
                 "soft": min(DEFAULT_NOFILE, host.nofile_hard),
             }
         ],
-        "noNewPrivileges": sc.no_new_privs,
+        "noNewPrivileges": linux_cfg.security_context.no_new_privs,
         "oomScoreAdj": clamp_oom_score_adj(linux_cfg.resources.oom_score_adj, host, name),
     }
     if identity.additional_gids:
         process["user"]["additionalGids"] = list(identity.additional_gids)
-    if sandbox.userns is not None:
-        _require_mapped(sandbox.userns, identity.uid, identity.gid, identity.additional_gids)
+    return process
 
+
+def _linux(
+    cfg: api_pb2.ContainerConfig,
+    sandbox: SandboxContext,
+    caps: CapabilitySet,
+    host: HostLimits,
+    container_id: str,
+    privileged: bool,
+    target_pid_ns_path: Path | None,
+    host_dev: Path,
+) -> dict[str, Any]:
+    """The spec's `linux`: namespaces, cgroup and resources, devices, masked paths, id
+    mappings, sysctls and seccomp (mounts' propagation is added by the caller)."""
+    linux_cfg = cfg.linux
+    sc = linux_cfg.security_context
     resources = linux_resources(
         linux_cfg.resources if linux_cfg.HasField("resources") else None, host
     )
     devices, device_rules = container_devices(cfg, privileged=privileged, host_dev=host_dev)
     resources["devices"] = device_rules
-
     linux: dict[str, Any] = {
         "namespaces": container_namespaces(cfg, sandbox, target_pid_ns_path),
         "cgroupsPath": cgroups_path(sandbox.cgroup_parent, container_id),
@@ -223,32 +284,7 @@ def build_spec(
     seccomp = container_seccomp(sc, caps.granted)
     if seccomp is not None:
         linux["seccomp"] = seccomp
-    apparmor = container_apparmor(sc)
-    if apparmor is not None:
-        process["apparmorProfile"] = apparmor
-
-    mounts, rootfs_propagation = container_mounts(
-        cfg, sandbox, privileged=privileged, mountinfo=mountinfo, image_mounts=image_mounts
-    )
-    if rootfs_propagation:
-        linux["rootfsPropagation"] = rootfs_propagation
-
-    spec: dict[str, Any] = {
-        "ociVersion": OCI_VERSION,
-        "process": process,
-        "root": {"path": str(rootfs), "readonly": sc.readonly_rootfs},
-        "mounts": mounts,
-        "annotations": {
-            **dict(cfg.annotations),
-            "io.kubernetes.cri.container-type": "container",
-            "io.kubernetes.cri.container-name": cfg.metadata.name,
-            "io.kubernetes.cri.sandbox-id": sandbox.pod_id,
-        },
-        "linux": linux,
-    }
-    if hostname:
-        spec["hostname"] = hostname
-    return spec
+    return linux
 
 
 def _require_mapped(
@@ -566,8 +602,20 @@ def container_mounts(
     `image_mounts` maps the index of each image volume in `cfg.mounts` to the host
     directory that holds it (the image mounted read-only, its sub path resolved)."""
     readonly_rootfs = cfg.linux.security_context.readonly_rootfs
+    defaults = _kernel_mounts(sandbox, privileged) + _pod_file_mounts(sandbox, readonly_rootfs)
+    requested, propagation_needed = _requested_mounts(cfg, mountinfo, image_mounts or {})
+    # Parents before children, so a mount inside another volume is not hidden by it.
+    requested.sort(key=lambda m: len(PurePosixPath(m["destination"]).parts))
+    taken = {m["destination"].rstrip("/") or "/" for m in requested}
+    mounts = [m for m in defaults if m["destination"] not in taken] + requested
+    rootfs_propagation = {"rshared": "rshared", "rslave": "rslave"}.get(propagation_needed, "")
+    return mounts, rootfs_propagation
+
+
+def _kernel_mounts(sandbox: SandboxContext, privileged: bool) -> list[dict[str, Any]]:
+    """/proc, /dev and its pts, shm and mqueue, /sys and the cgroup tree."""
     sys_options = ["nosuid", "noexec", "nodev"] + ([] if privileged else ["ro"])
-    defaults: list[dict[str, Any]] = [
+    return [
         {
             "destination": "/proc",
             "type": "proc",
@@ -601,23 +649,34 @@ def container_mounts(
             "options": [*sys_options, "relatime"],
         },
     ]
+
+
+def _pod_file_mounts(sandbox: SandboxContext, readonly_rootfs: bool) -> list[dict[str, Any]]:
+    """The pod's resolv.conf, hostname and hosts files, those it has."""
     pod_files = (
         ("/etc/resolv.conf", sandbox.resolv_conf_path),
         ("/etc/hostname", sandbox.hostname_path),
         ("/etc/hosts", sandbox.hosts_path),
     )
-    for destination, source in pod_files:
-        if source is not None:
-            options = ["rbind", "rprivate"] + (["ro"] if readonly_rootfs else [])
-            defaults.append(
-                {
-                    "destination": destination,
-                    "type": "bind",
-                    "source": str(source),
-                    "options": options,
-                }
-            )
+    return [
+        {
+            "destination": destination,
+            "type": "bind",
+            "source": str(source),
+            "options": ["rbind", "rprivate"] + (["ro"] if readonly_rootfs else []),
+        }
+        for destination, source in pod_files
+        if source is not None
+    ]
 
+
+def _requested_mounts(
+    cfg: api_pb2.ContainerConfig,
+    mountinfo: Callable[[], str] | None,
+    image_mounts: Mapping[int, Path],
+) -> tuple[list[dict[str, Any]], str]:
+    """The request's mounts, checked, and the strongest propagation they need of the root
+    ("rshared" over "rslave"; "" for none)."""
     requested: list[dict[str, Any]] = []
     propagation_needed = ""
     for index, mount in enumerate(cfg.mounts):
@@ -627,44 +686,44 @@ def container_mounts(
                 f"{field}.container_path: {mount.container_path!r} must be an absolute path"
             )
         if mount.HasField("image") and mount.image.image:
-            requested.append(_image_mount(field, mount, (image_mounts or {}).get(index)))
+            requested.append(_image_mount(field, mount, image_mounts.get(index)))
             continue
-        if mount.recursive_read_only:
-            _check_recursive_read_only(field, mount)
-        if not mount.host_path.startswith("/"):
-            raise InvalidArgument(
-                f"{field}.host_path: {mount.host_path!r} must be an absolute path"
-            )
-        if not os.path.exists(mount.host_path):
-            raise InvalidArgument(f"{field}.host_path: {mount.host_path} does not exist")
-        propagation = _PROPAGATION.get(mount.propagation)
-        if propagation is None:
-            raise InvalidArgument(f"{field}.propagation: unknown value {mount.propagation}")
+        bind, propagation = _bind_mount(field, mount, mountinfo)
         if propagation != "rprivate":
-            _check_host_propagation(field, mount.host_path, propagation, mountinfo)
             # The container's root must pass events on too, or they stop there.
             if propagation == "rshared" or not propagation_needed:
                 propagation_needed = propagation
-        options = ["rbind", propagation] + (["ro"] if mount.readonly else [])
-        if mount.recursive_read_only:
-            # runc applies it with mount_setattr(AT_RECURSIVE): sub-mounts become
-            # read-only too, where "ro" alone leaves them writable.
-            options.append("rro")
-        requested.append(
-            {
-                "destination": mount.container_path,
-                "type": "bind",
-                "source": mount.host_path,
-                "options": options,
-            }
-        )
+        requested.append(bind)
+    return requested, propagation_needed
 
-    # Parents before children, so a mount inside another volume is not hidden by it.
-    requested.sort(key=lambda m: len(PurePosixPath(m["destination"]).parts))
-    taken = {m["destination"].rstrip("/") or "/" for m in requested}
-    mounts = [m for m in defaults if m["destination"] not in taken] + requested
-    rootfs_propagation = {"rshared": "rshared", "rslave": "rslave"}.get(propagation_needed, "")
-    return mounts, rootfs_propagation
+
+def _bind_mount(
+    field: str, mount: api_pb2.Mount, mountinfo: Callable[[], str] | None
+) -> tuple[dict[str, Any], str]:
+    """A request's host-path mount, checked, and its propagation."""
+    if mount.recursive_read_only:
+        _check_recursive_read_only(field, mount)
+    if not mount.host_path.startswith("/"):
+        raise InvalidArgument(f"{field}.host_path: {mount.host_path!r} must be an absolute path")
+    if not os.path.exists(mount.host_path):
+        raise InvalidArgument(f"{field}.host_path: {mount.host_path} does not exist")
+    propagation = _PROPAGATION.get(mount.propagation)
+    if propagation is None:
+        raise InvalidArgument(f"{field}.propagation: unknown value {mount.propagation}")
+    if propagation != "rprivate":
+        _check_host_propagation(field, mount.host_path, propagation, mountinfo)
+    options = ["rbind", propagation] + (["ro"] if mount.readonly else [])
+    if mount.recursive_read_only:
+        # runc applies it with mount_setattr(AT_RECURSIVE): sub-mounts become
+        # read-only too, where "ro" alone leaves them writable.
+        options.append("rro")
+    bind = {
+        "destination": mount.container_path,
+        "type": "bind",
+        "source": mount.host_path,
+        "options": options,
+    }
+    return bind, propagation
 
 
 def _check_recursive_read_only(field: str, mount: api_pb2.Mount) -> None:
