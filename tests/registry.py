@@ -576,13 +576,15 @@ def start_registry(
 class TrickleProxy:
     """A plain-HTTP proxy in front of a registry that sends the body of every blob larger
     than `min_size` one byte every `interval` seconds: a registry that keeps a download
-    alive without ever letting a read time out. `trickling` is set at the first such body."""
+    alive without ever letting a read time out. `trickling` is set at the first such body;
+    `trickled` lists the paths of those bodies, in the order they started."""
 
     upstream: str
     interval: float = 0.5
     min_size: int = 4096
     port: int = 0
     trickling: threading.Event = field(default_factory=threading.Event)
+    trickled: list[str] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
     @property
@@ -614,6 +616,7 @@ class TrickleProxy:
                     if not slow:
                         self.wfile.write(data)
                         return
+                    proxy.trickled.append(self.path)
                     proxy.trickling.set()
                     for index in range(len(data)):
                         self.wfile.write(data[index : index + 1])

@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import Daemon, import_image
+from cri_shim.config import ImagesConfig
+from tests.harness import Daemon, import_image, wait_until
 from tests.hostile_layers import (
     Tar,
     image_of_layers,
@@ -48,6 +49,7 @@ class Stalls:
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon, self.worst, self._stop = daemon, 0.0, threading.Event()
+        self._probing = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -55,10 +57,12 @@ class Stalls:
             started = time.monotonic()
             self.daemon.runtime().Version(api_pb2.VersionRequest(), timeout=120)
             self.worst = max(self.worst, time.monotonic() - started)
-            time.sleep(0.01)
+            self._probing.set()
+            time.sleep(0.01)  # the probes' pace, not a wait for anything
 
     def __enter__(self) -> Stalls:
         self._thread.start()
+        assert self._probing.wait(30), "the daemon answers no Version call"
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -125,7 +129,6 @@ def test_a_huge_passwd_neither_blocks_the_daemon_nor_fills_its_memory(
     with running_pod(daemon, "passwd", short_tmp / "logs") as pod:
         before = reset_peak(pid)
         with Stalls(daemon) as stalls:
-            time.sleep(0.1)
             code, details = code_of(
                 lambda: daemon.runtime().CreateContainer(create_request(pod, config), timeout=60)
             )
@@ -172,8 +175,9 @@ def test_a_trickling_registry_holds_up_no_other_pull(
 
     thread = threading.Thread(target=pull_slow)
     thread.start()
-    assert trickling.trickling.wait(30)
-    time.sleep(0.5)  # every slot the slow registry can get, taken
+    # Every slot the slow registry can get, taken.
+    slots = ImagesConfig().max_downloads_per_registry
+    wait_until(lambda: len(trickling.trickled) >= slots, timeout=30)
     started = time.monotonic()
     request = api_pb2.PullImageRequest(
         image=api_pb2.ImageSpec(image=f"{registry.host}/fast/app:v1")
