@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -84,9 +83,13 @@ def test_containers_of_a_pod_see_each_others_processes(
 
         # An orphan is re-parented to the pause process, which reaps it: no zombie stays.
         exec_sync(daemon, second, ["sh", "-c", "(sleep 0.2 &) ; exit 0"])
-        time.sleep(1.0)
-        zombies = [line for line in _ps(daemon, first).splitlines()[1:] if " Z " in line]
-        assert zombies == []
+
+        def orphan_reaped() -> bool:
+            seen = _ps(daemon, first)
+            zombies = [line for line in seen.splitlines()[1:] if " Z " in line]
+            return "sleep 0.2" not in seen and zombies == []
+
+        wait_until(orphan_reaped, timeout=10)
 
         # The pause process survives a daemon restart (it is no orphan to reconcile).
         daemon.restart()

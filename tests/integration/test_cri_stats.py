@@ -38,14 +38,14 @@ def test_pod_stats_carry_cpu_rates_and_the_pods_network(
         # the first sample of each has nothing to compare with
         assert not first.linux.cpu.HasField("usage_nano_cores")
         assert not first.linux.containers[0].cpu.HasField("usage_nano_cores")
-        time.sleep(1)
+        time.sleep(1)  # timed on purpose: the rate is measured over this interval
         second = pod_stats(daemon, sandbox_id)
         (container,) = second.linux.containers
         # one busy loop: about a core, less when the node's two CPUs are shared
         assert 100_000_000 < container.cpu.usage_nano_cores.value < 1_300_000_000
         assert 100_000_000 < second.linux.cpu.usage_nano_cores.value < 1_300_000_000
         # whichever call took the previous sample, the rate covers the time since
-        time.sleep(0.5)
+        time.sleep(0.5)  # timed on purpose, as above
         request = api_pb2.ListContainerStatsRequest(
             filter=api_pb2.ContainerStatsFilter(id=container_id)
         )
