@@ -34,6 +34,16 @@ def status(
     )
 
 
+def uts_hostname(info: dict[str, str]) -> str:
+    """The hostname set in a sandbox's pinned UTS namespace (its verbose info's `utsns`)."""
+    return subprocess.run(
+        ["nsenter", f"--uts={info['utsns']}", "hostname"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
 def test_version_and_status(daemon: Daemon) -> None:
     version = daemon.runtime().Version(api_pb2.VersionRequest(), timeout=5)
     assert version.runtime_name == "cri-shim"
@@ -89,13 +99,7 @@ def test_pod_lifecycle_like_crictl(
     info = json.loads(st.info["info"])
     assert ping(ip), f"pod IP {ip} does not answer"
     # The pinned UTS namespace carries the pod's hostname.
-    hostname = subprocess.run(
-        ["nsenter", f"--uts={info['utsns']}", "hostname"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert hostname == "web-host"
+    assert uts_hostname(info) == "web-host"
     sandbox_dir = Path(info["sandboxDir"])
     assert (sandbox_dir / "resolv.conf").read_text() == (
         "nameserver 10.0.0.10\nsearch svc.local\noptions ndots:5\n"
@@ -195,13 +199,7 @@ def test_a_pod_without_hostname_is_named_after_its_id(daemon: Daemon) -> None:
     config = pod_config("PodSandbox-for-a-long-test-name-" + "x" * 60, hostname="")
     sandbox_id = run_pod(daemon, config)
     info = json.loads(status(daemon, sandbox_id, verbose=True).info["info"])
-    hostname = subprocess.run(
-        ["nsenter", f"--uts={info['utsns']}", "hostname"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert hostname == sandbox_id[:12]
+    assert uts_hostname(info) == sandbox_id[:12]
     sandbox_dir = Path(info["sandboxDir"])
     assert (sandbox_dir / "hostname").read_text() == sandbox_id[:12] + "\n"
     linux = api_pb2.LinuxPodSandboxConfig(
