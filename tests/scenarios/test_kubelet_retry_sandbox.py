@@ -56,6 +56,18 @@ def assert_ready(daemon: Daemon, sandbox_id: str) -> None:
     assert status.network.ip
 
 
+def assert_claimed_once(daemon: Daemon, network: CniTestNetwork, sandbox_id: str) -> None:
+    """The sandbox is ready and listed after one CNI ADD; a repeat of the request (its
+    response lost) gets the same sandbox; removed, it leaves nothing."""
+    assert_ready(daemon, sandbox_id)
+    assert network.adds() == 1
+    assert listed(daemon) == [sandbox_id]
+    assert run_pod(daemon, "slow", timeout=5) == sandbox_id
+    assert network.adds() == 1
+    remove_all(daemon)
+    assert daemon.leaks() == {}
+
+
 def test_timeout_then_the_waiting_retry_gets_the_sandbox(
     daemon: Daemon, test_network: CniTestNetwork
 ) -> None:
@@ -71,14 +83,7 @@ def test_timeout_then_the_waiting_retry_gets_the_sandbox(
     sandbox_id = run_pod(daemon, "slow", timeout=10)
     waited = time.monotonic() - t0
     assert waited < 6, f"the waiting retry got the sandbox only after {waited:.1f}s"
-    assert_ready(daemon, sandbox_id)
-    assert test_network.adds() == 1
-    assert listed(daemon) == [sandbox_id]
-    # a third request (the response to the second was lost) gets the same sandbox
-    assert run_pod(daemon, "slow", timeout=5) == sandbox_id
-    assert test_network.adds() == 1
-    remove_all(daemon)
-    assert daemon.leaks() == {}
+    assert_claimed_once(daemon, test_network, sandbox_id)
 
 
 def test_without_hand_off_the_waiting_retry_is_refused_and_the_next_one_claims(
@@ -135,14 +140,7 @@ def test_a_retry_whose_deadline_passes_first_is_told_the_stage_then_the_next_cla
     sandbox_id = run_pod(daemon, "slow", timeout=10)
     claim_time = time.monotonic() - t0
     assert claim_time < 1.0, f"claiming the cached sandbox took {claim_time:.2f}s"
-    assert_ready(daemon, sandbox_id)
-    assert test_network.adds() == 1
-    assert listed(daemon) == [sandbox_id]
-    # a fourth request (the response to the third was lost) gets the same sandbox
-    assert run_pod(daemon, "slow", timeout=5) == sandbox_id
-    assert test_network.adds() == 1
-    remove_all(daemon)
-    assert daemon.leaks() == {}
+    assert_claimed_once(daemon, test_network, sandbox_id)
 
 
 def test_twenty_concurrent_requests_create_one_sandbox(
