@@ -7,6 +7,7 @@ Importers take every public name from here.
 from cri_shim.config.model import (
     BUNDLED_CNI_DIR,
     DEFAULT_CONFIG_PATH,
+    CdiConfig,
     Config,
     ConfigError,
     CreationConfig,
@@ -34,6 +35,7 @@ __all__ = [
     "BUNDLED_CNI_DIR",
     "DEFAULT_CONFIG_PATH",
     "KEY_DOCS",
+    "CdiConfig",
     "Config",
     "ConfigError",
     "ConfigKey",

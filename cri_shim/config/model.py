@@ -119,6 +119,12 @@ class MetricsConfig:
 
 
 @dataclass
+class CdiConfig:
+    # Later directories override earlier ones for the same device (the CDI spec's order).
+    spec_dirs: list[Path] = field(default_factory=lambda: [Path("/etc/cdi"), Path("/var/run/cdi")])
+
+
+@dataclass
 class Config:
     listen: str = "unix:///run/cri-shim/cri-shim.sock"
     root: Path = Path("/var/lib/cri-shim")
@@ -137,6 +143,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     streaming: StreamingSection = field(default_factory=StreamingSection)
     requests: RequestsConfig = field(default_factory=RequestsConfig)
+    cdi: CdiConfig = field(default_factory=CdiConfig)
 
     @property
     def socket_path(self) -> Path:

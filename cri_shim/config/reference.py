@@ -110,6 +110,9 @@ KEY_DOCS: dict[str, str] = {
     "streaming RPCs return; port 0 picks a free port, loopback suffices as kubelet proxies",
     "streaming.tls_cert": "PEM certificate to serve the streaming URLs over HTTPS (with `tls_key`)",
     "streaming.tls_key": "PEM private key of `tls_cert`; both or neither",
+    "cdi.spec_dirs": "directories of CDI spec files (`*.json`, `*.yaml`) that resolve the "
+    "devices a container asks for (`cdi_devices`, `cdi.k8s.io/*` annotations); a later "
+    "directory overrides an earlier one for the same device; files are re-read when changed",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

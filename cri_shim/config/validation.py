@@ -14,6 +14,7 @@ from typing import Any
 
 from cri_shim.config.model import (
     DEFAULT_CONFIG_PATH,
+    CdiConfig,
     Config,
     ConfigError,
     CreationConfig,
@@ -207,6 +208,17 @@ def _load_streaming(table: dict[str, Any]) -> StreamingSection:
     return streaming
 
 
+def _load_cdi(table: dict[str, Any]) -> CdiConfig:
+    _unknown(table, {"spec_dirs"}, "cdi.")
+    cdi = CdiConfig()
+    if "spec_dirs" in table:
+        cdi.spec_dirs = [Path(p) for p in _str_list(table["spec_dirs"], "cdi.spec_dirs")]
+        for path in cdi.spec_dirs:
+            if not path.is_absolute():
+                raise ConfigError(f"cdi.spec_dirs: expected absolute paths, got {str(path)!r}")
+    return cdi
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     # The known keys are the fields: a section added to Config cannot be forgotten here.
     _unknown(data, {f.name for f in dataclasses.fields(Config)}, "")
@@ -244,6 +256,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "metrics": _load_metrics,
         "streaming": _load_streaming,
         "requests": _load_requests,
+        "cdi": _load_cdi,
     }
     for name, loader in sections.items():
         if name in data:

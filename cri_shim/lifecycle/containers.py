@@ -44,6 +44,7 @@ from cri_shim.lifecycle.events import (
 from cri_shim.lifecycle.hooks import PersistedCreationHooks
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
 from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import handler_features, require_features
 from cri_shim.runtime.mount_sources import pin_bind_sources
@@ -93,6 +94,7 @@ class ContainerService(PersistedCreationHooks):
         self.events = sandboxes.events
         self._dir = config.root / "containers"
         self._cleanup_budget = config.creation.cleanup_timeout
+        self._cdi = CdiRegistry(config.cdi.spec_dirs)
         self.coordinator = CreationCoordinator(
             "container",
             self,
@@ -242,6 +244,7 @@ class ContainerService(PersistedCreationHooks):
             rootfs,
             container_id=container_id,
             image_mounts=image_mounts,
+            cdi=self._cdi,
         )
 
         stage.set(STAGE_RUNTIME)

@@ -21,6 +21,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.runtime.capabilities import CapabilitySet, resolve_capabilities
+from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.identity import EtcReader, ProcessIdentity, read_in_root, resolve_identity
 from cri_shim.runtime.resources import clamp_oom_score_adj, linux_resources
@@ -132,11 +133,13 @@ def build_spec(
     host_dev: Path = Path("/dev"),
     mountinfo: Callable[[], str] | None = None,
     image_mounts: Mapping[int, Path] | None = None,
+    cdi: CdiRegistry | None = None,
 ) -> dict[str, Any]:
     """The config.json for `container_id`. Raises InvalidArgument, naming the field, for
     a request that cannot be run. `target_pid_ns_path` is the PID namespace of the target
     container for NamespaceMode.TARGET (ephemeral debug containers). `image_mounts` are
-    the host directories of the request's image volumes (see container_mounts)."""
+    the host directories of the request's image volumes (see container_mounts). `cdi`
+    resolves the CDI devices the request asks for; their edits are applied last."""
     host = host or current_host_limits()
     linux_cfg = cfg.linux if cfg.HasField("linux") else api_pb2.LinuxContainerConfig()
     sc = linux_cfg.security_context
@@ -186,6 +189,8 @@ def build_spec(
     # The pod's hostname, where the pod has a UTS namespace of its own.
     if sandbox.uts_ns_path is not None and sandbox.hostname:
         spec["hostname"] = sandbox.hostname
+    if cdi is not None:
+        cdi.inject(spec, cfg)
     return spec
 
 
