@@ -332,7 +332,7 @@ class CdiRegistry:
     Safe to call from several threads (build_spec runs in one per creation)."""
 
     def __init__(self, spec_dirs: Sequence[Path]) -> None:
-        self.spec_dirs = tuple(spec_dirs)
+        self.spec_dirs = tuple(dict.fromkeys(spec_dirs))  # a directory listed twice counts once
         self._cache: dict[Path, _Cached] = {}
         self._lock = threading.Lock()
 
@@ -377,7 +377,7 @@ class CdiRegistry:
         parsed = [(n, parse_qualified_name(n)) for n in wanted]
         with self._lock:
             found = self._scan()
-        broken = [c for _, c in found if c.spec is None]
+        broken = [(priority, c) for priority, c in found if c.spec is None]
         # Fully-qualified name -> (priority, defining files at that priority, edits).
         table: dict[str, tuple[int, list[SpecFile], ContainerEdits]] = {}
         for priority, cached in found:
@@ -393,15 +393,19 @@ class CdiRegistry:
         resolved: list[ResolvedDevice] = []
         for name, (vendor, cls, _) in parsed:
             entry = table.get(name)
-            kind_broken = [c.error for c in broken if c.kind == f"{vendor}/{cls}"]
             if entry is None:
                 where = ", ".join(str(d) for d in self.spec_dirs)
-                errors = "; ".join(c.error for c in broken)
+                errors = "; ".join(c.error for _, c in broken)
                 detail = f"; spec files that could not be used: {errors}" if broken else ""
                 raise InvalidArgument(
                     f"CDI device {name!r}: unknown, no spec file in {where} defines it{detail}"
                 )
-            _, specs, edits = entry
+            priority, specs, edits = entry
+            # A broken file of the device's kind that could override it (same directory or
+            # a later one) makes the device's definition uncertain.
+            kind_broken = [
+                c.error for p, c in broken if c.kind == f"{vendor}/{cls}" and p >= priority
+            ]
             if len(specs) > 1:
                 raise InvalidArgument(
                     f"CDI device {name!r}: defined in both {specs[0].path} and {specs[1].path}"

@@ -32,6 +32,16 @@ def test_defaults_match_the_documented_contract() -> None:
     assert cfg.creation.keep_on_timeout is True
     assert cfg.creation.hand_off is True
     assert cfg.runtime.default_handler == "runc"
+    assert cfg.cdi.spec_dirs == [Path("/etc/cdi"), Path("/var/run/cdi")]
+
+
+def test_cdi_spec_dirs_are_absolute_paths() -> None:
+    cfg = config_from_dict({"cdi": {"spec_dirs": ["/opt/cdi", "/run/cdi"]}})
+    assert cfg.cdi.spec_dirs == [Path("/opt/cdi"), Path("/run/cdi")]
+    with pytest.raises(ConfigError, match=r"^cdi\.spec_dirs: expected absolute paths"):
+        config_from_dict({"cdi": {"spec_dirs": ["etc/cdi"]}})
+    with pytest.raises(ConfigError, match=r"^cdi\.spec_dirs"):
+        config_from_dict({"cdi": {"spec_dirs": "/etc/cdi"}})
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,12 @@ def test_a_broken_file_of_the_devices_kind_is_named(tmp_path: Path) -> None:
     assert str(tmp_path / "broken.json") in str(err.value)
 
 
+def test_a_broken_file_in_an_earlier_directory_is_overridden(tmp_path: Path) -> None:
+    write(tmp_path / "etc" / "broken.json", spec_data(version="7.0.0"))
+    write(tmp_path / "run" / "good.json", spec_data())
+    assert CdiRegistry([tmp_path / "etc", tmp_path / "run"]).resolve(["vendor.example/dev=null0"])
+
+
 def test_an_unreadable_file_is_named_when_the_device_is_not_found(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{ not json")
     with pytest.raises(InvalidArgument) as err:
