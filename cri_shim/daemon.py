@@ -28,7 +28,7 @@ from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.lifecycle.containers import ContainerService
 from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.pause import PauseProcesses
-from cri_shim.lifecycle.reconcile import reconcile_host
+from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.lifecycle.sandboxes import SandboxService
 from cri_shim.metrics import Metrics, MetricsExporter
 from cri_shim.network.cni import CniNetwork
@@ -41,9 +41,11 @@ from cri_shim.server.events import install_renderer
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.unix_socket import bind_unix_socket
+from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
+from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
 from cri_shim.streaming.server import StreamingConfig, StreamingServer
 
@@ -113,17 +115,18 @@ def build_services(config: Config) -> Services:
     db = Database(config.state_db)
     journal = Journal(db)
     ledger = Ledger(db)
+    sandbox_rows = SandboxRepository(db)
+    container_rows = ContainerRepository(db)
     pinner = NamespacePinner(config.run_root)
     cni = CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR)
     backends = build_backends(config)
     sandboxes = SandboxService(
-        config, db, journal, ledger, pinner, cni, pause=PauseProcesses(journal, backends)
+        config, sandbox_rows, journal, ledger, pinner, cni, pause=PauseProcesses(journal, backends)
     )
-    containers: ContainerService | None = None
 
     def layers_in_use(chains: Collection[str]) -> Collection[str]:
         # Layers under a container's root filesystem must outlive their image's removal.
-        return set(chains) & containers.chain_ids_in_use() if containers else set()
+        return set(chains) & container_rows.layers_in_use()
 
     images = ImageStore(
         config.root,
@@ -131,7 +134,9 @@ def build_services(config: Config) -> Services:
         in_use=layers_in_use,
         unpack_policy=UnpackPolicy.from_config(config.images),
     )
-    containers = ContainerService(config, db, journal, sandboxes, images, backends)
+    containers = ContainerService(
+        config, container_rows, sandbox_rows, journal, sandboxes, images, backends
+    )
     streaming = StreamingServer(
         StreamingConfig(
             address=config.streaming.address,
@@ -169,9 +174,13 @@ def build_backends(config: Config) -> dict[str, RuntimeBackend]:
 async def restore(services: Services) -> None:
     started = time.monotonic()
     await services.sandboxes.restore()
+    await undo_orphan_journals(
+        services.journal,
+        services.sandboxes.rows.ids() | services.containers.rows.ids(),
+        services.config.creation.cleanup_timeout,
+    )
     await services.containers.restore()
     orphans = await reconcile_host(
-        services.db,
         services.sandboxes,
         services.containers,
         services.sandboxes.pinner,

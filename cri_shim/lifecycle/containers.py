@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import shutil
@@ -50,9 +49,10 @@ from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
 from cri_shim.runtime.userns import pod_mappings
-from cri_shim.state.db import Database
+from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.records import ContainerRecord, SandboxRecord
+from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.runc_backend import ContainerEndpoint
 
 log = logging.getLogger("cri_shim.container")
@@ -62,8 +62,6 @@ STAGE_SPEC = "container spec"
 STAGE_RUNTIME = "container runtime creation"
 STAGE_CREATED = "container created"
 
-CREATED, RUNNING, EXITED = "created", "running", "exited"
-
 
 def _now_ns() -> int:
     return time.time_ns()
@@ -72,19 +70,21 @@ def _now_ns() -> int:
 class ContainerService(PersistedCreationHooks):
     """Owns every container: rows, journal steps, coordinator hooks, runtime calls."""
 
-    table = "containers"
     kind = "container"
 
     def __init__(
         self,
         config: Config,
-        db: Database,
+        rows: ContainerRepository,
+        sandbox_rows: SandboxRepository,
         journal: Journal,
         sandboxes: SandboxService,
         images: ImageStore,
         backends: dict[str, RuntimeBackend],
     ) -> None:
-        super().__init__(db)
+        super().__init__(rows)
+        self.rows = rows
+        self._sandbox_rows = sandbox_rows
         self._config = config
         self._journal = journal
         self._sandboxes = sandboxes
@@ -170,28 +170,20 @@ class ContainerService(PersistedCreationHooks):
         rootfs = bundle / "rootfs"
         stage.set(STAGE_STORAGE)
         image_name, repo_digest = image_names(image, config.image)
-        with self._db.transaction() as conn:
-            conn.execute(
-                "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
-                "image_id, image_ref, repo_digest, config, log_path, bundle_dir, rootfs, "
-                "layers) VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    container_id,
-                    name,
-                    sandbox.id,
-                    STAGE_STORAGE,
-                    CREATED,
-                    _now_ns(),
-                    image.id,
-                    image_name,
-                    repo_digest,
-                    config.SerializeToString(),
-                    log_path,
-                    str(bundle),
-                    str(rootfs),
-                    json.dumps(image.layers),
-                ),
-            )
+        self.rows.insert(
+            container_id,
+            name,
+            sandbox.id,
+            stage=STAGE_STORAGE,
+            image_id=image.id,
+            image_ref=image_name,
+            repo_digest=repo_digest,
+            config=config,
+            log_path=log_path,
+            bundle_dir=bundle,
+            rootfs=rootfs,
+            layers=list(image.layers),
+        )
         fault_point("container:row")
         self._journal.record(container_id, "container_dir", path=str(bundle))
         for sub in ("upper", "work", "rootfs"):
@@ -221,7 +213,7 @@ class ContainerService(PersistedCreationHooks):
         fault_point("container:rootfs")
         image_mounts = await mount_image_volumes(
             self._journal,
-            self._db,
+            self.rows,
             self._images,
             container_id,
             bundle,
@@ -277,10 +269,7 @@ class ContainerService(PersistedCreationHooks):
         )
         pinned.release()
         fault_point("container:runtime-created")
-        self._db.execute(
-            "UPDATE containers SET pid = ?, stage = ? WHERE id = ?",
-            (pid, STAGE_CREATED, container_id),
-        )
+        self.rows.set_pid(container_id, pid)
         stage.set(STAGE_CREATED)
 
     def _sandbox_context(self, sandbox: SandboxRecord) -> SandboxContext:
@@ -338,9 +327,9 @@ class ContainerService(PersistedCreationHooks):
         self._journal.discharge(object_id, "container_log")
         # Visible now, so kubelet may hear of it: a cached creation is announced when a
         # retry claims it, never before (kubelet must not see it until then).
-        row = self._db.query_one("SELECT sandbox_id FROM containers WHERE id = ?", (object_id,))
-        if row is not None:
-            self.events.emit(object_id, row[0], CONTAINER_CREATED)
+        sandbox_id = self.rows.sandbox_of(object_id)
+        if sandbox_id is not None:
+            self.events.emit(object_id, sandbox_id, CONTAINER_CREATED)
 
     async def cleanup(self, object_id: str) -> None:
         self.mark_cleaning(object_id)
@@ -375,10 +364,7 @@ class ContainerService(PersistedCreationHooks):
 
     def mark_started(self, container: ContainerRecord, started_at: int) -> None:
         container.state, container.started_at = RUNNING, started_at
-        self._db.execute(
-            "UPDATE containers SET state = ?, started_at = ? WHERE id = ?",
-            (RUNNING, started_at, container.id),
-        )
+        self.rows.mark_running(container.id, started_at)
         log.info("container %s (%s) started", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_STARTED)
         # A process that exited at once wrote its exit file before the row said running;
@@ -426,11 +412,7 @@ class ContainerService(PersistedCreationHooks):
             reason = "Completed"
         else:
             reason = "Error"
-        changed = self._db.execute(
-            "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ? "
-            "WHERE id = ? AND state != ?",
-            (EXITED, code, finished, reason, container.id, EXITED),
-        )
+        changed = self.rows.mark_exited(container.id, code, finished, reason)
         container.state, container.exit_code = EXITED, code
         container.finished_at, container.reason = finished, reason
         if changed:  # a stop and the exit watcher may both notice it; one event
@@ -443,16 +425,12 @@ class ContainerService(PersistedCreationHooks):
             container.id,
             container.name,
         )
-        self._db.execute(
-            "UPDATE containers SET state = ?, exit_code = 255, finished_at = ?, reason = ?, "
-            "message = ? WHERE id = ?",
-            (
-                EXITED,
-                _now_ns(),
-                "Unknown",
-                "the container's process disappeared without an exit record (host reboot?)",
-                container.id,
-            ),
+        self.rows.mark_exited(
+            container.id,
+            255,
+            _now_ns(),
+            "Unknown",
+            message="the container's process disappeared without an exit record (host reboot?)",
         )
         self.events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
 
@@ -542,18 +520,14 @@ class ContainerService(PersistedCreationHooks):
         if container_id is None:
             self.list()  # refreshes each running container
             return
-        row = self._db.query_one(
-            "SELECT * FROM containers WHERE id = ? AND phase = 'visible'", (container_id,)
-        )
-        if row is not None:
+        container = self.rows.visible(container_id)
+        if container is not None:
             # Not visible (being created, or cached): its exit is read when it is claimed.
-            self.refresh(ContainerRecord.from_row(row))
+            self.refresh(container)
 
     def _handler_of(self, container: ContainerRecord) -> str:
-        row = self._db.query_one(
-            "SELECT runtime_handler FROM sandboxes WHERE id = ?", (container.sandbox_id,)
-        )
-        return str(row[0]) if row else self._config.runtime.default_handler
+        handler = self._sandbox_rows.runtime_handler(container.sandbox_id)
+        return handler or self._config.runtime.default_handler
 
     def backend_of(self, container: ContainerRecord) -> RuntimeBackend:
         return self._backend(self._handler_of(container))
@@ -561,8 +535,8 @@ class ContainerService(PersistedCreationHooks):
     # ---- queries (visible containers only) -----------------------------------------
 
     def find(self, ref: str) -> ContainerRecord | None:
-        row = self.find_visible_row(ref)
-        return self.refresh(ContainerRecord.from_row(row)) if row is not None else None
+        container = self.rows.find_visible(ref)
+        return self.refresh(container) if container is not None else None
 
     def get(self, ref: str) -> ContainerRecord:
         container = self.find(ref)
@@ -578,24 +552,10 @@ class ContainerService(PersistedCreationHooks):
 
     def list(self, sandbox_id: str | None = None) -> list[ContainerRecord]:
         if sandbox_id is None:
-            rows = self._db.query(
-                "SELECT * FROM containers WHERE phase = 'visible' ORDER BY created_at"
-            )
+            containers = self.rows.list_visible()
         else:
-            rows = self._db.query(
-                "SELECT * FROM containers WHERE phase = 'visible' AND sandbox_id = ? "
-                "ORDER BY created_at",
-                (sandbox_id,),
-            )
-        return [self.refresh(ContainerRecord.from_row(r)) for r in rows]
-
-    def chain_ids_in_use(self) -> set[str]:
-        """Layers under some container's root filesystem (recorded at creation: the image
-        itself may already be gone when the store asks)."""
-        used: set[str] = set()
-        for row in self._db.query("SELECT DISTINCT layers FROM containers"):
-            used.update(json.loads(row[0]))
-        return used
+            containers = self.rows.list_visible_in(sandbox_id)
+        return [self.refresh(c) for c in containers]
 
     # ---- restore -------------------------------------------------------------------
 

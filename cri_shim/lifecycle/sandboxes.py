@@ -9,11 +9,9 @@ expiry, a removal and a restart all undo the same way.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -41,10 +39,10 @@ from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
 from cri_shim.runtime.userns import pod_mappings, require_searchable
-from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.records import SandboxRecord, host_network, pod_hostname
+from cri_shim.state.sandboxes import SandboxRepository
 
 log = logging.getLogger("cri_shim.sandbox")
 
@@ -60,20 +58,15 @@ _STOP_ACTIONS = ("cni_del", "unpin", "unmount", PAUSE_ACTION)
 SHM_SIZE = 64 * 1024 * 1024
 
 
-def _now_ns() -> int:
-    return time.time_ns()
-
-
 class SandboxService(PersistedCreationHooks):
     """Owns every sandbox: rows, journal steps, coordinator hooks and queries."""
 
-    table = "sandboxes"
     kind = "sandbox"
 
     def __init__(
         self,
         config: Config,
-        db: Database,
+        rows: SandboxRepository,
         journal: Journal,
         ledger: Ledger,
         pinner: NamespacePinner,
@@ -81,7 +74,8 @@ class SandboxService(PersistedCreationHooks):
         events: EventBus | None = None,
         pause: PauseProcesses | None = None,
     ) -> None:
-        super().__init__(db)
+        super().__init__(rows)
+        self.rows = rows
         self._config = config
         self._journal = journal
         self._ledger = ledger
@@ -149,21 +143,7 @@ class SandboxService(PersistedCreationHooks):
         stage.set(STAGE_STORAGE)
         # The row comes first: everything after it is a side effect that a crash may
         # interrupt, and restore finds interrupted creations through this row.
-        with self._db.transaction() as conn:
-            conn.execute(
-                "INSERT INTO sandboxes (id, name, phase, stage, state, created_at, "
-                "runtime_handler, config, sandbox_dir) VALUES (?, ?, 'creating', ?, 'notready', "
-                "?, ?, ?, ?)",
-                (
-                    sandbox_id,
-                    name,
-                    STAGE_STORAGE,
-                    _now_ns(),
-                    handler,
-                    config.SerializeToString(),
-                    str(sandbox_dir),
-                ),
-            )
+        self.rows.insert(sandbox_id, name, STAGE_STORAGE, handler, config, sandbox_dir)
         fault_point("sandbox:row")
         self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
         sandbox_dir.mkdir(parents=True, exist_ok=True)
@@ -199,10 +179,8 @@ class SandboxService(PersistedCreationHooks):
             hostname=pod_hostname(config, sandbox_id),
             userns=userns,
         )
-        self._db.execute(
-            "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ?, userns_path = ? "
-            "WHERE id = ?",
-            (_str(pinned.net), _str(pinned.ipc), _str(pinned.uts), _str(pinned.user), sandbox_id),
+        self.rows.set_namespaces(
+            sandbox_id, net=pinned.net, ipc=pinned.ipc, uts=pinned.uts, user=pinned.user
         )
         fault_point("sandbox:namespaces")
 
@@ -227,10 +205,7 @@ class SandboxService(PersistedCreationHooks):
             for ip in ips:
                 self._ledger.allocate("ip", ip, sandbox_id)
             fault_point("sandbox:network-added")
-        self._db.execute(
-            "UPDATE sandboxes SET ips = ?, cni_result = ?, state = 'ready', stage = ? WHERE id = ?",
-            (json.dumps(ips), json.dumps(result) if result else None, STAGE_READY, sandbox_id),
-        )
+        self.rows.mark_ready(sandbox_id, ips, result)
         stage.set(STAGE_READY)
         fault_point("sandbox:ready")
 
@@ -328,9 +303,7 @@ class SandboxService(PersistedCreationHooks):
 
     async def _undo_unpin(self, args: dict[str, Any]) -> None:
         await self.pinner.unpin(Path(args["path"]))
-        self._db.execute(
-            "DELETE FROM allocations WHERE kind = 'path' AND value = ?", (args["path"],)
-        )
+        self._ledger.release_value("path", args["path"])
 
     async def _undo_unmount(self, args: dict[str, Any]) -> None:
         await asyncio.to_thread(mounts.unmount, Path(args["path"]))
@@ -398,8 +371,7 @@ class SandboxService(PersistedCreationHooks):
     # ---- queries (visible sandboxes only) ------------------------------------------
 
     def find(self, ref: str) -> SandboxRecord | None:
-        row = self.find_visible_row(ref)
-        return SandboxRecord.from_row(row) if row is not None else None
+        return self.rows.find_visible(ref)
 
     def get(self, ref: str) -> SandboxRecord:
         sandbox = self.find(ref)
@@ -414,27 +386,13 @@ class SandboxService(PersistedCreationHooks):
         return sandbox
 
     def list(self) -> list[SandboxRecord]:
-        rows = self._db.query("SELECT * FROM sandboxes WHERE phase = 'visible' ORDER BY created_at")
-        return [SandboxRecord.from_row(r) for r in rows]
+        return self.rows.list_visible()
 
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:
         """Before serving: roll back interrupted creations, re-register the rest."""
         await self.restore_rows()
-        # Journal rows of objects whose row is gone (crash between undo and forget).
-        for object_id in self._journal.objects():
-            if (
-                self._db.query_one("SELECT 1 FROM sandboxes WHERE id = ?", (object_id,)) is None
-                and self._db.query_one("SELECT 1 FROM containers WHERE id = ?", (object_id,))
-                is None
-            ):
-                try:
-                    await self._journal.undo(
-                        object_id, budget=self._config.creation.cleanup_timeout
-                    )
-                except UndoFailed as exc:
-                    log.error("orphan journal of %s left work for GC: %s", object_id, exc)
 
     def netns_of(self, ref: str) -> Path | None:
         """The pinned network namespace of a ready pod (port-forward dials into it); None
@@ -450,10 +408,8 @@ class SandboxService(PersistedCreationHooks):
         if sandbox_id is None:
             sandboxes = self.list()
         else:
-            row = self._db.query_one(
-                "SELECT * FROM sandboxes WHERE id = ? AND phase = 'visible'", (sandbox_id,)
-            )
-            sandboxes = [SandboxRecord.from_row(row)] if row is not None else []
+            visible = self.rows.visible(sandbox_id)
+            sandboxes = [visible] if visible is not None else []
         for sandbox in sandboxes:
             if sandbox.ready and self.pause.exited(sandbox):
                 log.warning(
@@ -465,11 +421,9 @@ class SandboxService(PersistedCreationHooks):
                 self.mark_not_ready(sandbox.id)
 
     def mark_not_ready(self, sandbox_id: str) -> None:
-        changed = self._db.execute(
-            "UPDATE sandboxes SET state = 'notready' WHERE id = ? AND state != 'notready'",
-            (sandbox_id,),
-        )
-        if changed:  # one event per transition, whoever noticed it first
+        if self.rows.mark_not_ready(
+            sandbox_id
+        ):  # one event per transition, whoever noticed it first
             self.events.emit(sandbox_id, sandbox_id, CONTAINER_STOPPED)
 
     def network_status(self) -> tuple[bool, str, str]:
@@ -489,7 +443,3 @@ def _request_args(request: PodNetworkRequest) -> dict[str, Any]:
         "uid": request.uid,
         "port_mappings": request.port_mappings,
     }
-
-
-def _str(path: Path | None) -> str | None:
-    return str(path) if path is not None else None
