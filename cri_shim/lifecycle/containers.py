@@ -39,12 +39,14 @@ from cri_shim.lifecycle.events import (
     CONTAINER_DELETED,
     CONTAINER_STARTED,
     CONTAINER_STOPPED,
+    EventBus,
 )
-from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
-from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.sandboxes import Pods
 from cri_shim.runtime.conmon import RuntimeBackend
-from cri_shim.runtime.features import handler_features, require_features
+from cri_shim.runtime.features import HandlerFeatures, handler_features, require_features
 from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
@@ -52,7 +54,6 @@ from cri_shim.runtime.userns import pod_mappings
 from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.records import ContainerRecord, SandboxRecord
-from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.runc_backend import ContainerEndpoint
 
 log = logging.getLogger("cri_shim.container")
@@ -67,43 +68,42 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-class ContainerService(PersistedCreationHooks):
-    """Owns every container: rows, journal steps, coordinator hooks, runtime calls."""
-
-    kind = "container"
+class ContainerLifecycle:
+    """Every container: creation steps, lifecycle, teardown, runtime calls and queries."""
 
     def __init__(
         self,
         config: Config,
         rows: ContainerRepository,
-        sandbox_rows: SandboxRepository,
+        pods: Pods,
         journal: Journal,
-        sandboxes: SandboxService,
         images: ImageStore,
         backends: dict[str, RuntimeBackend],
+        *,
+        events: EventBus,
+        pause: PauseProcesses | None = None,
     ) -> None:
-        super().__init__(rows)
         self.rows = rows
-        self._sandbox_rows = sandbox_rows
+        self._pods = pods
         self._config = config
         self._journal = journal
-        self._sandboxes = sandboxes
         self._images = images
         self.backends = backends
-        self.events = sandboxes.events
+        self.events = events
+        # A pod sharing one PID namespace: its containers join its pause process's.
+        self._pause = pause
         self._dir = config.root / "containers"
-        self._cleanup_budget = config.creation.cleanup_timeout
+        hooks = PersistedCreationHooks(
+            rows, journal, config.creation.cleanup_timeout, published=self._announce
+        )
         self.coordinator = CreationCoordinator(
             "container",
-            self,
+            hooks,
             claim_grace=config.creation.claim_grace,
             keep_on_timeout=config.creation.keep_on_timeout,
             hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
         )
-        sandboxes.stop_containers = self.stop_all_in
-        sandboxes.handler_features = lambda h: handler_features(self._backend(h).runtime_path)
-        sandboxes.remove_containers = self.remove_all_in
         journal.register("runtime_delete", self._undo_runtime)
         journal.register("rootfs_unmount", self._undo_rootfs)
         journal.register("container_log", self._undo_log)
@@ -121,12 +121,12 @@ class ContainerService(PersistedCreationHooks):
             raise InvalidArgument("ContainerConfig.metadata.name must not be empty")
         if not config.image.image:
             raise InvalidArgument("ContainerConfig.image.image must not be empty")
-        sandbox = self._sandboxes.get_ready(sandbox_ref)
+        sandbox = self._pods.get_ready(sandbox_ref)
         image = self._images.get(config.image.image)
         if image is None:
             raise NotFound(f"image {config.image.image!r} not found: pull or import it first")
         handler = sandbox.runtime_handler or self._config.runtime.default_handler
-        require_features(config, handler, handler_features(self._backend(handler).runtime_path))
+        require_features(config, handler, self.features_of(handler))
         config = resolve_image_volumes(self._images, config)
         pod = sandbox.config.metadata
         name = container_name(
@@ -222,9 +222,9 @@ class ContainerService(PersistedCreationHooks):
         )
 
         stage.set(STAGE_SPEC)
-        if self._sandboxes.pause is not None:
+        if self._pause is not None:
             # A pod sharing one PID namespace: the container joins its pause process's.
-            context = await self._sandboxes.pause.join(sandbox, context)
+            context = await self._pause.join(sandbox, context)
         # It reads the image's /etc/passwd and /etc/group and the host's mount table.
         spec = await asyncio.to_thread(
             build_spec,
@@ -296,6 +296,10 @@ class ContainerService(PersistedCreationHooks):
             sysctls=dict(sandbox.config.linux.sysctls),
         )
 
+    def features_of(self, handler: str) -> HandlerFeatures:
+        """What a runtime handler supports (probed once, then remembered)."""
+        return handler_features(self._backend(handler).runtime_path)
+
     def _backend(self, handler: str) -> RuntimeBackend:
         try:
             return self.backends[handler or self._config.runtime.default_handler]
@@ -318,10 +322,9 @@ class ContainerService(PersistedCreationHooks):
         await asyncio.to_thread(mounts.unmount_below, path)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
-    # ---- CreationHooks (the rest are inherited) -----------------------------------
+    # ---- published ----------------------------------------------------------------
 
-    def publish(self, object_id: str) -> None:
-        super().publish(object_id)
+    def _announce(self, object_id: str) -> None:
         # A container kubelet knows of keeps its log when it is removed (kubelet deletes
         # the file itself, as with containerd and CRI-O); only a rollback removes it.
         self._journal.discharge(object_id, "container_log")
@@ -331,13 +334,6 @@ class ContainerService(PersistedCreationHooks):
         if sandbox_id is not None:
             self.events.emit(object_id, sandbox_id, CONTAINER_CREATED)
 
-    async def cleanup(self, object_id: str) -> None:
-        self.mark_cleaning(object_id)
-        try:
-            await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
-        finally:
-            self.forget(object_id)
-
     # ---- lifecycle -----------------------------------------------------------------
 
     async def start(self, ref: str) -> None:
@@ -346,7 +342,7 @@ class ContainerService(PersistedCreationHooks):
             raise FailedPrecondition(
                 f"container {container.id} is {container.state}, only a created container can start"
             )
-        sandbox = self._sandboxes.get(container.sandbox_id)
+        sandbox = self._pods.get(container.sandbox_id)
         backend = self._backend(sandbox.runtime_handler)
         # Taken before the start: a process that exits at once must not look as if it
         # finished before it started.
@@ -454,7 +450,7 @@ class ContainerService(PersistedCreationHooks):
             log.error(
                 "container %s (%s): removal left work for GC: %s", container.id, container.name, exc
             )
-        self.forget(container.id)
+        self.rows.forget(container.id)
         self.coordinator.release(container.name, object_id=container.id)
         log.info("container %s (%s) removed", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
@@ -526,7 +522,7 @@ class ContainerService(PersistedCreationHooks):
             self.refresh(container)
 
     def _handler_of(self, container: ContainerRecord) -> str:
-        handler = self._sandbox_rows.runtime_handler(container.sandbox_id)
+        handler = self._pods.rows.runtime_handler(container.sandbox_id)
         return handler or self._config.runtime.default_handler
 
     def backend_of(self, container: ContainerRecord) -> RuntimeBackend:
@@ -560,7 +556,9 @@ class ContainerService(PersistedCreationHooks):
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:
-        await self.restore_rows()
+        await restore_creations(
+            self.rows, self.coordinator, self._journal, self._config.creation.cleanup_timeout
+        )
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from cri_shim.host import mounts
-from cri_shim.lifecycle.containers import ContainerService
-from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.lifecycle.containers import ContainerLifecycle
+from cri_shim.lifecycle.sandboxes import SandboxLifecycle
 from cri_shim.logcontext import object_bound, object_fields
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.state.containers import CREATED, RUNNING
@@ -39,8 +39,8 @@ async def undo_orphan_journals(journal: Journal, known: set[str], budget: float)
 
 
 async def reconcile_host(
-    sandboxes: SandboxService,
-    containers: ContainerService,
+    sandboxes: SandboxLifecycle,
+    containers: ContainerLifecycle,
     pinner: NamespacePinner,
     root: Path,
 ) -> int:

@@ -12,9 +12,9 @@ import asyncio
 import logging
 import os
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
@@ -31,7 +31,7 @@ from cri_shim.lifecycle.events import (
     CONTAINER_STOPPED,
     EventBus,
 )
-from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_namespace
 from cri_shim.logcontext import object_fields
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
@@ -58,48 +58,93 @@ _STOP_ACTIONS = ("cni_del", "unpin", "unmount", PAUSE_ACTION)
 SHM_SIZE = 64 * 1024 * 1024
 
 
-class SandboxService(PersistedCreationHooks):
-    """Owns every sandbox: rows, journal steps, coordinator hooks and queries."""
+class PodContainers(Protocol):
+    """What a pod's stop and removal do to its containers (the container lifecycle)."""
 
-    kind = "sandbox"
+    async def stop_all_in(self, sandbox_id: str) -> None: ...
+
+    async def remove_all_in(self, sandbox_id: str) -> None: ...
+
+
+class Pods:
+    """Visible sandboxes by reference, for what acts on a pod (its containers, its
+    port-forwards). Reads rows only, so that it exists before the lifecycles do."""
+
+    def __init__(self, rows: SandboxRepository) -> None:
+        self.rows = rows
+
+    def find(self, ref: str) -> SandboxRecord | None:
+        return self.rows.find_visible(ref)
+
+    def get(self, ref: str) -> SandboxRecord:
+        sandbox = self.find(ref)
+        if sandbox is None:
+            raise NotFound(f"pod sandbox {ref!r} not found")
+        return sandbox
+
+    def get_ready(self, ref: str) -> SandboxRecord:
+        sandbox = self.get(ref)
+        if not sandbox.ready:
+            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+        return sandbox
+
+    def list(self) -> list[SandboxRecord]:
+        return self.rows.list_visible()
+
+    def netns_of(self, ref: str) -> Path | None:
+        """The pinned network namespace of a ready pod (port-forward dials into it); None
+        for a host-network pod, which shares the daemon's own."""
+        return self.get_ready(ref).netns_path
+
+
+class SandboxLifecycle:
+    """Every sandbox's creation steps, teardown, restore and queries."""
 
     def __init__(
         self,
         config: Config,
-        rows: SandboxRepository,
+        pods: Pods,
         journal: Journal,
         ledger: Ledger,
         pinner: NamespacePinner,
         cni: CniNetwork,
-        events: EventBus | None = None,
+        *,
+        events: EventBus,
+        containers: PodContainers,
+        handler_features: Callable[[str], HandlerFeatures],
         pause: PauseProcesses | None = None,
     ) -> None:
-        super().__init__(rows)
-        self.rows = rows
+        self.pods = pods
+        self.rows = pods.rows
         self._config = config
         self._journal = journal
         self._ledger = ledger
         self.pinner = pinner
         self._cni = cni
-        # Shared with the container service: GetContainerEvents streams both.
-        self.events = events if events is not None else EventBus()
+        # Shared with the container lifecycle: GetContainerEvents streams both.
+        self.events = events
+        # Stop and removal of a pod reach its containers first.
+        self._containers = containers
+        # What each runtime handler supports (the container lifecycle owns the handlers).
+        self._handler_features = handler_features
         # The PID 1 of pods that share one PID namespace; None refuses such pods.
         self.pause = pause
         self._dir = config.root / "sandboxes"
-        self._cleanup_budget = config.creation.cleanup_timeout
+        hooks = PersistedCreationHooks(
+            self.rows,
+            journal,
+            config.creation.cleanup_timeout,
+            published=self._announce,
+            before_undo=containers.remove_all_in,
+        )
         self.coordinator = CreationCoordinator(
             "sandbox",
-            self,
+            hooks,
             claim_grace=config.creation.claim_grace,
             keep_on_timeout=config.creation.keep_on_timeout,
             hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
         )
-        # Set by the container service so that stop/remove of a pod reaches its containers.
-        self.stop_containers: Callable[[str], Awaitable[None]] | None = None
-        self.remove_containers: Callable[[str], Awaitable[None]] | None = None
-        # Set by the container service, which owns the runtime handlers.
-        self.handler_features: Callable[[str], HandlerFeatures] | None = None
         journal.register("cni_del", self._undo_cni)
         journal.register("unpin", self._undo_unpin)
         journal.register("unmount", self._undo_unmount)
@@ -118,7 +163,7 @@ class SandboxService(PersistedCreationHooks):
         if handler not in self._config.runtime.handlers:
             known = ", ".join(sorted(self._config.runtime.handlers))
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
-        features = self.handler_features(handler) if self.handler_features else HandlerFeatures()
+        features = self._handler_features(handler)
         userns = pod_mappings(config)
         require_pod_features(userns, handler, features)
         if userns is not None:
@@ -314,23 +359,13 @@ class SandboxService(PersistedCreationHooks):
         await asyncio.to_thread(mounts.unmount_below, path)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
-    # ---- CreationHooks (the rest are inherited) -----------------------------------
+    # ---- published ----------------------------------------------------------------
 
-    def publish(self, object_id: str) -> None:
-        super().publish(object_id)
+    def _announce(self, object_id: str) -> None:
         # kubelet's evented PLEG learns of a pod through its sandbox's own events, as
         # containerd and CRI-O report their infra containers: created, then running.
         self.events.emit(object_id, object_id, CONTAINER_CREATED)
         self.events.emit(object_id, object_id, CONTAINER_STARTED)
-
-    async def cleanup(self, object_id: str) -> None:
-        self.mark_cleaning(object_id)
-        try:
-            if self.remove_containers is not None:
-                await self.remove_containers(object_id)
-            await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
-        finally:
-            self.forget(object_id)
 
     # ---- Stop / Remove -------------------------------------------------------------
 
@@ -338,8 +373,7 @@ class SandboxService(PersistedCreationHooks):
         sandbox = self.find(sandbox_ref)
         if sandbox is None:
             return  # kubelet retries stop for pods it forgot about; unknown is success
-        if self.stop_containers is not None:
-            await self.stop_containers(sandbox.id)
+        await self._containers.stop_all_in(sandbox.id)
         try:
             await self._journal.undo(
                 sandbox.id, only=_STOP_ACTIONS, budget=self._config.network.teardown_timeout
@@ -354,8 +388,7 @@ class SandboxService(PersistedCreationHooks):
         sandbox = self.find(sandbox_ref)
         if sandbox is None:
             return
-        if self.remove_containers is not None:
-            await self.remove_containers(sandbox.id)
+        await self._containers.remove_all_in(sandbox.id)
         try:
             await self._journal.undo(sandbox.id, budget=self._config.creation.cleanup_timeout)
         except UndoFailed as exc:
@@ -364,40 +397,28 @@ class SandboxService(PersistedCreationHooks):
             )
         # Before the rows go: the event carries the pod's last status.
         self.events.emit(sandbox.id, sandbox.id, CONTAINER_DELETED)
-        self.forget(sandbox.id)
+        self.rows.forget(sandbox.id)
         self.coordinator.release(sandbox.name, object_id=sandbox.id)
         log.info("sandbox %s (%s) removed", sandbox.id, sandbox.name)
 
     # ---- queries (visible sandboxes only) ------------------------------------------
 
     def find(self, ref: str) -> SandboxRecord | None:
-        return self.rows.find_visible(ref)
+        return self.pods.find(ref)
 
     def get(self, ref: str) -> SandboxRecord:
-        sandbox = self.find(ref)
-        if sandbox is None:
-            raise NotFound(f"pod sandbox {ref!r} not found")
-        return sandbox
-
-    def get_ready(self, ref: str) -> SandboxRecord:
-        sandbox = self.get(ref)
-        if not sandbox.ready:
-            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
-        return sandbox
+        return self.pods.get(ref)
 
     def list(self) -> list[SandboxRecord]:
-        return self.rows.list_visible()
+        return self.pods.list()
 
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:
         """Before serving: roll back interrupted creations, re-register the rest."""
-        await self.restore_rows()
-
-    def netns_of(self, ref: str) -> Path | None:
-        """The pinned network namespace of a ready pod (port-forward dials into it); None
-        for a host-network pod, which shares the daemon's own."""
-        return self.get_ready(ref).netns_path
+        await restore_creations(
+            self.rows, self.coordinator, self._journal, self._config.creation.cleanup_timeout
+        )
 
     def notice_exit(self, sandbox_id: str | None) -> None:
         """An exit file appeared (None: some may have been missed). When it is the pause
