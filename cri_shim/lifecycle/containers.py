@@ -166,9 +166,10 @@ class ContainerLifecycle:
         log_path: str,
         stage: Stage,
     ) -> None:
+        """The creation's steps, each recording its inverse before it acts."""
         bundle = self._dir / container_id
-        rootfs = bundle / "rootfs"
         stage.set(STAGE_STORAGE)
+        # The row comes first: restore finds an interrupted creation through it.
         image_name, repo_digest = image_names(image, config.image)
         self.rows.insert(
             container_id,
@@ -181,10 +182,49 @@ class ContainerLifecycle:
             config=config,
             log_path=log_path,
             bundle_dir=bundle,
-            rootfs=rootfs,
+            rootfs=bundle / "rootfs",
             layers=list(image.layers),
         )
         fault_point("container:row")
+        context = self._sandbox_context(sandbox)
+        image_mounts = await self._make_storage(
+            container_id, bundle, config, image, log_path, context
+        )
+
+        stage.set(STAGE_SPEC)
+        if self._pause is not None:
+            # A pod sharing one PID namespace: the container joins its pause process's.
+            context = await self._pause.join(sandbox, context)
+        # It reads the image's /etc/passwd and /etc/group and the host's mount table.
+        spec = await asyncio.to_thread(
+            build_spec,
+            config,
+            context,
+            _image_view(image),
+            bundle / "rootfs",
+            container_id=container_id,
+            image_mounts=image_mounts,
+        )
+
+        stage.set(STAGE_RUNTIME)
+        pid = await self._create_in_runtime(
+            container_id, sandbox, config, bundle, spec, context, log_path
+        )
+        self.rows.set_pid(container_id, pid)
+        stage.set(STAGE_CREATED)
+
+    async def _make_storage(
+        self,
+        container_id: str,
+        bundle: Path,
+        config: api_pb2.ContainerConfig,
+        image: ImageRecord,
+        log_path: str,
+        context: SandboxContext,
+    ) -> dict[int, Path]:
+        """The bundle directory, the overlay root filesystem and the image volumes; the
+        host path of each image volume, by index in `config.mounts`."""
+        rootfs = bundle / "rootfs"
         self._journal.record(container_id, "container_dir", path=str(bundle))
         for sub in ("upper", "work", "rootfs"):
             (bundle / sub).mkdir(parents=True, exist_ok=True)
@@ -192,7 +232,6 @@ class ContainerLifecycle:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._journal.record(container_id, "rootfs_unmount", path=str(rootfs))
         lower = self._images.lower_dirs(image)
-        context = self._sandbox_context(sandbox)
         if context.userns is None or context.userns_path is None:
             await asyncio.to_thread(
                 overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
@@ -211,7 +250,7 @@ class ContainerLifecycle:
                 )
             )
         fault_point("container:rootfs")
-        image_mounts = await mount_image_volumes(
+        return await mount_image_volumes(
             self._journal,
             self.rows,
             self._images,
@@ -221,22 +260,17 @@ class ContainerLifecycle:
             userns_path=context.userns_path,
         )
 
-        stage.set(STAGE_SPEC)
-        if self._pause is not None:
-            # A pod sharing one PID namespace: the container joins its pause process's.
-            context = await self._pause.join(sandbox, context)
-        # It reads the image's /etc/passwd and /etc/group and the host's mount table.
-        spec = await asyncio.to_thread(
-            build_spec,
-            config,
-            context,
-            _image_view(image),
-            rootfs,
-            container_id=container_id,
-            image_mounts=image_mounts,
-        )
-
-        stage.set(STAGE_RUNTIME)
+    async def _create_in_runtime(
+        self,
+        container_id: str,
+        sandbox: SandboxRecord,
+        config: api_pb2.ContainerConfig,
+        bundle: Path,
+        spec: dict[str, Any],
+        context: SandboxContext,
+        log_path: str,
+    ) -> int:
+        """The runc container under its conmon; its process's pid."""
         backend = self._backend(sandbox.runtime_handler)
         if log_path and not await asyncio.to_thread(os.path.lexists, log_path):
             # conmon creates the log file. kubelet numbers the next attempt after the log
@@ -269,8 +303,7 @@ class ContainerLifecycle:
         )
         pinned.release()
         fault_point("container:runtime-created")
-        self.rows.set_pid(container_id, pid)
-        stage.set(STAGE_CREATED)
+        return pid
 
     def _sandbox_context(self, sandbox: SandboxRecord) -> SandboxContext:
         sc = sandbox.config.linux.security_context
