@@ -9,6 +9,7 @@ from typing import Any
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import Phase
+from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.events import (
     CONTAINER_CREATED,
     CONTAINER_DELETED,
@@ -20,10 +21,12 @@ from cri_shim.lifecycle.events import (
 from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
 from cri_shim.runtime.features import HandlerFeatures
+from cri_shim.state.containers import EXITED, ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.sandboxes import SandboxRepository
+from tests.unit.state.row_fixtures import add_container
 
 
 class FakePodContainers:
@@ -183,3 +186,78 @@ async def test_a_published_pod_is_announced_created_then_started(tmp_path: Path)
     _add(sandboxes.rows, "s1", tmp_path)
     sandboxes._announce("s1")
     assert bus.emitted == [("s1", CONTAINER_CREATED), ("s1", CONTAINER_STARTED)]
+
+
+class FakeBackend:
+    """A runtime handler that records its calls; a stopped container exits with 137."""
+
+    runtime_path = "/nonexistent/runc"
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+        self.exits: dict[str, tuple[int, int]] = {}
+
+    async def stop(self, container_id: str, timeout: float, stop_signal: int) -> None:
+        self.calls.append(f"stop {container_id} with {int(stop_signal)}")
+        self.exits[container_id] = (137, 2_000)
+
+    def exit_status(self, container_id: str) -> tuple[int, int] | None:
+        return self.exits.get(container_id)
+
+    def oom_killed(self, container_id: str) -> bool:
+        return False
+
+
+def _containers(
+    tmp_path: Path, calls: list[str]
+) -> tuple[ContainerLifecycle, RecordingBus, FakeBackend]:
+    db = Database(tmp_path / "state.db")
+    sandbox_rows = SandboxRepository(db)
+    _add(sandbox_rows, "s1", tmp_path)
+    sandbox_rows.mark_visible("s1")
+    bus = RecordingBus()
+    journal = Journal(db, first_backoff=0.0)
+    backend = FakeBackend(calls)
+    lifecycle = ContainerLifecycle(
+        Config(root=tmp_path / "root", run_root=tmp_path / "run"),
+        ContainerRepository(db),
+        Pods(sandbox_rows),
+        journal,
+        images=None,  # type: ignore[arg-type]  # no step here reads an image
+        backends={"runc": backend},  # type: ignore[dict-item]
+        events=bus,
+    )
+
+    async def remove_log(args: dict[str, Any]) -> None:
+        calls.append(f"remove log {args['path']}")
+
+    journal.register("container_log", remove_log)
+    return lifecycle, bus, backend
+
+
+async def test_a_published_container_keeps_its_log_and_is_announced(tmp_path: Path) -> None:
+    calls: list[str] = []
+    containers, bus, _backend = _containers(tmp_path, calls)
+    add_container(containers.rows, "c1", "s1")
+    containers._journal.record("c1", "container_log", path="/logs/app.log")
+    containers._announce("c1")
+    assert bus.emitted == [("c1", CONTAINER_CREATED)]
+    # kubelet removes the log of a container it knew of: the journal no longer does.
+    await containers._journal.undo("c1")
+    assert calls == []
+
+
+async def test_a_pod_stop_kills_its_never_started_containers_once(tmp_path: Path) -> None:
+    calls: list[str] = []
+    containers, bus, _backend = _containers(tmp_path, calls)
+    for container_id in ("c1", "c2"):
+        add_container(containers.rows, container_id, "s1")
+        containers.rows.mark_visible(container_id)
+    await containers.stop_all_in("s1")
+    assert sorted(calls) == ["stop c1 with 9", "stop c2 with 9"]
+    assert sorted(bus.emitted) == [("c1", CONTAINER_STOPPED), ("c2", CONTAINER_STOPPED)]
+    stopped = containers.get("c1")
+    assert (stopped.state, stopped.exit_code, stopped.reason) == (EXITED, 137, "Error")
+    # Stopping what has exited does nothing, and announces nothing.
+    await containers.stop_all_in("s1")
+    assert len(calls) == 2 and len(bus.emitted) == 2

@@ -15,6 +15,7 @@ from cri_shim.state.db import Database
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.state.schema import MIGRATIONS
+from tests.unit.state.row_fixtures import add_container
 
 
 def _pod() -> api_pb2.PodSandboxConfig:
@@ -26,23 +27,6 @@ def _pod() -> api_pb2.PodSandboxConfig:
 def _add_sandbox(rows: SandboxRepository, sandbox_id: str, tmp_path: Path) -> None:
     rows.reserve_name(f"k8s_POD_{sandbox_id}", sandbox_id)
     rows.insert(sandbox_id, f"k8s_POD_{sandbox_id}", "sandbox storage", "runc", _pod(), tmp_path)
-
-
-def _add_container(rows: ContainerRepository, container_id: str, sandbox_id: str) -> None:
-    rows.insert(
-        container_id,
-        f"k8s_app_{container_id}",
-        sandbox_id,
-        stage="container storage",
-        image_id="sha256:aa",
-        image_ref="busybox",
-        repo_digest="",
-        config=api_pb2.ContainerConfig(metadata=api_pb2.ContainerMetadata(name="app")),
-        log_path="",
-        bundle_dir=Path("/b"),
-        rootfs=Path("/b/rootfs"),
-        layers=["l1"],
-    )
 
 
 def test_an_old_database_calls_creating_in_flight_after_the_upgrade(tmp_path: Path) -> None:
@@ -140,7 +124,7 @@ def test_container_exit_is_recorded_once_and_layers_accumulate(tmp_path: Path) -
     db = Database(tmp_path / "state.db")
     sandboxes, containers = SandboxRepository(db), ContainerRepository(db)
     _add_sandbox(sandboxes, "s1", tmp_path)
-    _add_container(containers, "c1", "s1")
+    add_container(containers, "c1", "s1")
     containers.mark_visible("c1")
     containers.mark_running("c1", started_at=10)
     assert containers.mark_exited("c1", 0, 20, "Completed") is True
