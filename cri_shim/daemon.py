@@ -13,39 +13,23 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
 from cri_shim import logcontext
-from cri_shim.api.v1 import api_pb2, api_pb2_grpc
-from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.api.v1 import api_pb2_grpc
+from cri_shim.composition import build_components
+from cri_shim.config import Config
 from cri_shim.host.process import set_child_subreaper
-from cri_shim.images.store import ImageStore
-from cri_shim.images.unpack import UnpackPolicy
-from cri_shim.lifecycle.containers import ContainerService
 from cri_shim.lifecycle.events import ExitWatcher
-from cri_shim.lifecycle.pause import PauseProcesses
-from cri_shim.lifecycle.reconcile import reconcile_host
-from cri_shim.lifecycle.sandboxes import SandboxService
-from cri_shim.metrics import Metrics, MetricsExporter
-from cri_shim.network.cni import CniNetwork
-from cri_shim.network.netns import NamespacePinner
-from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
+from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
-from cri_shim.runtime.stats import CpuRates
-from cri_shim.server.events import install_renderer
+from cri_shim.server.components import Components
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.unix_socket import bind_unix_socket
-from cri_shim.state.db import Database
-from cri_shim.state.journal import Journal
-from cri_shim.state.ledger import Ledger
-from cri_shim.streaming.runc_backend import RuncStreamingBackend
-from cri_shim.streaming.server import StreamingConfig, StreamingServer
 
 log = logging.getLogger("cri_shim.daemon")
 
@@ -53,35 +37,7 @@ log = logging.getLogger("cri_shim.daemon")
 STREAM_HEADROOM = 64
 
 
-@dataclass
-class Services:
-    """Everything a request handler may use; built once, after restore."""
-
-    config: Config
-    db: Database
-    journal: Journal
-    ledger: Ledger
-    sandboxes: SandboxService
-    containers: ContainerService
-    images: ImageStore
-    streaming: StreamingServer
-    metrics: Metrics
-    cpu_rates: CpuRates = field(default_factory=CpuRates)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def creation_stats(self) -> dict[str, Any]:
-        return {
-            "sandbox": self.sandboxes.coordinator.stats(),
-            "container": self.containers.coordinator.stats(),
-        }
-
-    def container_statuses_of(self, sandbox_id: str) -> list[api_pb2.ContainerStatus]:
-        from cri_shim.server.container import to_status
-
-        return [to_status(c) for c in self.containers.list(sandbox_id=sandbox_id)]
-
-
-def bind_exited_object(services: Services, object_id: str) -> None:
+def bind_exited_object(services: Components, object_id: str) -> None:
     """An exit file is named for a container, or for a pod's pause process."""
     for kind, coordinator in (
         ("container", services.containers.coordinator),
@@ -104,74 +60,16 @@ def notify_systemd(message: str) -> None:
         sock.sendall(message.encode())
 
 
-def build_services(config: Config) -> Services:
-    for path in (config.root, config.run_root):
-        # Made so that others may pass through (a container in a user namespace of its
-        # own reaches its root filesystem as an unprivileged id) but neither list nor
-        # read. An existing directory keeps the mode its operator gave it.
-        path.mkdir(mode=0o711, parents=True, exist_ok=True)
-    db = Database(config.state_db)
-    journal = Journal(db)
-    ledger = Ledger(db)
-    pinner = NamespacePinner(config.run_root)
-    cni = CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR)
-    backends = build_backends(config)
-    sandboxes = SandboxService(
-        config, db, journal, ledger, pinner, cni, pause=PauseProcesses(journal, backends)
-    )
-    containers: ContainerService | None = None
-
-    def layers_in_use(chains: Collection[str]) -> Collection[str]:
-        # Layers under a container's root filesystem must outlive their image's removal.
-        return set(chains) & containers.chain_ids_in_use() if containers else set()
-
-    images = ImageStore(
-        config.root,
-        db,
-        in_use=layers_in_use,
-        unpack_policy=UnpackPolicy.from_config(config.images),
-    )
-    containers = ContainerService(config, db, journal, sandboxes, images, backends)
-    streaming = StreamingServer(
-        StreamingConfig(
-            address=config.streaming.address,
-            tls_cert=config.streaming.tls_cert,
-            tls_key=config.streaming.tls_key,
-        ),
-        RuncStreamingBackend(containers.streaming_endpoint, sandboxes.netns_of),
-    )
-    return Services(
-        config=config,
-        db=db,
-        journal=journal,
-        ledger=ledger,
-        sandboxes=sandboxes,
-        containers=containers,
-        images=images,
-        streaming=streaming,
-        metrics=Metrics(),
-    )
-
-
-def build_backends(config: Config) -> dict[str, RuntimeBackend]:
-    backends = {}
-    for name, handler in config.runtime.handlers.items():
-        backends[name] = RuntimeBackend(
-            name,
-            handler.path,
-            handler.root or config.run_root / "runtime" / name,
-            config.runtime.conmon,
-            config.run_root / "conmon" / name,
-        )
-    return backends
-
-
-async def restore(services: Services) -> None:
+async def restore(services: Components) -> None:
     started = time.monotonic()
     await services.sandboxes.restore()
+    await undo_orphan_journals(
+        services.journal,
+        services.sandboxes.rows.ids() | services.containers.rows.ids(),
+        services.config.creation.cleanup_timeout,
+    )
     await services.containers.restore()
     orphans = await reconcile_host(
-        services.db,
         services.sandboxes,
         services.containers,
         services.sandboxes.pinner,
@@ -195,7 +93,7 @@ class Daemon:
         self.config = config
         self.runtime_service = RuntimeService()
         self.image_service = ImageService()
-        self.services: Services | None = None
+        self.services: Components | None = None
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
@@ -206,7 +104,7 @@ class Daemon:
             set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
         except OSError as exc:
             log.warning("%s", exc)
-        services = build_services(self.config)
+        services = build_components(self.config)
         await restore(services)
         # What each runtime handler supports, probed once off the event loop (Status and
         # CreateContainer read it from then on).
@@ -219,9 +117,8 @@ class Daemon:
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
-        # Container events (issue 10): rendered from now on; exits noticed as conmon
-        # writes them, so a stopped event does not wait for someone to ask.
-        install_renderer(services)
+        # Container events (issue 10): exits noticed as conmon writes them, so a stopped
+        # event does not wait for someone to ask.
 
         def exited(name: str | None) -> None:
             with logcontext.scope():
@@ -291,9 +188,7 @@ class Daemon:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.services is not None:
             await self.services.streaming.stop()
-            puller = self.services.extra.get("image_puller")
-            if puller is not None:
-                await puller.aclose()
+            await self.services.puller.aclose()
             await self.services.sandboxes.coordinator.aclose()
             await self.services.containers.coordinator.aclose()
             self.services.db.close()

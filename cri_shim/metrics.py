@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.metrics")
 
@@ -120,7 +120,7 @@ def observe_call(tool: str, op: str, seconds: float, ok: bool) -> None:
 class ServicesCollector:
     """Creation counters, stalled creations and objects by state, read at scrape time."""
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Components) -> None:
         self._services = services
 
     def collect(self) -> Iterator[Metric]:
@@ -314,7 +314,7 @@ def _response(status: str, headers: dict[str, str], body: bytes) -> bytes:
 class MetricsExporter:
     """The daemon's metrics wiring: collector, call sink and endpoint; closed with the daemon."""
 
-    def __init__(self, services: Services, listen: str) -> None:
+    def __init__(self, services: Components, listen: str) -> None:
         self._metrics = services.metrics
         self._collector = ServicesCollector(services)
         self.endpoint = MetricsEndpoint(services.metrics.registry, listen) if listen else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import shutil
@@ -40,18 +39,20 @@ from cri_shim.lifecycle.events import (
     CONTAINER_DELETED,
     CONTAINER_STARTED,
     CONTAINER_STOPPED,
+    EventBus,
 )
-from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
-from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.sandboxes import Pods
 from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.conmon import RuntimeBackend
-from cri_shim.runtime.features import handler_features, require_features
+from cri_shim.runtime.features import HandlerFeatures, handler_features, require_features
 from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
 from cri_shim.runtime.userns import pod_mappings
-from cri_shim.state.db import Database
+from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 from cri_shim.streaming.runc_backend import ContainerEndpoint
@@ -63,49 +64,48 @@ STAGE_SPEC = "container spec"
 STAGE_RUNTIME = "container runtime creation"
 STAGE_CREATED = "container created"
 
-CREATED, RUNNING, EXITED = "created", "running", "exited"
-
 
 def _now_ns() -> int:
     return time.time_ns()
 
 
-class ContainerService(PersistedCreationHooks):
-    """Owns every container: rows, journal steps, coordinator hooks, runtime calls."""
-
-    table = "containers"
-    kind = "container"
+class ContainerLifecycle:
+    """Every container: creation steps, lifecycle, teardown, runtime calls and queries."""
 
     def __init__(
         self,
         config: Config,
-        db: Database,
+        rows: ContainerRepository,
+        pods: Pods,
         journal: Journal,
-        sandboxes: SandboxService,
         images: ImageStore,
         backends: dict[str, RuntimeBackend],
+        *,
+        events: EventBus,
+        pause: PauseProcesses | None = None,
     ) -> None:
-        super().__init__(db)
+        self.rows = rows
+        self._pods = pods
         self._config = config
         self._journal = journal
-        self._sandboxes = sandboxes
         self._images = images
         self.backends = backends
-        self.events = sandboxes.events
+        self.events = events
+        # A pod sharing one PID namespace: its containers join its pause process's.
+        self._pause = pause
         self._dir = config.root / "containers"
-        self._cleanup_budget = config.creation.cleanup_timeout
         self._cdi = CdiRegistry(config.cdi.spec_dirs)
+        hooks = PersistedCreationHooks(
+            rows, journal, config.creation.cleanup_timeout, published=self._announce
+        )
         self.coordinator = CreationCoordinator(
             "container",
-            self,
+            hooks,
             claim_grace=config.creation.claim_grace,
             keep_on_timeout=config.creation.keep_on_timeout,
             hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
         )
-        sandboxes.stop_containers = self.stop_all_in
-        sandboxes.handler_features = lambda h: handler_features(self._backend(h).runtime_path)
-        sandboxes.remove_containers = self.remove_all_in
         journal.register("runtime_delete", self._undo_runtime)
         journal.register("rootfs_unmount", self._undo_rootfs)
         journal.register("container_log", self._undo_log)
@@ -123,12 +123,12 @@ class ContainerService(PersistedCreationHooks):
             raise InvalidArgument("ContainerConfig.metadata.name must not be empty")
         if not config.image.image:
             raise InvalidArgument("ContainerConfig.image.image must not be empty")
-        sandbox = self._sandboxes.get_ready(sandbox_ref)
+        sandbox = self._pods.get_ready(sandbox_ref)
         image = self._images.get(config.image.image)
         if image is None:
             raise NotFound(f"image {config.image.image!r} not found: pull or import it first")
         handler = sandbox.runtime_handler or self._config.runtime.default_handler
-        require_features(config, handler, handler_features(self._backend(handler).runtime_path))
+        require_features(config, handler, self.features_of(handler))
         config = resolve_image_volumes(self._images, config)
         pod = sandbox.config.metadata
         name = container_name(
@@ -168,33 +168,66 @@ class ContainerService(PersistedCreationHooks):
         log_path: str,
         stage: Stage,
     ) -> None:
+        """The creation's steps, each recording its inverse before it acts."""
         bundle = self._dir / container_id
-        rootfs = bundle / "rootfs"
         stage.set(STAGE_STORAGE)
+        # The row comes first: restore finds an interrupted creation through it.
         image_name, repo_digest = image_names(image, config.image)
-        with self._db.transaction() as conn:
-            conn.execute(
-                "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
-                "image_id, image_ref, repo_digest, config, log_path, bundle_dir, rootfs, "
-                "layers) VALUES (?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    container_id,
-                    name,
-                    sandbox.id,
-                    STAGE_STORAGE,
-                    CREATED,
-                    _now_ns(),
-                    image.id,
-                    image_name,
-                    repo_digest,
-                    config.SerializeToString(),
-                    log_path,
-                    str(bundle),
-                    str(rootfs),
-                    json.dumps(image.layers),
-                ),
-            )
+        self.rows.insert(
+            container_id,
+            name,
+            sandbox.id,
+            stage=STAGE_STORAGE,
+            image_id=image.id,
+            image_ref=image_name,
+            repo_digest=repo_digest,
+            config=config,
+            log_path=log_path,
+            bundle_dir=bundle,
+            rootfs=bundle / "rootfs",
+            layers=list(image.layers),
+        )
         fault_point("container:row")
+        context = self._sandbox_context(sandbox)
+        image_mounts = await self._make_storage(
+            container_id, bundle, config, image, log_path, context
+        )
+
+        stage.set(STAGE_SPEC)
+        if self._pause is not None:
+            # A pod sharing one PID namespace: the container joins its pause process's.
+            context = await self._pause.join(sandbox, context)
+        # It reads the image's /etc/passwd and /etc/group and the host's mount table.
+        spec = await asyncio.to_thread(
+            build_spec,
+            config,
+            context,
+            _image_view(image),
+            bundle / "rootfs",
+            container_id=container_id,
+            image_mounts=image_mounts,
+            cdi=self._cdi,
+        )
+
+        stage.set(STAGE_RUNTIME)
+        pid = await self._create_in_runtime(
+            container_id, sandbox, config, bundle, spec, context, log_path
+        )
+        self.rows.set_pid(container_id, pid)
+        stage.set(STAGE_CREATED)
+
+    async def _make_storage(
+        self,
+        container_id: str,
+        bundle: Path,
+        config: api_pb2.ContainerConfig,
+        image: ImageRecord,
+        log_path: str,
+        context: SandboxContext,
+    ) -> dict[int, Path]:
+        """The bundle directory, the overlay root filesystem and the image volumes; the
+        host path of each image volume, by index in `config.mounts`."""
+        rootfs = bundle / "rootfs"
         self._journal.record(container_id, "container_dir", path=str(bundle))
         for sub in ("upper", "work", "rootfs"):
             (bundle / sub).mkdir(parents=True, exist_ok=True)
@@ -202,7 +235,6 @@ class ContainerService(PersistedCreationHooks):
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._journal.record(container_id, "rootfs_unmount", path=str(rootfs))
         lower = self._images.lower_dirs(image)
-        context = self._sandbox_context(sandbox)
         if context.userns is None or context.userns_path is None:
             await asyncio.to_thread(
                 overlay.mount_rootfs, lower, bundle / "upper", bundle / "work", rootfs
@@ -221,9 +253,9 @@ class ContainerService(PersistedCreationHooks):
                 )
             )
         fault_point("container:rootfs")
-        image_mounts = await mount_image_volumes(
+        return await mount_image_volumes(
             self._journal,
-            self._db,
+            self.rows,
             self._images,
             container_id,
             bundle,
@@ -231,23 +263,17 @@ class ContainerService(PersistedCreationHooks):
             userns_path=context.userns_path,
         )
 
-        stage.set(STAGE_SPEC)
-        if self._sandboxes.pause is not None:
-            # A pod sharing one PID namespace: the container joins its pause process's.
-            context = await self._sandboxes.pause.join(sandbox, context)
-        # It reads the image's /etc/passwd and /etc/group and the host's mount table.
-        spec = await asyncio.to_thread(
-            build_spec,
-            config,
-            context,
-            _image_view(image),
-            rootfs,
-            container_id=container_id,
-            image_mounts=image_mounts,
-            cdi=self._cdi,
-        )
-
-        stage.set(STAGE_RUNTIME)
+    async def _create_in_runtime(
+        self,
+        container_id: str,
+        sandbox: SandboxRecord,
+        config: api_pb2.ContainerConfig,
+        bundle: Path,
+        spec: dict[str, Any],
+        context: SandboxContext,
+        log_path: str,
+    ) -> int:
+        """The runc container under its conmon; its process's pid."""
         backend = self._backend(sandbox.runtime_handler)
         if log_path and not await asyncio.to_thread(os.path.lexists, log_path):
             # conmon creates the log file. kubelet numbers the next attempt after the log
@@ -280,11 +306,7 @@ class ContainerService(PersistedCreationHooks):
         )
         pinned.release()
         fault_point("container:runtime-created")
-        self._db.execute(
-            "UPDATE containers SET pid = ?, stage = ? WHERE id = ?",
-            (pid, STAGE_CREATED, container_id),
-        )
-        stage.set(STAGE_CREATED)
+        return pid
 
     def _sandbox_context(self, sandbox: SandboxRecord) -> SandboxContext:
         sc = sandbox.config.linux.security_context
@@ -310,6 +332,10 @@ class ContainerService(PersistedCreationHooks):
             sysctls=dict(sandbox.config.linux.sysctls),
         )
 
+    def features_of(self, handler: str) -> HandlerFeatures:
+        """What a runtime handler supports (probed once, then remembered)."""
+        return handler_features(self._backend(handler).runtime_path)
+
     def _backend(self, handler: str) -> RuntimeBackend:
         try:
             return self.backends[handler or self._config.runtime.default_handler]
@@ -332,25 +358,17 @@ class ContainerService(PersistedCreationHooks):
         await asyncio.to_thread(mounts.unmount_below, path)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
-    # ---- CreationHooks (the rest are inherited) -----------------------------------
+    # ---- published ----------------------------------------------------------------
 
-    def publish(self, object_id: str) -> None:
-        super().publish(object_id)
+    def _announce(self, object_id: str) -> None:
         # A container kubelet knows of keeps its log when it is removed (kubelet deletes
         # the file itself, as with containerd and CRI-O); only a rollback removes it.
         self._journal.discharge(object_id, "container_log")
         # Visible now, so kubelet may hear of it: a cached creation is announced when a
         # retry claims it, never before (kubelet must not see it until then).
-        row = self._db.query_one("SELECT sandbox_id FROM containers WHERE id = ?", (object_id,))
-        if row is not None:
-            self.events.emit(object_id, row[0], CONTAINER_CREATED)
-
-    async def cleanup(self, object_id: str) -> None:
-        self.mark_cleaning(object_id)
-        try:
-            await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
-        finally:
-            self.forget(object_id)
+        sandbox_id = self.rows.sandbox_of(object_id)
+        if sandbox_id is not None:
+            self.events.emit(object_id, sandbox_id, CONTAINER_CREATED)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -360,7 +378,7 @@ class ContainerService(PersistedCreationHooks):
             raise FailedPrecondition(
                 f"container {container.id} is {container.state}, only a created container can start"
             )
-        sandbox = self._sandboxes.get(container.sandbox_id)
+        sandbox = self._pods.get(container.sandbox_id)
         backend = self._backend(sandbox.runtime_handler)
         # Taken before the start: a process that exits at once must not look as if it
         # finished before it started.
@@ -378,10 +396,7 @@ class ContainerService(PersistedCreationHooks):
 
     def mark_started(self, container: ContainerRecord, started_at: int) -> None:
         container.state, container.started_at = RUNNING, started_at
-        self._db.execute(
-            "UPDATE containers SET state = ?, started_at = ? WHERE id = ?",
-            (RUNNING, started_at, container.id),
-        )
+        self.rows.mark_running(container.id, started_at)
         log.info("container %s (%s) started", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_STARTED)
         # A process that exited at once wrote its exit file before the row said running;
@@ -429,11 +444,7 @@ class ContainerService(PersistedCreationHooks):
             reason = "Completed"
         else:
             reason = "Error"
-        changed = self._db.execute(
-            "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ? "
-            "WHERE id = ? AND state != ?",
-            (EXITED, code, finished, reason, container.id, EXITED),
-        )
+        changed = self.rows.mark_exited(container.id, code, finished, reason)
         container.state, container.exit_code = EXITED, code
         container.finished_at, container.reason = finished, reason
         if changed:  # a stop and the exit watcher may both notice it; one event
@@ -446,16 +457,12 @@ class ContainerService(PersistedCreationHooks):
             container.id,
             container.name,
         )
-        self._db.execute(
-            "UPDATE containers SET state = ?, exit_code = 255, finished_at = ?, reason = ?, "
-            "message = ? WHERE id = ?",
-            (
-                EXITED,
-                _now_ns(),
-                "Unknown",
-                "the container's process disappeared without an exit record (host reboot?)",
-                container.id,
-            ),
+        self.rows.mark_exited(
+            container.id,
+            255,
+            _now_ns(),
+            "Unknown",
+            message="the container's process disappeared without an exit record (host reboot?)",
         )
         self.events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
 
@@ -479,7 +486,7 @@ class ContainerService(PersistedCreationHooks):
             log.error(
                 "container %s (%s): removal left work for GC: %s", container.id, container.name, exc
             )
-        self.forget(container.id)
+        self.rows.forget(container.id)
         self.coordinator.release(container.name, object_id=container.id)
         log.info("container %s (%s) removed", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
@@ -545,18 +552,14 @@ class ContainerService(PersistedCreationHooks):
         if container_id is None:
             self.list()  # refreshes each running container
             return
-        row = self._db.query_one(
-            "SELECT * FROM containers WHERE id = ? AND phase = 'visible'", (container_id,)
-        )
-        if row is not None:
+        container = self.rows.visible(container_id)
+        if container is not None:
             # Not visible (being created, or cached): its exit is read when it is claimed.
-            self.refresh(ContainerRecord.from_row(row))
+            self.refresh(container)
 
     def _handler_of(self, container: ContainerRecord) -> str:
-        row = self._db.query_one(
-            "SELECT runtime_handler FROM sandboxes WHERE id = ?", (container.sandbox_id,)
-        )
-        return str(row[0]) if row else self._config.runtime.default_handler
+        handler = self._pods.rows.runtime_handler(container.sandbox_id)
+        return handler or self._config.runtime.default_handler
 
     def backend_of(self, container: ContainerRecord) -> RuntimeBackend:
         return self._backend(self._handler_of(container))
@@ -564,8 +567,8 @@ class ContainerService(PersistedCreationHooks):
     # ---- queries (visible containers only) -----------------------------------------
 
     def find(self, ref: str) -> ContainerRecord | None:
-        row = self.find_visible_row(ref)
-        return self.refresh(ContainerRecord.from_row(row)) if row is not None else None
+        container = self.rows.find_visible(ref)
+        return self.refresh(container) if container is not None else None
 
     def get(self, ref: str) -> ContainerRecord:
         container = self.find(ref)
@@ -581,29 +584,17 @@ class ContainerService(PersistedCreationHooks):
 
     def list(self, sandbox_id: str | None = None) -> list[ContainerRecord]:
         if sandbox_id is None:
-            rows = self._db.query(
-                "SELECT * FROM containers WHERE phase = 'visible' ORDER BY created_at"
-            )
+            containers = self.rows.list_visible()
         else:
-            rows = self._db.query(
-                "SELECT * FROM containers WHERE phase = 'visible' AND sandbox_id = ? "
-                "ORDER BY created_at",
-                (sandbox_id,),
-            )
-        return [self.refresh(ContainerRecord.from_row(r)) for r in rows]
-
-    def chain_ids_in_use(self) -> set[str]:
-        """Layers under some container's root filesystem (recorded at creation: the image
-        itself may already be gone when the store asks)."""
-        used: set[str] = set()
-        for row in self._db.query("SELECT DISTINCT layers FROM containers"):
-            used.update(json.loads(row[0]))
-        return used
+            containers = self.rows.list_visible_in(sandbox_id)
+        return [self.refresh(c) for c in containers]
 
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:
-        await self.restore_rows()
+        await restore_creations(
+            self.rows, self.coordinator, self._journal, self._config.creation.cleanup_timeout
+        )
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)

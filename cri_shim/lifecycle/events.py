@@ -132,11 +132,12 @@ class EventBus:
     """Fans lifecycle events out to the current subscribers. `emit` never raises and
     never blocks: a broken renderer loses the event (logged), not the transition."""
 
-    def __init__(self, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+    def __init__(self, max_queue: int = DEFAULT_MAX_QUEUE, render: Renderer | None = None) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
         self.max_queue = max_queue
-        self.render: Renderer | None = None
+        # None delivers the events themselves (tests); the daemon renders CRI messages.
+        self.render = render
         self._subscribers: dict[int, Subscription] = {}
         self._numbers = itertools.count(1)
         # Rendering reads statuses, and reading a status can notice another exit and emit

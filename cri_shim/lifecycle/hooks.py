@@ -1,122 +1,107 @@
-"""The creation coordinator's persistence hooks, shared by sandboxes and containers.
+"""The creation coordinator's persistence hooks, one instance per kind of object.
 
 Each hook writes the state database in the same step as the coordinator's in-memory
 change, so that a restart finds reservations, stages and cached objects as they were.
+The lifecycle that owns a coordinator builds these hooks with what is its own to do (the
+event a publish announces, what a cleanup removes first) and hands them to the
+coordinator; neither passes itself to the other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from cri_shim.creation.coordinator import CreationCoordinator
-from cri_shim.errors import InvalidArgument
+from cri_shim.creation.coordinator import CreationCoordinator, Phase
 from cri_shim.logcontext import object_bound
-from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
+from cri_shim.state.objects import ObjectRepository
 
 log = logging.getLogger("cri_shim.restore")
 
 
+async def _nothing_first(object_id: str) -> None:
+    return None
+
+
 class PersistedCreationHooks:
-    """Rows for one kind of object: `names` for reservations, `table` for the object."""
+    """`CreationHooks` written through one kind's rows, undone through its journal."""
 
-    table: str
-    kind: str
-    # Set by the subclass: the coordinator these hooks serve and the journal it undoes.
-    coordinator: CreationCoordinator
-    _journal: Journal
-    _cleanup_budget: float
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
+    def __init__(
+        self,
+        rows: ObjectRepository[Any],
+        journal: Journal,
+        cleanup_budget: float,
+        *,
+        published: Callable[[str], None],
+        before_undo: Callable[[str], Awaitable[None]] = _nothing_first,
+    ) -> None:
+        self._rows = rows
+        self._journal = journal
+        self._cleanup_budget = cleanup_budget
+        self._published = published
+        self._before_undo = before_undo
 
     def reserve(self, name: str, object_id: str) -> None:
-        self._db.execute(
-            "INSERT INTO names (name, kind, object_id, reserved_at) VALUES (?, ?, ?, ?)",
-            (name, self.kind, object_id, time.time()),
-        )
+        self._rows.reserve_name(name, object_id)
 
     def stage_changed(self, object_id: str, stage: str) -> None:
-        # Before the first step the row does not exist yet; the stage is then in memory only.
-        self._db.execute(f"UPDATE {self.table} SET stage = ? WHERE id = ?", (stage, object_id))
+        self._rows.set_stage(object_id, stage)
 
     def cached(self, object_id: str, expires_at: float) -> None:
-        self._db.execute(
-            f"UPDATE {self.table} SET phase = 'cached', cached_until = ? WHERE id = ?",
-            (_wall_clock(expires_at), object_id),
-        )
+        self._rows.mark_cached(object_id, _wall_clock(expires_at))
 
     def publish(self, object_id: str) -> None:
-        self._db.execute(
-            f"UPDATE {self.table} SET phase = 'visible', cached_until = NULL WHERE id = ?",
-            (object_id,),
-        )
+        self._rows.mark_visible(object_id)
+        self._published(object_id)
 
-    def mark_cleaning(self, object_id: str) -> None:
-        """Before a cleanup's first await: a crash from here on must roll the object
-        back at restart, never restore a half-undone object as claimable."""
-        self._db.execute(f"UPDATE {self.table} SET phase = 'cleaning' WHERE id = ?", (object_id,))
+    async def cleanup(self, object_id: str) -> None:
+        # Before the first await: a crash from here on must roll the object back at
+        # restart, never restore a half-undone object as claimable.
+        self._rows.mark_cleaning(object_id)
+        try:
+            await self._before_undo(object_id)
+            await self._journal.undo(object_id, budget=self._cleanup_budget)
+        finally:
+            self._rows.forget(object_id)
 
     def released(self, name: str, object_id: str) -> None:
-        self._db.execute("DELETE FROM names WHERE name = ? AND object_id = ?", (name, object_id))
+        self._rows.release_name(name, object_id)
 
-    def forget(self, object_id: str) -> None:
-        """Drop the object's rows once its teardown has run."""
-        with self._db.transaction() as conn:
-            conn.execute(f"DELETE FROM {self.table} WHERE id = ?", (object_id,))
-            conn.execute("DELETE FROM names WHERE object_id = ?", (object_id,))
-            conn.execute("DELETE FROM allocations WHERE owner_id = ?", (object_id,))
 
-    def find_visible_row(self, ref: str) -> sqlite3.Row | None:
-        """A visible object by full ID or unique ID prefix, as crictl users expect."""
-        if not ref:
-            raise InvalidArgument(f"{self.kind} ID must not be empty")
-        escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        rows = self._db.query(
-            f"SELECT * FROM {self.table} WHERE phase = 'visible' AND id LIKE ? ESCAPE '\\' LIMIT 2",
-            (escaped + "%",),
-        )
-        if len(rows) > 1:
-            rows = [r for r in rows if r["id"] == ref]
-            if not rows:
-                raise InvalidArgument(f"{self.kind} ID prefix {ref!r} is ambiguous")
-        return rows[0] if rows else None
-
-    async def restore_rows(self) -> None:
-        """Before serving: roll back what a crash interrupted (a creation, or a cleanup),
-        hand cached objects back to the coordinator with a fresh expiry, re-register the
-        visible ones, and drop reservations that never got a row."""
-        for row in self._db.query(f"SELECT id, name, phase FROM {self.table}"):
-            with object_bound(self.kind, row["id"], row["name"]):
-                if row["phase"] == "cached":
-                    expires_at = self.coordinator.restore_cached(row["name"], row["id"])
-                    self._db.execute(
-                        f"UPDATE {self.table} SET cached_until = ? WHERE id = ?",
-                        (_wall_clock(expires_at), row["id"]),
-                    )
-                elif row["phase"] == "visible":
-                    self.coordinator.restore_visible(row["name"], row["id"])
-                else:
-                    log.warning(
-                        "%s %s (%s): %s was interrupted; rolling it back",
-                        self.kind,
-                        row["id"],
-                        row["name"],
-                        row["phase"],
-                    )
-                    try:
-                        await self._journal.undo(row["id"], budget=self._cleanup_budget)
-                    except UndoFailed as exc:
-                        log.error("%s %s: rollback left work for GC: %s", self.kind, row["id"], exc)
-                    self.forget(row["id"])
-        # A name reserved just before a crash, with no row yet: nothing was done for it.
-        self._db.execute(
-            f"DELETE FROM names WHERE kind = ? AND object_id NOT IN (SELECT id FROM {self.table})",
-            (self.kind,),
-        )
+async def restore_creations(
+    rows: ObjectRepository[Any],
+    coordinator: CreationCoordinator,
+    journal: Journal,
+    cleanup_budget: float,
+) -> None:
+    """Before serving: roll back what a crash interrupted (a creation, or a cleanup),
+    hand cached objects back to the coordinator with a fresh expiry, re-register the
+    visible ones, and drop reservations that never got a row."""
+    for row in rows.phases():
+        with object_bound(rows.kind, row.id, row.name):
+            if row.phase == Phase.CACHED:
+                expires_at = coordinator.restore_cached(row.name, row.id)
+                rows.extend_cached(row.id, _wall_clock(expires_at))
+            elif row.phase == Phase.VISIBLE:
+                coordinator.restore_visible(row.name, row.id)
+            else:
+                log.warning(
+                    "%s %s (%s): %s was interrupted; rolling it back",
+                    rows.kind,
+                    row.id,
+                    row.name,
+                    row.phase,
+                )
+                try:
+                    await journal.undo(row.id, budget=cleanup_budget)
+                except UndoFailed as exc:
+                    log.error("%s %s: rollback left work for GC: %s", rows.kind, row.id, exc)
+                rows.forget(row.id)
+    rows.drop_names_without_rows()
 
 
 def _wall_clock(expires_at: float) -> float:

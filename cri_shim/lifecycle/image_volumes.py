@@ -13,7 +13,6 @@ keeps them (the same rule as for the root filesystem's layers).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from pathlib import Path, PurePosixPath
 
@@ -23,7 +22,7 @@ from cri_shim.host import mounts
 from cri_shim.host.idmap import idmapped_layers
 from cri_shim.images.store import ImageStore
 from cri_shim.runtime.identity import resolve_in_root
-from cri_shim.state.db import Database
+from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.journal import Journal
 
 VOLUMES_DIR = "image-volumes"
@@ -79,7 +78,7 @@ def _check_sub_path(field: str, sub_path: str) -> None:
 
 async def mount_image_volumes(
     journal: Journal,
-    db: Database,
+    rows: ContainerRepository,
     images: ImageStore,
     container_id: str,
     bundle: Path,
@@ -100,7 +99,8 @@ async def mount_image_volumes(
         if record is None:
             raise NotFound(f"image {mount.image.image!r} was removed while the container was made")
         records.append(record)
-    _keep_layers(db, container_id, [chain for record in records for chain in record.layers])
+    # Recorded with the container: removing the image must keep what the volume stands on.
+    rows.add_layers(container_id, [chain for record in records for chain in record.layers])
     # overlayfs needs two lower layers when there is no upper one: an empty bottom layer.
     empty = bundle / VOLUMES_DIR / "empty"
     empty.mkdir(parents=True, exist_ok=True)
@@ -116,13 +116,6 @@ async def mount_image_volumes(
             await asyncio.to_thread(_mount_idmapped, lowers, target, userns_path, staging)
         sources[index] = _sub_path_source(index, target, mount.image_sub_path)
     return sources
-
-
-def _keep_layers(db: Database, container_id: str, chains: list[str]) -> None:
-    row = db.query_one("SELECT layers FROM containers WHERE id = ?", (container_id,))
-    current = json.loads(row[0]) if row is not None else []
-    merged = list(dict.fromkeys([*current, *chains]))
-    db.execute("UPDATE containers SET layers = ? WHERE id = ?", (json.dumps(merged), container_id))
 
 
 def _mount_read_only_overlay(lowers: list[Path], target: Path) -> None:

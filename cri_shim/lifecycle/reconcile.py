@@ -17,53 +17,58 @@ import time
 from pathlib import Path
 
 from cri_shim.host import mounts
-from cri_shim.lifecycle.containers import CREATED, RUNNING, ContainerService
-from cri_shim.lifecycle.sandboxes import SandboxService
+from cri_shim.lifecycle.containers import ContainerLifecycle
+from cri_shim.lifecycle.sandboxes import SandboxLifecycle
 from cri_shim.logcontext import object_bound, object_fields
 from cri_shim.network.netns import NamespacePinner
-from cri_shim.state.db import Database
+from cri_shim.state.containers import CREATED, RUNNING
+from cri_shim.state.journal import Journal, UndoFailed
 
 log = logging.getLogger("cri_shim.reconcile")
 
 
+async def undo_orphan_journals(journal: Journal, known: set[str], budget: float) -> None:
+    """Journal rows of objects whose row is gone (a crash between undo and forget)."""
+    for object_id in journal.objects():
+        if object_id in known:
+            continue
+        try:
+            await journal.undo(object_id, budget=budget)
+        except UndoFailed as exc:
+            log.error("orphan journal of %s left work for GC: %s", object_id, exc)
+
+
 async def reconcile_host(
-    db: Database,
-    sandboxes: SandboxService,
-    containers: ContainerService,
+    sandboxes: SandboxLifecycle,
+    containers: ContainerLifecycle,
     pinner: NamespacePinner,
     root: Path,
 ) -> int:
     """Remove orphans; returns how many were found."""
     found = 0
-    known_pins = {
-        value
-        for row in db.query("SELECT netns_path, ipc_path, uts_path, userns_path FROM sandboxes")
-        for value in row
-        if value
-    }
+    known_pins = sandboxes.rows.pinned_paths()
     for pin in pinner.pinned():
         if str(pin) not in known_pins:
             log.warning("orphan namespace pin %s: removing it", pin)
             await pinner.unpin(pin)
             found += 1
 
-    for table, directory in (
-        ("sandboxes", root / "sandboxes"),
-        ("containers", root / "containers"),
+    sandbox_ids, container_ids = sandboxes.rows.ids(), containers.rows.ids()
+    for kind, known, directory in (
+        ("sandboxes", sandbox_ids, root / "sandboxes"),
+        ("containers", container_ids, root / "containers"),
     ):
-        known = {row[0] for row in db.query(f"SELECT id FROM {table}")}
         if not directory.is_dir():
             continue
         for entry in directory.iterdir():
             if entry.name not in known:
-                log.warning("orphan %s directory %s: unmounting and removing it", table, entry)
+                log.warning("orphan %s directory %s: unmounting and removing it", kind, entry)
                 await asyncio.to_thread(mounts.unmount_below, entry)
                 await asyncio.to_thread(shutil.rmtree, entry, True)
                 found += 1
 
-    known_containers = {row[0] for row in db.query("SELECT id FROM containers")}
     # A pod sharing its PID namespace has a runc container of its own (its pause process).
-    known_containers |= {row[0] for row in db.query("SELECT id FROM sandboxes")}
+    known_containers = container_ids | sandbox_ids
     for backend in containers.backends.values():
         for state in await backend.oci.list():
             if state.id not in known_containers:

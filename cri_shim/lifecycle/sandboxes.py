@@ -9,14 +9,12 @@ expiry, a removal and a restart all undo the same way.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
@@ -33,7 +31,7 @@ from cri_shim.lifecycle.events import (
     CONTAINER_STOPPED,
     EventBus,
 )
-from cri_shim.lifecycle.hooks import PersistedCreationHooks
+from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_namespace
 from cri_shim.logcontext import object_fields
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
@@ -41,10 +39,10 @@ from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
 from cri_shim.runtime.userns import pod_mappings, require_searchable
-from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal, UndoFailed
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.records import SandboxRecord, host_network, pod_hostname
+from cri_shim.state.sandboxes import SandboxRepository
 
 log = logging.getLogger("cri_shim.sandbox")
 
@@ -60,52 +58,93 @@ _STOP_ACTIONS = ("cni_del", "unpin", "unmount", PAUSE_ACTION)
 SHM_SIZE = 64 * 1024 * 1024
 
 
-def _now_ns() -> int:
-    return time.time_ns()
+class PodContainers(Protocol):
+    """What a pod's stop and removal do to its containers (the container lifecycle)."""
+
+    async def stop_all_in(self, sandbox_id: str) -> None: ...
+
+    async def remove_all_in(self, sandbox_id: str) -> None: ...
 
 
-class SandboxService(PersistedCreationHooks):
-    """Owns every sandbox: rows, journal steps, coordinator hooks and queries."""
+class Pods:
+    """Visible sandboxes by reference, for what acts on a pod (its containers, its
+    port-forwards). Reads rows only, so that it exists before the lifecycles do."""
 
-    table = "sandboxes"
-    kind = "sandbox"
+    def __init__(self, rows: SandboxRepository) -> None:
+        self.rows = rows
+
+    def find(self, ref: str) -> SandboxRecord | None:
+        return self.rows.find_visible(ref)
+
+    def get(self, ref: str) -> SandboxRecord:
+        sandbox = self.find(ref)
+        if sandbox is None:
+            raise NotFound(f"pod sandbox {ref!r} not found")
+        return sandbox
+
+    def get_ready(self, ref: str) -> SandboxRecord:
+        sandbox = self.get(ref)
+        if not sandbox.ready:
+            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+        return sandbox
+
+    def list(self) -> list[SandboxRecord]:
+        return self.rows.list_visible()
+
+    def netns_of(self, ref: str) -> Path | None:
+        """The pinned network namespace of a ready pod (port-forward dials into it); None
+        for a host-network pod, which shares the daemon's own."""
+        return self.get_ready(ref).netns_path
+
+
+class SandboxLifecycle:
+    """Every sandbox's creation steps, teardown, restore and queries."""
 
     def __init__(
         self,
         config: Config,
-        db: Database,
+        pods: Pods,
         journal: Journal,
         ledger: Ledger,
         pinner: NamespacePinner,
         cni: CniNetwork,
-        events: EventBus | None = None,
+        *,
+        events: EventBus,
+        containers: PodContainers,
+        handler_features: Callable[[str], HandlerFeatures],
         pause: PauseProcesses | None = None,
     ) -> None:
-        super().__init__(db)
+        self.pods = pods
+        self.rows = pods.rows
         self._config = config
         self._journal = journal
         self._ledger = ledger
         self.pinner = pinner
         self._cni = cni
-        # Shared with the container service: GetContainerEvents streams both.
-        self.events = events if events is not None else EventBus()
+        # Shared with the container lifecycle: GetContainerEvents streams both.
+        self.events = events
+        # Stop and removal of a pod reach its containers first.
+        self._containers = containers
+        # What each runtime handler supports (the container lifecycle owns the handlers).
+        self._handler_features = handler_features
         # The PID 1 of pods that share one PID namespace; None refuses such pods.
         self.pause = pause
         self._dir = config.root / "sandboxes"
-        self._cleanup_budget = config.creation.cleanup_timeout
+        hooks = PersistedCreationHooks(
+            self.rows,
+            journal,
+            config.creation.cleanup_timeout,
+            published=self._announce,
+            before_undo=containers.remove_all_in,
+        )
         self.coordinator = CreationCoordinator(
             "sandbox",
-            self,
+            hooks,
             claim_grace=config.creation.claim_grace,
             keep_on_timeout=config.creation.keep_on_timeout,
             hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
         )
-        # Set by the container service so that stop/remove of a pod reaches its containers.
-        self.stop_containers: Callable[[str], Awaitable[None]] | None = None
-        self.remove_containers: Callable[[str], Awaitable[None]] | None = None
-        # Set by the container service, which owns the runtime handlers.
-        self.handler_features: Callable[[str], HandlerFeatures] | None = None
         journal.register("cni_del", self._undo_cni)
         journal.register("unpin", self._undo_unpin)
         journal.register("unmount", self._undo_unmount)
@@ -124,7 +163,7 @@ class SandboxService(PersistedCreationHooks):
         if handler not in self._config.runtime.handlers:
             known = ", ".join(sorted(self._config.runtime.handlers))
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
-        features = self.handler_features(handler) if self.handler_features else HandlerFeatures()
+        features = self._handler_features(handler)
         userns = pod_mappings(config)
         require_pod_features(userns, handler, features)
         if userns is not None:
@@ -149,21 +188,7 @@ class SandboxService(PersistedCreationHooks):
         stage.set(STAGE_STORAGE)
         # The row comes first: everything after it is a side effect that a crash may
         # interrupt, and restore finds interrupted creations through this row.
-        with self._db.transaction() as conn:
-            conn.execute(
-                "INSERT INTO sandboxes (id, name, phase, stage, state, created_at, "
-                "runtime_handler, config, sandbox_dir) VALUES (?, ?, 'creating', ?, 'notready', "
-                "?, ?, ?, ?)",
-                (
-                    sandbox_id,
-                    name,
-                    STAGE_STORAGE,
-                    _now_ns(),
-                    handler,
-                    config.SerializeToString(),
-                    str(sandbox_dir),
-                ),
-            )
+        self.rows.insert(sandbox_id, name, STAGE_STORAGE, handler, config, sandbox_dir)
         fault_point("sandbox:row")
         self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
         sandbox_dir.mkdir(parents=True, exist_ok=True)
@@ -199,10 +224,8 @@ class SandboxService(PersistedCreationHooks):
             hostname=pod_hostname(config, sandbox_id),
             userns=userns,
         )
-        self._db.execute(
-            "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ?, userns_path = ? "
-            "WHERE id = ?",
-            (_str(pinned.net), _str(pinned.ipc), _str(pinned.uts), _str(pinned.user), sandbox_id),
+        self.rows.set_namespaces(
+            sandbox_id, net=pinned.net, ipc=pinned.ipc, uts=pinned.uts, user=pinned.user
         )
         fault_point("sandbox:namespaces")
 
@@ -227,10 +250,7 @@ class SandboxService(PersistedCreationHooks):
             for ip in ips:
                 self._ledger.allocate("ip", ip, sandbox_id)
             fault_point("sandbox:network-added")
-        self._db.execute(
-            "UPDATE sandboxes SET ips = ?, cni_result = ?, state = 'ready', stage = ? WHERE id = ?",
-            (json.dumps(ips), json.dumps(result) if result else None, STAGE_READY, sandbox_id),
-        )
+        self.rows.mark_ready(sandbox_id, ips, result)
         stage.set(STAGE_READY)
         fault_point("sandbox:ready")
 
@@ -328,9 +348,7 @@ class SandboxService(PersistedCreationHooks):
 
     async def _undo_unpin(self, args: dict[str, Any]) -> None:
         await self.pinner.unpin(Path(args["path"]))
-        self._db.execute(
-            "DELETE FROM allocations WHERE kind = 'path' AND value = ?", (args["path"],)
-        )
+        self._ledger.release_value("path", args["path"])
 
     async def _undo_unmount(self, args: dict[str, Any]) -> None:
         await asyncio.to_thread(mounts.unmount, Path(args["path"]))
@@ -341,23 +359,13 @@ class SandboxService(PersistedCreationHooks):
         await asyncio.to_thread(mounts.unmount_below, path)
         await asyncio.to_thread(shutil.rmtree, path, True)
 
-    # ---- CreationHooks (the rest are inherited) -----------------------------------
+    # ---- published ----------------------------------------------------------------
 
-    def publish(self, object_id: str) -> None:
-        super().publish(object_id)
+    def _announce(self, object_id: str) -> None:
         # kubelet's evented PLEG learns of a pod through its sandbox's own events, as
         # containerd and CRI-O report their infra containers: created, then running.
         self.events.emit(object_id, object_id, CONTAINER_CREATED)
         self.events.emit(object_id, object_id, CONTAINER_STARTED)
-
-    async def cleanup(self, object_id: str) -> None:
-        self.mark_cleaning(object_id)
-        try:
-            if self.remove_containers is not None:
-                await self.remove_containers(object_id)
-            await self._journal.undo(object_id, budget=self._config.creation.cleanup_timeout)
-        finally:
-            self.forget(object_id)
 
     # ---- Stop / Remove -------------------------------------------------------------
 
@@ -365,8 +373,7 @@ class SandboxService(PersistedCreationHooks):
         sandbox = self.find(sandbox_ref)
         if sandbox is None:
             return  # kubelet retries stop for pods it forgot about; unknown is success
-        if self.stop_containers is not None:
-            await self.stop_containers(sandbox.id)
+        await self._containers.stop_all_in(sandbox.id)
         try:
             await self._journal.undo(
                 sandbox.id, only=_STOP_ACTIONS, budget=self._config.network.teardown_timeout
@@ -381,8 +388,7 @@ class SandboxService(PersistedCreationHooks):
         sandbox = self.find(sandbox_ref)
         if sandbox is None:
             return
-        if self.remove_containers is not None:
-            await self.remove_containers(sandbox.id)
+        await self._containers.remove_all_in(sandbox.id)
         try:
             await self._journal.undo(sandbox.id, budget=self._config.creation.cleanup_timeout)
         except UndoFailed as exc:
@@ -391,55 +397,28 @@ class SandboxService(PersistedCreationHooks):
             )
         # Before the rows go: the event carries the pod's last status.
         self.events.emit(sandbox.id, sandbox.id, CONTAINER_DELETED)
-        self.forget(sandbox.id)
+        self.rows.forget(sandbox.id)
         self.coordinator.release(sandbox.name, object_id=sandbox.id)
         log.info("sandbox %s (%s) removed", sandbox.id, sandbox.name)
 
     # ---- queries (visible sandboxes only) ------------------------------------------
 
     def find(self, ref: str) -> SandboxRecord | None:
-        row = self.find_visible_row(ref)
-        return SandboxRecord.from_row(row) if row is not None else None
+        return self.pods.find(ref)
 
     def get(self, ref: str) -> SandboxRecord:
-        sandbox = self.find(ref)
-        if sandbox is None:
-            raise NotFound(f"pod sandbox {ref!r} not found")
-        return sandbox
-
-    def get_ready(self, ref: str) -> SandboxRecord:
-        sandbox = self.get(ref)
-        if not sandbox.ready:
-            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
-        return sandbox
+        return self.pods.get(ref)
 
     def list(self) -> list[SandboxRecord]:
-        rows = self._db.query("SELECT * FROM sandboxes WHERE phase = 'visible' ORDER BY created_at")
-        return [SandboxRecord.from_row(r) for r in rows]
+        return self.pods.list()
 
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:
         """Before serving: roll back interrupted creations, re-register the rest."""
-        await self.restore_rows()
-        # Journal rows of objects whose row is gone (crash between undo and forget).
-        for object_id in self._journal.objects():
-            if (
-                self._db.query_one("SELECT 1 FROM sandboxes WHERE id = ?", (object_id,)) is None
-                and self._db.query_one("SELECT 1 FROM containers WHERE id = ?", (object_id,))
-                is None
-            ):
-                try:
-                    await self._journal.undo(
-                        object_id, budget=self._config.creation.cleanup_timeout
-                    )
-                except UndoFailed as exc:
-                    log.error("orphan journal of %s left work for GC: %s", object_id, exc)
-
-    def netns_of(self, ref: str) -> Path | None:
-        """The pinned network namespace of a ready pod (port-forward dials into it); None
-        for a host-network pod, which shares the daemon's own."""
-        return self.get_ready(ref).netns_path
+        await restore_creations(
+            self.rows, self.coordinator, self._journal, self._config.creation.cleanup_timeout
+        )
 
     def notice_exit(self, sandbox_id: str | None) -> None:
         """An exit file appeared (None: some may have been missed). When it is the pause
@@ -450,10 +429,8 @@ class SandboxService(PersistedCreationHooks):
         if sandbox_id is None:
             sandboxes = self.list()
         else:
-            row = self._db.query_one(
-                "SELECT * FROM sandboxes WHERE id = ? AND phase = 'visible'", (sandbox_id,)
-            )
-            sandboxes = [SandboxRecord.from_row(row)] if row is not None else []
+            visible = self.rows.visible(sandbox_id)
+            sandboxes = [visible] if visible is not None else []
         for sandbox in sandboxes:
             if sandbox.ready and self.pause.exited(sandbox):
                 log.warning(
@@ -465,11 +442,9 @@ class SandboxService(PersistedCreationHooks):
                 self.mark_not_ready(sandbox.id)
 
     def mark_not_ready(self, sandbox_id: str) -> None:
-        changed = self._db.execute(
-            "UPDATE sandboxes SET state = 'notready' WHERE id = ? AND state != 'notready'",
-            (sandbox_id,),
-        )
-        if changed:  # one event per transition, whoever noticed it first
+        if self.rows.mark_not_ready(
+            sandbox_id
+        ):  # one event per transition, whoever noticed it first
             self.events.emit(sandbox_id, sandbox_id, CONTAINER_STOPPED)
 
     def network_status(self) -> tuple[bool, str, str]:
@@ -489,7 +464,3 @@ def _request_args(request: PodNetworkRequest) -> dict[str, Any]:
         "uid": request.uid,
         "port_mappings": request.port_mappings,
     }
-
-
-def _str(path: Path | None) -> str | None:
-    return str(path) if path is not None else None

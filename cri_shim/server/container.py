@@ -15,7 +15,7 @@ from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import ContainerRecord
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 _STATES = {
     "created": api_pb2.CONTAINER_CREATED,
@@ -29,7 +29,7 @@ def container_state(container: ContainerRecord) -> api_pb2.ContainerState.ValueT
 
 
 async def create_container(
-    services: Services, request: api_pb2.CreateContainerRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.CreateContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.CreateContainerResponse:
     container_id = await services.containers.create(
         request.pod_sandbox_id, request.config, request_deadline(context)
@@ -38,21 +38,21 @@ async def create_container(
 
 
 async def start_container(
-    services: Services, request: api_pb2.StartContainerRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.StartContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StartContainerResponse:
     await services.containers.start(request.container_id)
     return api_pb2.StartContainerResponse()
 
 
 async def stop_container(
-    services: Services, request: api_pb2.StopContainerRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.StopContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StopContainerResponse:
     await services.containers.stop(request.container_id, float(request.timeout))
     return api_pb2.StopContainerResponse()
 
 
 async def remove_container(
-    services: Services, request: api_pb2.RemoveContainerRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.RemoveContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RemoveContainerResponse:
     await services.containers.remove(request.container_id)
     return api_pb2.RemoveContainerResponse()
@@ -80,7 +80,7 @@ def to_container(container: ContainerRecord) -> api_pb2.Container:
 
 
 def containers_listed(
-    services: Services, f: api_pb2.ContainerFilter
+    services: Components, f: api_pb2.ContainerFilter
 ) -> Iterator[api_pb2.Container]:
     """The containers `f` selects, one at a time: ListContainers and StreamContainers."""
     for container in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
@@ -94,7 +94,7 @@ def containers_listed(
 
 
 async def list_containers(
-    services: Services, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListContainersResponse:
     items = await listing.collect(
         containers_listed(services, request.filter),
@@ -106,7 +106,9 @@ async def list_containers(
 
 
 async def stream_containers(
-    services: Services, request: api_pb2.StreamContainersRequest, context: grpc.aio.ServicerContext
+    services: Components,
+    request: api_pb2.StreamContainersRequest,
+    context: grpc.aio.ServicerContext,
 ) -> None:
     await listing.stream(
         containers_listed(services, request.filter),
@@ -170,7 +172,7 @@ def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:
 
 
 async def container_status(
-    services: Services, request: api_pb2.ContainerStatusRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ContainerStatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ContainerStatusResponse:
     container = services.containers.get(request.container_id)
     response = api_pb2.ContainerStatusResponse(status=to_status(container))
@@ -190,7 +192,7 @@ async def container_status(
 
 
 async def exec_sync(
-    services: Services, request: api_pb2.ExecSyncRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ExecSyncRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ExecSyncResponse:
     result = await services.containers.exec_sync(
         request.container_id, list(request.cmd), float(request.timeout)
@@ -201,7 +203,7 @@ async def exec_sync(
 
 
 async def reopen_container_log(
-    services: Services,
+    services: Components,
     request: api_pb2.ReopenContainerLogRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ReopenContainerLogResponse:
@@ -210,7 +212,7 @@ async def reopen_container_log(
 
 
 async def update_container_resources(
-    services: Services,
+    services: Components,
     request: api_pb2.UpdateContainerResourcesRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.UpdateContainerResourcesResponse:

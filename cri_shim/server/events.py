@@ -13,13 +13,13 @@ from cri_shim.lifecycle.events import ContainerEvent
 from cri_shim.server.sandbox import to_pod_sandbox_status
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.server")
 
 
 def render_event(
-    services: Services, event: ContainerEvent
+    services: Components, event: ContainerEvent
 ) -> api_pb2.ContainerEventResponse | None:
     """The CRI message for an event, with the pod's status and its containers' statuses
     as they are at the moment of the transition. None drops the event: kubelet ignores an
@@ -38,13 +38,8 @@ def render_event(
     )
 
 
-def install_renderer(services: Services) -> None:
-    """Called once the services exist: events are rendered from then on."""
-    services.sandboxes.events.render = lambda event: render_event(services, event)
-
-
 async def get_container_events(
-    services: Services, request: api_pb2.GetEventsRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.GetEventsRequest, context: grpc.aio.ServicerContext
 ) -> None:
     """Stream events until the client goes away (or the daemon stops). A subscriber that
     reads too slowly loses its oldest events (logged); it never slows the daemon down."""

@@ -15,26 +15,12 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.auth import Credentials
 from cri_shim.images.catalog import ImageRecord
-from cri_shim.images.pull import ImagePuller
 from cri_shim.server import listing
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.server")
-
-_PULLER_KEY = "image_puller"
-
-
-def puller_of(services: Services) -> ImagePuller:
-    """The daemon's one puller, made on first use: its in-flight maps are what lets
-    concurrent pulls share downloads, so there must be exactly one."""
-    puller = services.extra.get(_PULLER_KEY)
-    if puller is None:
-        puller = ImagePuller.from_config(services.images, services.config.images)
-        services.extra[_PULLER_KEY] = puller
-    assert isinstance(puller, ImagePuller)
-    return puller
 
 
 def _image_ref(spec: api_pb2.ImageSpec, rpc: str) -> str:
@@ -71,14 +57,14 @@ def cri_image(record: ImageRecord) -> api_pb2.Image:
     return image
 
 
-def images_listed(services: Services, f: api_pb2.ImageFilter) -> Iterator[api_pb2.Image]:
+def images_listed(services: Components, f: api_pb2.ImageFilter) -> Iterator[api_pb2.Image]:
     """The images `f` selects, one at a time: ListImages and StreamImages."""
     for record in services.images.list(f.image.image.strip() or None):
         yield cri_image(record)
 
 
 async def list_images(
-    services: Services, request: api_pb2.ListImagesRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ListImagesRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListImagesResponse:
     items = await listing.collect(
         images_listed(services, request.filter),
@@ -90,7 +76,7 @@ async def list_images(
 
 
 async def stream_images(
-    services: Services, request: api_pb2.StreamImagesRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.StreamImagesRequest, context: grpc.aio.ServicerContext
 ) -> None:
     await listing.stream(
         images_listed(services, request.filter),
@@ -100,7 +86,7 @@ async def stream_images(
 
 
 async def image_status(
-    services: Services, request: api_pb2.ImageStatusRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ImageStatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ImageStatusResponse:
     record = services.images.get(_image_ref(request.image, "ImageStatus"))
     if record is None:
@@ -121,7 +107,7 @@ async def image_status(
 
 
 async def pull_image(
-    services: Services, request: api_pb2.PullImageRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.PullImageRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.PullImageResponse:
     ref = _image_ref(request.image, "PullImage")
     auth = request.auth
@@ -133,12 +119,12 @@ async def pull_image(
         registry_token=auth.registry_token,
     )
     log.info("PullImage %s (%s)", ref, credentials.kind)
-    record = await puller_of(services).pull(ref, credentials)
+    record = await services.puller.pull(ref, credentials)
     return api_pb2.PullImageResponse(image_ref=record.id)
 
 
 async def remove_image(
-    services: Services, request: api_pb2.RemoveImageRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.RemoveImageRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RemoveImageResponse:
     # Any reference removes the image with every tag; an unknown image is success, since
     # kubelet's image GC may retry a removal whose answer it lost.
@@ -147,7 +133,7 @@ async def remove_image(
 
 
 async def image_fs_info(
-    services: Services, request: api_pb2.ImageFsInfoRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ImageFsInfoRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ImageFsInfoResponse:
     info = await asyncio.to_thread(services.images.fs_info)
     usage = api_pb2.FilesystemUsage(

@@ -29,7 +29,7 @@ from cri_shim.errors import DeadlineExceeded, ResourceExhausted
 from cri_shim.server.validation import validate_request
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 READ_RPCS = frozenset(
     {
@@ -64,8 +64,6 @@ READ_RPCS = frozenset(
 )
 STREAM_RPCS = frozenset({"GetContainerEvents"})
 CREATION_RPCS = frozenset({"RunPodSandbox", "CreateContainer"})
-
-_LIMITER_KEY = "request_limiter"
 
 
 class RequestLimiter:
@@ -146,24 +144,9 @@ class RequestLimiter:
             self._slots.release()
 
 
-def limiter_of(services: Services) -> RequestLimiter:
-    """The daemon's one limiter, made on first use (like the image puller)."""
-    limiter = services.extra.get(_LIMITER_KEY)
-    if limiter is None:
-
-        def creations_in_flight() -> int:
-            stats = services.creation_stats()
-            return sum(len(kind["in_flight"]) for kind in stats.values())
-
-        limiter = RequestLimiter(services.config.requests, creations_in_flight)
-        services.extra[_LIMITER_KEY] = limiter
-    assert isinstance(limiter, RequestLimiter)
-    return limiter
-
-
 async def admitted(
-    handler: Callable[[Services, Any, grpc.aio.ServicerContext], Awaitable[Any]],
-    services: Services,
+    handler: Callable[[Components, Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    services: Components,
     request: Any,
     context: grpc.aio.ServicerContext,
     deadline: float | None,
@@ -179,7 +162,7 @@ async def admitted(
         await asyncio.to_thread(validate_request, rpc, request)
     else:
         validate_request(rpc, request)
-    async with limiter_of(services).admit(rpc, deadline):
+    async with services.limiter.admit(rpc, deadline):
         return await handler(services, request, context)
 
 

@@ -37,7 +37,7 @@ from cri_shim.server import listing
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.server")
 
@@ -457,7 +457,7 @@ def _samples(
 
 
 async def list_metric_descriptors(
-    services: Services,
+    services: Components,
     request: api_pb2.ListMetricDescriptorsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListMetricDescriptorsResponse:
@@ -465,7 +465,7 @@ async def list_metric_descriptors(
 
 
 async def pod_sandbox_metrics_listed(
-    services: Services,
+    services: Components,
 ) -> AsyncIterator[api_pb2.PodSandboxMetrics]:
     """Each ready pod's metrics, read when it is its turn: ListPodSandboxMetrics and
     StreamPodSandboxMetrics."""
@@ -478,7 +478,7 @@ async def pod_sandbox_metrics_listed(
 
 
 async def list_pod_sandbox_metrics(
-    services: Services,
+    services: Components,
     request: api_pb2.ListPodSandboxMetricsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListPodSandboxMetricsResponse:
@@ -492,7 +492,7 @@ async def list_pod_sandbox_metrics(
 
 
 async def stream_pod_sandbox_metrics(
-    services: Services,
+    services: Components,
     request: api_pb2.StreamPodSandboxMetricsRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:
@@ -504,7 +504,7 @@ async def stream_pod_sandbox_metrics(
 
 
 def _pod_metrics(
-    services: Services, sandbox: SandboxRecord, containers: list[ContainerRecord]
+    services: Components, sandbox: SandboxRecord, containers: list[ContainerRecord]
 ) -> api_pb2.PodSandboxMetrics:
     meta = sandbox.config.metadata
     pod = {"namespace": meta.namespace, "pod": meta.name}

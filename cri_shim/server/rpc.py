@@ -15,7 +15,7 @@ from cri_shim import errors, logcontext
 from cri_shim.server.limits import admitted
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.server")
 
@@ -53,13 +53,13 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
     return asyncio.get_running_loop().time() + max(0.0, remaining - DEADLINE_MARGIN)
 
 
-Handler = Callable[["Services", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[["Components", Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 # The request fields that name an object, and the kind of object each names.
 _OBJECT_FIELDS = (("pod_sandbox_id", "sandbox"), ("container_id", "container"))
 
 
-def bind_request_objects(services: Services, request: Any) -> None:
+def bind_request_objects(services: Components, request: Any) -> None:
     """Bind the objects the request names by ID to the log context, with their names
     (and full IDs, for an ID prefix) when the daemon knows them."""
     for field, kind in _OBJECT_FIELDS:
@@ -87,7 +87,7 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        services: Services | None = self.services
+        services: Components | None = self.services
         if services is None:
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")

@@ -14,7 +14,7 @@ from cri_shim.runtime.features import handler_features, to_cri
 from cri_shim.runtime.spec import apparmor_enabled
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.server")
 
@@ -23,7 +23,7 @@ KUBE_API_VERSION = "0.1.0"
 
 
 async def version(
-    services: Services, request: api_pb2.VersionRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.VersionRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.VersionResponse:
     return api_pb2.VersionResponse(
         version=KUBE_API_VERSION,
@@ -34,7 +34,7 @@ async def version(
 
 
 async def status(
-    services: Services, request: api_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.StatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StatusResponse:
     net_ready, net_reason, net_message = services.sandboxes.network_status()
     backends = services.containers.backends
@@ -85,7 +85,7 @@ async def status(
 
 
 async def runtime_config(
-    services: Services, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RuntimeConfigResponse:
     driver = api_pb2.SYSTEMD if services.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
     return api_pb2.RuntimeConfigResponse(
@@ -94,7 +94,7 @@ async def runtime_config(
 
 
 async def update_runtime_config(
-    services: Services,
+    services: Components,
     request: api_pb2.UpdateRuntimeConfigRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.UpdateRuntimeConfigResponse:

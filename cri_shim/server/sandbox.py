@@ -16,11 +16,11 @@ from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import SandboxRecord
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 
 async def run_pod_sandbox(
-    services: Services, request: api_pb2.RunPodSandboxRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.RunPodSandboxRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RunPodSandboxResponse:
     sandbox_id = await services.sandboxes.run(
         request.config, request.runtime_handler, request_deadline(context)
@@ -29,14 +29,16 @@ async def run_pod_sandbox(
 
 
 async def stop_pod_sandbox(
-    services: Services, request: api_pb2.StopPodSandboxRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.StopPodSandboxRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StopPodSandboxResponse:
     await services.sandboxes.stop(request.pod_sandbox_id)
     return api_pb2.StopPodSandboxResponse()
 
 
 async def remove_pod_sandbox(
-    services: Services, request: api_pb2.RemovePodSandboxRequest, context: grpc.aio.ServicerContext
+    services: Components,
+    request: api_pb2.RemovePodSandboxRequest,
+    context: grpc.aio.ServicerContext,
 ) -> api_pb2.RemovePodSandboxResponse:
     await services.sandboxes.remove(request.pod_sandbox_id)
     return api_pb2.RemovePodSandboxResponse()
@@ -69,7 +71,9 @@ def to_pod_sandbox_status(sandbox: SandboxRecord) -> api_pb2.PodSandboxStatus:
 
 
 async def pod_sandbox_status(
-    services: Services, request: api_pb2.PodSandboxStatusRequest, context: grpc.aio.ServicerContext
+    services: Components,
+    request: api_pb2.PodSandboxStatusRequest,
+    context: grpc.aio.ServicerContext,
 ) -> api_pb2.PodSandboxStatusResponse:
     sandbox = services.sandboxes.get(request.pod_sandbox_id)
     response = api_pb2.PodSandboxStatusResponse(status=to_pod_sandbox_status(sandbox))
@@ -95,7 +99,7 @@ async def pod_sandbox_status(
 
 
 def pod_sandboxes_listed(
-    services: Services, f: api_pb2.PodSandboxFilter
+    services: Components, f: api_pb2.PodSandboxFilter
 ) -> Iterator[api_pb2.PodSandbox]:
     """The sandboxes `f` selects, one at a time: ListPodSandbox and StreamPodSandboxes."""
     for sandbox in services.sandboxes.list():
@@ -117,7 +121,7 @@ def pod_sandboxes_listed(
 
 
 async def list_pod_sandbox(
-    services: Services, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListPodSandboxResponse:
     items = await listing.collect(
         pod_sandboxes_listed(services, request.filter),
@@ -129,7 +133,7 @@ async def list_pod_sandbox(
 
 
 async def stream_pod_sandboxes(
-    services: Services,
+    services: Components,
     request: api_pb2.StreamPodSandboxesRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:

@@ -10,11 +10,11 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.lifecycle.pod_resources import record_pod_resources
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 
 async def update_pod_sandbox_resources(
-    services: Services,
+    services: Components,
     request: api_pb2.UpdatePodSandboxResourcesRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.UpdatePodSandboxResourcesResponse:

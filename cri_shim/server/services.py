@@ -19,7 +19,7 @@ from cri_shim.server import (
 from cri_shim.server.rpc import rpc, unimplemented
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 _PENDING = {
     "CheckpointContainer": "checkpointing",
@@ -29,7 +29,7 @@ _PENDING = {
 class _Servicer:
     def __init__(self) -> None:
         # None until restore has finished; every call answers UNAVAILABLE until then.
-        self.services: Services | None = None
+        self.services: Components | None = None
 
 
 class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):

@@ -24,7 +24,7 @@ from cri_shim.server import listing
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.stats")
 
@@ -37,7 +37,7 @@ def _u64(value: int | None) -> api_pb2.UInt64Value | None:
 
 
 async def _container_stats(
-    services: Services, container: ContainerRecord
+    services: Components, container: ContainerRecord
 ) -> api_pb2.ContainerStats:
     attributes = api_pb2.ContainerAttributes(
         id=container.id,
@@ -88,14 +88,14 @@ async def _container_stats(
 
 
 async def container_stats(
-    services: Services, request: api_pb2.ContainerStatsRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ContainerStatsRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ContainerStatsResponse:
     container = services.containers.get(request.container_id)
     return api_pb2.ContainerStatsResponse(stats=await _container_stats(services, container))
 
 
 async def container_stats_listed(
-    services: Services, f: api_pb2.ContainerStatsFilter
+    services: Components, f: api_pb2.ContainerStatsFilter
 ) -> AsyncIterator[api_pb2.ContainerStats]:
     """The stats of the containers `f` selects, each read when it is its turn:
     ListContainerStats and StreamContainerStats. Then the CPU samples of removed
@@ -109,7 +109,7 @@ async def container_stats_listed(
 
 
 async def list_container_stats(
-    services: Services,
+    services: Components,
     request: api_pb2.ListContainerStatsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListContainerStatsResponse:
@@ -123,7 +123,7 @@ async def list_container_stats(
 
 
 async def stream_container_stats(
-    services: Services,
+    services: Components,
     request: api_pb2.StreamContainerStatsRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:
@@ -134,7 +134,7 @@ async def stream_container_stats(
     )
 
 
-async def _sandbox_stats(services: Services, sandbox_id: str) -> api_pb2.PodSandboxStats:
+async def _sandbox_stats(services: Components, sandbox_id: str) -> api_pb2.PodSandboxStats:
     sandbox = services.sandboxes.get(sandbox_id)
     containers = [
         await _container_stats(services, c) for c in services.containers.list(sandbox_id=sandbox.id)
@@ -189,14 +189,14 @@ def _interface_usage(name: str, counters: InterfaceCounters) -> api_pb2.NetworkI
     )
 
 
-def _forget_removed(services: Services) -> None:
+def _forget_removed(services: Components) -> None:
     """Drop the CPU samples of pods and containers that are gone."""
     live = {s.id for s in services.sandboxes.list()} | {c.id for c in services.containers.list()}
     services.cpu_rates.retain(live)
 
 
 async def pod_sandbox_stats(
-    services: Services, request: api_pb2.PodSandboxStatsRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.PodSandboxStatsRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.PodSandboxStatsResponse:
     return api_pb2.PodSandboxStatsResponse(
         stats=await _sandbox_stats(services, request.pod_sandbox_id)
@@ -204,7 +204,7 @@ async def pod_sandbox_stats(
 
 
 async def pod_sandbox_stats_listed(
-    services: Services, f: api_pb2.PodSandboxStatsFilter
+    services: Components, f: api_pb2.PodSandboxStatsFilter
 ) -> AsyncIterator[api_pb2.PodSandboxStats]:
     """The stats of the pods `f` selects, each read when it is its turn:
     ListPodSandboxStats and StreamPodSandboxStats. Then the CPU samples of removed
@@ -218,7 +218,7 @@ async def pod_sandbox_stats_listed(
 
 
 async def list_pod_sandbox_stats(
-    services: Services,
+    services: Components,
     request: api_pb2.ListPodSandboxStatsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListPodSandboxStatsResponse:
@@ -232,7 +232,7 @@ async def list_pod_sandbox_stats(
 
 
 async def stream_pod_sandbox_stats(
-    services: Services,
+    services: Components,
     request: api_pb2.StreamPodSandboxStatsRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:

@@ -9,25 +9,25 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 
 if TYPE_CHECKING:
-    from cri_shim.daemon import Services
+    from cri_shim.server.components import Components
 
 
 async def exec_(
-    services: Services, request: api_pb2.ExecRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.ExecRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ExecResponse:
     services.containers.get_running(request.container_id)
     return api_pb2.ExecResponse(url=services.streaming.get_exec_url(request))
 
 
 async def attach(
-    services: Services, request: api_pb2.AttachRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.AttachRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.AttachResponse:
     services.containers.get_running(request.container_id)
     return api_pb2.AttachResponse(url=services.streaming.get_attach_url(request))
 
 
 async def port_forward(
-    services: Services, request: api_pb2.PortForwardRequest, context: grpc.aio.ServicerContext
+    services: Components, request: api_pb2.PortForwardRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.PortForwardResponse:
-    services.sandboxes.netns_of(request.pod_sandbox_id)
+    services.sandboxes.pods.netns_of(request.pod_sandbox_id)
     return api_pb2.PortForwardResponse(url=services.streaming.get_portforward_url(request))

@@ -44,6 +44,10 @@ class Ledger:
                 "DELETE FROM allocations WHERE owner_id = ? AND kind = ?", (owner_id, kind)
             )
 
+    def release_value(self, kind: str, value: str) -> None:
+        """Whoever holds it: its teardown step has run."""
+        self._db.execute("DELETE FROM allocations WHERE kind = ? AND value = ?", (kind, value))
+
     def held_by(self, owner_id: str) -> list[tuple[str, str]]:
         rows = self._db.query(
             "SELECT kind, value FROM allocations WHERE owner_id = ? ORDER BY kind, value",

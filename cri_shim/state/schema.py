@@ -115,4 +115,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE containers ADD COLUMN repo_digest TEXT NOT NULL DEFAULT ''
     """,
+    # 5: the phase of an object being created is called as the creation coordinator
+    # calls it (`in_flight`, where the first schema said `creating`).
+    """
+    UPDATE sandboxes SET phase = 'in_flight' WHERE phase = 'creating';
+    UPDATE containers SET phase = 'in_flight' WHERE phase = 'creating'
+    """,
 ]

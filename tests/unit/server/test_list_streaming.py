@@ -18,6 +18,7 @@ import pytest
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.config import Config
 from cri_shim.metrics import Metrics
+from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.listing import MAX_REPLY_BYTES
 from cri_shim.server.services import RuntimeService
 from cri_shim.state.records import ContainerRecord
@@ -83,8 +84,12 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
 
     async def start(records: list[ContainerRecord]) -> Served:
         containers = CountingContainers(records)
+        config = Config()
         services = SimpleNamespace(
-            config=Config(), metrics=Metrics(), extra={}, containers=containers
+            config=config,
+            metrics=Metrics(),
+            limiter=RequestLimiter(config.requests),
+            containers=containers,
         )
         services.creation_stats = dict
         servicer = RuntimeService()

@@ -1,0 +1,125 @@
+"""The composition root: the daemon's whole object graph, built in one place.
+
+Every collaborator is handed over through a constructor; nothing is patched in after
+construction. The daemon starts and stops what this builds (daemon.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from cri_shim.api.v1 import api_pb2
+from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.images.pull import ImagePuller
+from cri_shim.images.store import ImageStore
+from cri_shim.images.unpack import UnpackPolicy
+from cri_shim.lifecycle.containers import ContainerLifecycle
+from cri_shim.lifecycle.events import ContainerEvent, EventBus
+from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
+from cri_shim.metrics import Metrics
+from cri_shim.network.cni import CniNetwork
+from cri_shim.network.netns import NamespacePinner
+from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.server.components import Components
+from cri_shim.server.events import render_event
+from cri_shim.server.limits import RequestLimiter
+from cri_shim.state.containers import ContainerRepository
+from cri_shim.state.db import Database
+from cri_shim.state.journal import Journal
+from cri_shim.state.ledger import Ledger
+from cri_shim.state.sandboxes import SandboxRepository
+from cri_shim.streaming.runc_backend import RuncStreamingBackend
+from cri_shim.streaming.server import StreamingConfig, StreamingServer
+
+
+def build_components(config: Config) -> Components:
+    for path in (config.root, config.run_root):
+        # Made so that others may pass through (a container in a user namespace of its
+        # own reaches its root filesystem as an unprivileged id) but neither list nor
+        # read. An existing directory keeps the mode its operator gave it.
+        path.mkdir(mode=0o711, parents=True, exist_ok=True)
+    db = Database(config.state_db)
+    journal = Journal(db)
+    ledger = Ledger(db)
+    sandbox_rows = SandboxRepository(db)
+    container_rows = ContainerRepository(db)
+    pods = Pods(sandbox_rows)
+    backends = build_backends(config)
+    components: Components | None = None
+
+    def render(event: ContainerEvent) -> api_pb2.ContainerEventResponse | None:
+        # Events render the pod's and its containers' statuses, which needs the whole
+        # graph; the bus renders only for a subscriber, and none exists before serving.
+        assert components is not None
+        return render_event(components, event)
+
+    events = EventBus(render=render)
+
+    def layers_in_use(chains: Collection[str]) -> Collection[str]:
+        # Layers under a container's root filesystem must outlive their image's removal.
+        return set(chains) & container_rows.layers_in_use()
+
+    images = ImageStore(
+        config.root,
+        db,
+        in_use=layers_in_use,
+        unpack_policy=UnpackPolicy.from_config(config.images),
+    )
+    pause = PauseProcesses(journal, backends)
+    containers = ContainerLifecycle(
+        config, container_rows, pods, journal, images, backends, events=events, pause=pause
+    )
+    sandboxes = SandboxLifecycle(
+        config,
+        pods,
+        journal,
+        ledger,
+        NamespacePinner(config.run_root),
+        CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR),
+        events=events,
+        containers=containers,
+        handler_features=containers.features_of,
+        pause=pause,
+    )
+
+    def creations_in_flight() -> int:
+        return len(sandboxes.coordinator.stats()["in_flight"]) + len(
+            containers.coordinator.stats()["in_flight"]
+        )
+
+    streaming = StreamingServer(
+        StreamingConfig(
+            address=config.streaming.address,
+            tls_cert=config.streaming.tls_cert,
+            tls_key=config.streaming.tls_key,
+        ),
+        RuncStreamingBackend(containers.streaming_endpoint, pods.netns_of),
+    )
+    components = Components(
+        config=config,
+        db=db,
+        journal=journal,
+        ledger=ledger,
+        sandboxes=sandboxes,
+        containers=containers,
+        images=images,
+        puller=ImagePuller.from_config(images, config.images),
+        limiter=RequestLimiter(config.requests, creations_in_flight),
+        streaming=streaming,
+        metrics=Metrics(),
+    )
+    return components
+
+
+def build_backends(config: Config) -> dict[str, RuntimeBackend]:
+    backends = {}
+    for name, handler in config.runtime.handlers.items():
+        backends[name] = RuntimeBackend(
+            name,
+            handler.path,
+            handler.root or config.run_root / "runtime" / name,
+            config.runtime.conmon,
+            config.run_root / "conmon" / name,
+        )
+    return backends
