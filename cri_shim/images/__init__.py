@@ -2,10 +2,10 @@
 records in the state database), import from OCI layouts and archives, and overlayfs root
 filesystems. Registry pull builds on `ImageStore.put_blob` and `ImageStore.add_image`."""
 
-from cri_shim.images.catalog import ImageRecord
 from cri_shim.images.layers import LayerBlob
 from cri_shim.images.reference import Reference, normalize, parse_named, parse_reference
 from cri_shim.images.store import FsInfo, ImageStore
+from cri_shim.state.records import ImageRecord
 
 __all__ = [
     "FsInfo",

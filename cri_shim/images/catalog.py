@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from cri_shim.errors import InvalidArgument, NotFound
@@ -23,66 +22,10 @@ from cri_shim.images.reference import (
     validate_digest,
 )
 from cri_shim.state.db import Database
+from cri_shim.state.images import ImageRows
+from cri_shim.state.records import ImageRecord
 
 _ID_PREFIX = re.compile(r"(?:sha256:)?([a-f0-9]{3,64})")
-
-
-@dataclass
-class ImageRecord:
-    id: str  # sha256:<config digest>
-    repo_tags: list[str]
-    repo_digests: list[str]
-    size: int
-    config: dict[str, Any]
-    layers: list[str]  # chain IDs, bottom first
-    created_at: int  # nanoseconds since the epoch, when first stored
-    manifest_digest: str = ""
-
-    @property
-    def _runtime_config(self) -> dict[str, Any]:
-        value = self.config.get("config") or {}
-        return value if isinstance(value, dict) else {}
-
-    @property
-    def user(self) -> str:
-        return str(self._runtime_config.get("User") or "")
-
-    @property
-    def env(self) -> list[str]:
-        return list(self._runtime_config.get("Env") or [])
-
-    @property
-    def entrypoint(self) -> list[str]:
-        return list(self._runtime_config.get("Entrypoint") or [])
-
-    @property
-    def cmd(self) -> list[str]:
-        return list(self._runtime_config.get("Cmd") or [])
-
-    @property
-    def working_dir(self) -> str:
-        return str(self._runtime_config.get("WorkingDir") or "")
-
-    @property
-    def stop_signal(self) -> str:
-        return str(self._runtime_config.get("StopSignal") or "")
-
-    @property
-    def volumes(self) -> list[str]:
-        return sorted(self._runtime_config.get("Volumes") or {})
-
-    @property
-    def exposed_ports(self) -> list[str]:
-        return sorted(self._runtime_config.get("ExposedPorts") or {})
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return dict(self._runtime_config.get("Labels") or {})
-
-    @property
-    def diff_ids(self) -> list[str]:
-        rootfs = self.config.get("rootfs") or {}
-        return list(rootfs.get("diff_ids") or [])
 
 
 def parse_config(config_bytes: bytes) -> dict[str, Any]:
@@ -121,6 +64,7 @@ class ImageCatalog:
 
     def __init__(self, db: Database) -> None:
         self.db = db
+        self.rows = ImageRows(db)
 
     # --- writing -----------------------------------------------------------------------
     def put(
@@ -155,20 +99,7 @@ class ImageCatalog:
             manifest_digest=manifest_digest,
         )
         self._take_references(image_id, tags, digests)
-        self.db.execute(
-            "INSERT OR REPLACE INTO images (id, repo_tags, repo_digests, size,"
-            " manifest_digest, config, layers, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                record.id,
-                json.dumps(record.repo_tags),
-                json.dumps(record.repo_digests),
-                record.size,
-                record.manifest_digest,
-                json.dumps(record.config),
-                json.dumps(record.layers),
-                record.created_at,
-            ),
-        )
+        self.rows.save(record)
         return record
 
     def _take_references(
@@ -177,25 +108,11 @@ class ImageCatalog:
         """Strip `tags` and `digests` from every other image (inside a transaction): a tag
         names one image at a time, and the newest assignment wins, as with docker."""
         wanted = set(tags) | set(digests)
-        if not wanted:
-            return
-        marks = ",".join("?" * len(wanted))
-        rows = self.db.query(
-            "SELECT DISTINCT images.* FROM images, json_each(images.repo_tags) AS t "
-            f"WHERE t.value IN ({marks}) AND images.id != ? "
-            "UNION SELECT DISTINCT images.* FROM images, json_each(images.repo_digests) AS d "
-            f"WHERE d.value IN ({marks}) AND images.id != ?",
-            (*wanted, image_id, *wanted, image_id),
-        )
-        for row in rows:
-            other = _record(row)
-            self.db.execute(
-                "UPDATE images SET repo_tags = ?, repo_digests = ? WHERE id = ?",
-                (
-                    json.dumps([t for t in other.repo_tags if t not in wanted]),
-                    json.dumps([d for d in other.repo_digests if d not in wanted]),
-                    other.id,
-                ),
+        for other in self.rows.others_named(image_id, wanted):
+            self.rows.set_names(
+                other.id,
+                [t for t in other.repo_tags if t not in wanted],
+                [d for d in other.repo_digests if d not in wanted],
             )
 
     def tag(self, image_id: str, ref: str) -> ImageRecord:
@@ -208,10 +125,7 @@ class ImageCatalog:
                 return record
             self._take_references(record.id, [tag], [])
             record.repo_tags.append(tag)
-            self.db.execute(
-                "UPDATE images SET repo_tags = ? WHERE id = ?",
-                (json.dumps(record.repo_tags), record.id),
-            )
+            self.rows.set_names(record.id, record.repo_tags, record.repo_digests)
         return record
 
     def delete(self, ref: str) -> ImageRecord | None:
@@ -220,36 +134,28 @@ class ImageCatalog:
             record = self.get(ref)
             if record is None:
                 return None
-            self.db.execute("DELETE FROM images WHERE id = ?", (record.id,))
+            self.rows.delete(record.id)
         return record
 
     def referenced_layers(self) -> set[str]:
         """The chain IDs some image uses."""
         referenced: set[str] = set()
-        for row in self.db.query("SELECT layers FROM images"):
-            referenced.update(json.loads(row["layers"]))
+        for layers in self.rows.layer_lists():
+            referenced.update(layers)
         return referenced
 
     # --- lookups -----------------------------------------------------------------------
     def _get_by_id(self, image_id: str) -> ImageRecord | None:
-        row = self.db.query_one("SELECT * FROM images WHERE id = ?", (image_id,))
-        return _record(row) if row is not None else None
+        return self.rows.by_id(image_id)
 
     def _find_by(self, column: str, value: str) -> ImageRecord | None:
-        row = self.db.query_one(
-            f"SELECT images.* FROM images, json_each(images.{column}) AS r WHERE r.value = ?",
-            (value,),
-        )
-        return _record(row) if row is not None else None
+        return self.rows.by_name(column, value)
 
     def _find_by_id_prefix(self, prefix: str, ref: str) -> ImageRecord | None:
-        rows = self.db.query(
-            "SELECT * FROM images WHERE id >= ? AND id < ? LIMIT 2",
-            (f"sha256:{prefix}", f"sha256:{prefix}g"),  # 'g' sorts after every hex digit
-        )
-        if len(rows) > 1:
+        found = self.rows.by_id_prefix(prefix)
+        if len(found) > 1:
             raise InvalidArgument(f"image ID prefix {ref!r} is ambiguous: use more digits")
-        return _record(rows[0]) if rows else None
+        return found[0] if found else None
 
     def get(self, ref: str) -> ImageRecord | None:
         """The image `ref` names, or None. `ref` is a tag (normalised: `busybox` is
@@ -298,8 +204,7 @@ class ImageCatalog:
         (`busybox`) matches every tag and digest of that repository, as `crictl images
         busybox` expects; with a tag, digest or ID it matches one image."""
         if not filter_ref:
-            rows = self.db.query("SELECT * FROM images ORDER BY created_at, id")
-            return [_record(row) for row in rows]
+            return self.rows.all()
         try:
             named = parse_named(filter_ref)
         except InvalidArgument:
@@ -321,16 +226,3 @@ class ImageCatalog:
 
 def _union(first: list[str], second: list[str]) -> list[str]:
     return list(dict.fromkeys([*first, *second]))
-
-
-def _record(row: Any) -> ImageRecord:
-    return ImageRecord(
-        id=row["id"],
-        repo_tags=json.loads(row["repo_tags"]),
-        repo_digests=json.loads(row["repo_digests"]),
-        size=int(row["size"]),
-        config=json.loads(row["config"]),
-        layers=json.loads(row["layers"]),
-        created_at=int(row["created_at"]),
-        manifest_digest=row["manifest_digest"],
-    )

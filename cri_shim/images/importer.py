@@ -28,7 +28,6 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Protocol
 
 from cri_shim.errors import CriError, InvalidArgument
-from cri_shim.images.catalog import ImageRecord
 from cri_shim.images.layers import LayerBlob, chain_ids
 from cri_shim.images.manifest import (
     CONTAINERD_NAME_ANNOTATION,
@@ -49,6 +48,7 @@ from cri_shim.images.manifest import (
 from cri_shim.images.reference import parse_named, parse_reference
 from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import BoundedTarInfo, UnpackPolicy, sniff_compression
+from cri_shim.state.records import ImageRecord
 
 log = logging.getLogger(__name__)
 

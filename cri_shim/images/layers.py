@@ -26,6 +26,7 @@ from cri_shim.images.reference import validate_digest
 from cri_shim.images.scratch import remove_leftovers, temp_name, trash
 from cri_shim.images.unpack import UnpackPolicy, unpack_layer
 from cri_shim.state.db import Database
+from cri_shim.state.images import LayerRows
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LayerStore:
     ) -> None:
         self.layers_dir = images_dir / "layers"
         self.db = db
+        self.rows = LayerRows(db)
         self.content = content
         self.policy = policy
         self.layers_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +137,7 @@ class LayerStore:
     ) -> dict[str, int]:
         """Inside a transaction: a row for each of `chains` that has none (`sizes` has the
         ones just unpacked); returns the size of every one of them."""
-        known = self._layer_sizes(chains)
+        known = self.rows.sizes(chains)
         parent: str | None = None
         for chain, diff_id in zip(chains, diff_ids, strict=True):
             if chain not in known:
@@ -145,26 +147,13 @@ class LayerStore:
                     size = sizes[chain]
                 else:
                     size = _tree_size(self.layer_path(chain) / "diff")
-                self.db.execute(
-                    "INSERT INTO layers (chain_id, diff_id, parent, path, size, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    (chain, diff_id, parent, str(self.layer_path(chain)), size, now),
-                )
+                self.rows.add(chain, diff_id, parent, str(self.layer_path(chain)), size, now)
                 known[chain] = size
             parent = chain
         return known
 
-    def _layer_sizes(self, chains: list[str]) -> dict[str, int]:
-        if not chains:
-            return {}
-        marks = ",".join("?" * len(chains))
-        rows = self.db.query(
-            f"SELECT chain_id, size FROM layers WHERE chain_id IN ({marks})", tuple(chains)
-        )
-        return {row["chain_id"]: int(row["size"]) for row in rows}
-
     def all_chain_ids(self) -> list[str]:
-        return [row["chain_id"] for row in self.db.query("SELECT chain_id FROM layers")]
+        return self.rows.chain_ids()
 
     def collect(
         self, candidates: Iterable[str], referenced: Collection[str], in_use: InUseHook | None
@@ -178,7 +167,7 @@ class LayerStore:
         for chain in unused:
             # Rename first: a `<chain-hex>` directory must never be seen half-deleted.
             trash(self.layer_path(chain))
-            self.db.execute("DELETE FROM layers WHERE chain_id = ?", (chain,))
+            self.rows.delete(chain)
         if unused:
             log.info("layers collected: %s", unused)
         return unused

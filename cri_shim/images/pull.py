@@ -45,7 +45,6 @@ from cri_shim import __version__ as _version
 from cri_shim.config import ImagesConfig, format_duration, format_size
 from cri_shim.errors import CriError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from cri_shim.images.auth import ANONYMOUS, Credentials
-from cri_shim.images.catalog import ImageRecord
 from cri_shim.images.content import DigestMismatch
 from cri_shim.images.layers import LayerBlob, chain_ids
 from cri_shim.images.manifest import (
@@ -72,6 +71,7 @@ from cri_shim.images.registry import (
     first_error,
 )
 from cri_shim.images.store import ImageStore
+from cri_shim.state.records import ImageRecord
 
 log = logging.getLogger(__name__)
 # httpx logs every URL at INFO and httpcore every response header at DEBUG: a blob

@@ -33,7 +33,6 @@ from typing import Any
 from cri_shim.errors import Internal, InvalidArgument
 from cri_shim.images.catalog import (
     ImageCatalog,
-    ImageRecord,
     parse_config,
     repo_digest_string,
     tag_string,
@@ -43,6 +42,7 @@ from cri_shim.images.layers import InUseHook, LayerBlob, LayerStore, chain_ids
 from cri_shim.images.reference import validate_digest
 from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.state.db import Database
+from cri_shim.state.records import ImageRecord
 
 log = logging.getLogger(__name__)
 

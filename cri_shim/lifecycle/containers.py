@@ -31,7 +31,6 @@ from cri_shim.errors import (
 from cri_shim.faults import fault_point
 from cri_shim.host import mounts
 from cri_shim.images import overlay
-from cri_shim.images.catalog import ImageRecord
 from cri_shim.images.reference import parse_reference
 from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.events import (
@@ -54,7 +53,7 @@ from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, r
 from cri_shim.runtime.userns import pod_mappings
 from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
 from cri_shim.state.journal import Journal, UndoFailed
-from cri_shim.state.records import ContainerRecord, SandboxRecord
+from cri_shim.state.records import ContainerRecord, ImageRecord, SandboxRecord
 from cri_shim.streaming.runc_backend import ContainerEndpoint
 
 log = logging.getLogger("cri_shim.container")

@@ -14,8 +14,8 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.auth import Credentials
-from cri_shim.images.catalog import ImageRecord
 from cri_shim.server import listing
+from cri_shim.state.records import ImageRecord
 
 if TYPE_CHECKING:
     from cri_shim.server.components import Components

@@ -7,6 +7,7 @@ import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cri_shim.api.v1 import api_pb2
 
@@ -133,3 +134,74 @@ class ContainerRecord:
             rootfs=Path(row["rootfs"]),
             pid=int(row["pid"]),
         )
+
+
+@dataclass
+class ImageRecord:
+    id: str  # sha256:<config digest>
+    repo_tags: list[str]
+    repo_digests: list[str]
+    size: int
+    config: dict[str, Any]
+    layers: list[str]  # chain IDs, bottom first
+    created_at: int  # nanoseconds since the epoch, when first stored
+    manifest_digest: str = ""
+
+    @property
+    def _runtime_config(self) -> dict[str, Any]:
+        value = self.config.get("config") or {}
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def user(self) -> str:
+        return str(self._runtime_config.get("User") or "")
+
+    @property
+    def env(self) -> list[str]:
+        return list(self._runtime_config.get("Env") or [])
+
+    @property
+    def entrypoint(self) -> list[str]:
+        return list(self._runtime_config.get("Entrypoint") or [])
+
+    @property
+    def cmd(self) -> list[str]:
+        return list(self._runtime_config.get("Cmd") or [])
+
+    @property
+    def working_dir(self) -> str:
+        return str(self._runtime_config.get("WorkingDir") or "")
+
+    @property
+    def stop_signal(self) -> str:
+        return str(self._runtime_config.get("StopSignal") or "")
+
+    @property
+    def volumes(self) -> list[str]:
+        return sorted(self._runtime_config.get("Volumes") or {})
+
+    @property
+    def exposed_ports(self) -> list[str]:
+        return sorted(self._runtime_config.get("ExposedPorts") or {})
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self._runtime_config.get("Labels") or {})
+
+    @property
+    def diff_ids(self) -> list[str]:
+        rootfs = self.config.get("rootfs") or {}
+        return list(rootfs.get("diff_ids") or [])
+
+
+def image_from_row(row: sqlite3.Row) -> ImageRecord:
+    return ImageRecord(
+        id=row["id"],
+        repo_tags=json.loads(row["repo_tags"]),
+        repo_digests=json.loads(row["repo_digests"]),
+        size=int(row["size"]),
+        config=json.loads(row["config"]),
+        layers=json.loads(row["layers"]),
+        created_at=int(row["created_at"]),
+        manifest_digest=row["manifest_digest"],
+    )
