@@ -34,6 +34,8 @@ CONTAINER_CREATE = (
     "container:runtime-created",
 )
 CONTAINER_START = ("container:started",)
+# RemoveContainer has answered; its teardown is about to run from the journal.
+CONTAINER_REMOVE = ("container:teardown",)
 TEARDOWN = (
     "undo:cni_del",
     "undo:unpin",

@@ -52,6 +52,7 @@ log = logging.getLogger("cri_shim.creation")
 # The stage a name is at before its creator reports one, and while it is being undone.
 STAGE_RESERVED = "reserved"
 STAGE_CLEANUP = "cleanup"
+STAGE_REMOVAL = "removal"
 
 
 class CreationHooks(Protocol):
@@ -385,7 +386,8 @@ class CreationCoordinator:
         """One name from its reservation to its release, in the contract's order: run the
         creator, publish or cache what it made, wait for a claim or the expiry, clean up.
 
-        `run` is None for an object restored into the cache: its life starts at the claim.
+        `run` is None for an object restored into the cache (its life starts at the claim)
+        and for one the domain retired (its life ends with the cleanup).
         Daemon shutdown cancels this coroutine wherever it is, without cleanup (`aclose`).
         """
         if run is not None:
@@ -396,8 +398,11 @@ class CreationCoordinator:
                 self._fail(entry, error)
                 await self._clean_up(entry)
                 return
+        if entry.phase is Phase.CLEANING:
+            await self._clean_up(entry)  # retired: removed by the domain
+            return
         if entry.phase is not Phase.CACHED or await self._claimed_in_time(entry):
-            return  # visible: the domain's from now on, until it calls release()
+            return  # visible: the domain's from now on, until it calls release() or retire()
         self._expire(entry)
         await self._clean_up(entry)
 
@@ -614,6 +619,38 @@ class CreationCoordinator:
         del self._entries[name]
         self._registrar.release(name)
         log.info("%s %r (%s): removed, name released", self._kind, name, entry.object_id)
+
+    def retire(self, name: str, *, object_id: str) -> None:
+        """The domain hid a visible object (its row says cleaning): undo it in the
+        background with the same cleanup as an expiry, and free the name only at the end.
+
+        The request that removes the object answers at once; the teardown belongs to the
+        coordinator's task group (shutdown leaves it to the restart, which rolls the row
+        forward from its journal). Until it ends the name stays held: a duplicate waits
+        for it and is refused, as during an expiry. Retiring a free name is a no-op.
+        """
+        entry = self._entries.get(name)
+        if entry is None or entry.object_id != object_id:
+            return
+        if entry.phase is not Phase.VISIBLE:
+            raise FailedPrecondition(
+                f"{self._kind} {name!r} is {entry.phase} (stage: {entry.stage}), not visible; "
+                "only a visible object can be removed"
+            )
+        entry.phase = Phase.CLEANING
+        entry.stage = STAGE_REMOVAL
+        entry.stage_since = self._clock()
+        entry.settled = anyio.Event()
+        self._count("removing", entry, "removed; tearing down in the background")
+        self._start(entry, None)
+
+    async def until_released(self, name: str, *, object_id: str) -> None:
+        """Wait for the cleanup of `name`'s object, if one is running, to free the name."""
+        entry = self._entries.get(name)
+        if entry is None or entry.object_id != object_id or entry.phase is not Phase.CLEANING:
+            return
+        assert entry.settled is not None
+        await entry.settled.wait()
 
     def restore_visible(self, name: str, object_id: str) -> None:
         """After a restart: `name` belongs to a visible object. Persists nothing."""

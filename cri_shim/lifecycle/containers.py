@@ -52,7 +52,7 @@ from cri_shim.runtime.oci import ExecResult
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
 from cri_shim.runtime.userns import pod_mappings
 from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
-from cri_shim.state.journal import Journal, UndoFailed
+from cri_shim.state.journal import Journal
 from cri_shim.state.records import ContainerRecord, ImageRecord, SandboxRecord
 from cri_shim.streaming.runc_backend import ContainerEndpoint
 
@@ -95,7 +95,12 @@ class ContainerLifecycle:
         self._dir = config.root / "containers"
         self._cdi = CdiRegistry(config.cdi.spec_dirs)
         hooks = PersistedCreationHooks(
-            rows, journal, config.creation.cleanup_timeout, published=self._announce
+            rows,
+            journal,
+            config.creation.cleanup_timeout,
+            published=self._announce,
+            before_undo=_teardown_starts,
+            after_forget=self._gc_layers,
         )
         self.coordinator = CreationCoordinator(
             "container",
@@ -475,20 +480,23 @@ class ContainerLifecycle:
         return self._mark_exited(container, backend)
 
     async def remove(self, ref: str) -> None:
+        """Hide the container and answer; its teardown (runc delete, unmounts, its
+        directory) runs in the coordinator's task group from the journal.
+
+        The row says `cleaning` before this returns, so a crash from here on is rolled
+        forward by restore, and the name and the row (so the ID) stay held until the
+        teardown has ended (DESIGN §4).
+        """
         container = self.find(ref)
         if container is None:
             return
         await self._stop(container, 0)
-        try:
-            await self._journal.undo(container.id, budget=self._config.creation.cleanup_timeout)
-        except UndoFailed as exc:
-            log.error(
-                "container %s (%s): removal left work for GC: %s", container.id, container.name, exc
-            )
-        self.rows.forget(container.id)
-        self.coordinator.release(container.name, object_id=container.id)
-        log.info("container %s (%s) removed", container.id, container.name)
+        self.rows.mark_cleaning(container.id)
+        log.info("container %s (%s) removed; tearing down", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
+        self.coordinator.retire(container.name, object_id=container.id)
+
+    async def _gc_layers(self, object_id: str) -> None:
         # Layers of an image removed while this container used them can go now.
         await asyncio.to_thread(self._images.gc_layers)
 
@@ -496,8 +504,12 @@ class ContainerLifecycle:
         await asyncio.gather(*(self._stop(c, 0) for c in self.list(sandbox_id=sandbox_id)))
 
     async def remove_all_in(self, sandbox_id: str) -> None:
+        """Remove the sandbox's containers and wait for every teardown among them, those
+        of earlier RemoveContainer calls included: the sandbox's own undo comes next."""
         for container in self.list(sandbox_id=sandbox_id):
             await self.remove(container.id)
+        for row in self.rows.cleaning_in(sandbox_id):
+            await self.coordinator.until_released(row.name, object_id=row.id)
 
     async def exec_sync(self, ref: str, cmd: list[str], timeout: float) -> ExecResult:
         if not cmd:
@@ -597,6 +609,10 @@ class ContainerLifecycle:
         # Containers that exited while the daemon was down: conmon's exit files say how.
         for container in self.list():
             self.refresh(container)
+
+
+async def _teardown_starts(object_id: str) -> None:
+    fault_point("container:teardown")
 
 
 def _process_alive(pid: int) -> bool:

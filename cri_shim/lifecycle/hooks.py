@@ -38,12 +38,14 @@ class PersistedCreationHooks:
         *,
         published: Callable[[str], None],
         before_undo: Callable[[str], Awaitable[None]] = _nothing_first,
+        after_forget: Callable[[str], Awaitable[None]] = _nothing_first,
     ) -> None:
         self._rows = rows
         self._journal = journal
         self._cleanup_budget = cleanup_budget
         self._published = published
         self._before_undo = before_undo
+        self._after_forget = after_forget
 
     def reserve(self, name: str, object_id: str) -> None:
         self._rows.reserve_name(name, object_id)
@@ -67,6 +69,7 @@ class PersistedCreationHooks:
             await self._journal.undo(object_id, budget=self._cleanup_budget)
         finally:
             self._rows.forget(object_id)
+        await self._after_forget(object_id)
 
     def released(self, name: str, object_id: str) -> None:
         self._rows.release_name(name, object_id)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.creation.coordinator import Phase
-from cri_shim.state.objects import ObjectRepository
+from cri_shim.state.objects import ObjectRepository, PhaseRow
 from cri_shim.state.records import ContainerRecord
 
 CREATED, RUNNING, EXITED = "created", "running", "exited"
@@ -118,6 +118,14 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
             (Phase.VISIBLE, sandbox_id),
         )
         return list(self._records(rows))
+
+    def cleaning_in(self, sandbox_id: str) -> list[PhaseRow]:
+        """The sandbox's containers being torn down (removed, or rolled back)."""
+        rows = self._db.query(
+            "SELECT id, name, phase FROM containers WHERE phase = ? AND sandbox_id = ?",
+            (Phase.CLEANING, sandbox_id),
+        )
+        return [PhaseRow(r["id"], r["name"], r["phase"]) for r in rows]
 
     def layers_in_use(self) -> set[str]:
         """Layers under some container's mounts (recorded at creation: the image itself may

@@ -647,6 +647,50 @@ async def test_release_frees_a_visible_name_and_guards_the_rest() -> None:
 
 
 @in_virtual_time
+async def test_a_retired_object_is_torn_down_in_the_background_and_its_name_held_until_then() -> (
+    None
+):
+    coordinator, hooks = make(cleanup_timeout=60.0)
+    first = await coordinator.create(NAME, 10.0, FakeCreator())
+    hooks.published.discard(first)  # the domain hid it before retiring it
+    hooks.cleanup_plans[first] = CleanupPlan(seconds=5.0)
+    start = now()
+
+    coordinator.retire(NAME, object_id=first)  # returns at once
+    assert now() == start
+    info = coordinator.lookup(NAME)
+    assert info is not None and info.phase is Phase.CLEANING and info.stage == "removal"
+    duplicate = asyncio.create_task(outcome(coordinator.create(NAME, start + 100.0, FakeCreator())))
+    await coordinator.until_released(NAME, object_id=first)
+
+    assert now() == start + 5.0
+    assert coordinator.lookup(NAME) is None
+    assert hooks.released_names[-1] == (NAME, first) and hooks.violations == []
+    refused, _ = await duplicate  # it waited on the teardown, which made nothing for it
+    assert isinstance(refused, NameReserved)
+    assert await coordinator.create(NAME, now() + 10.0, FakeCreator()) == "id2"
+    coordinator.retire(NAME, object_id="stale-id")  # a late retire of an older object
+    assert coordinator.lookup(NAME) is not None
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_shutdown_leaves_a_retired_objects_teardown_to_the_restart() -> None:
+    coordinator, hooks = make()
+    first = await coordinator.create(NAME, 10.0, FakeCreator())
+    hooks.published.discard(first)
+    hooks.cleanup_plans[first] = CleanupPlan(hangs=True)
+    coordinator.retire(NAME, object_id=first)
+    await asyncio.sleep(1.0)
+
+    hooks.shutting_down = True
+    await coordinator.aclose()
+
+    assert hooks.cleanup_interrupted[first] == 1
+    assert hooks.released_names == []  # still held in the database: the restart rolls it on
+
+
+@in_virtual_time
 async def test_restored_cached_objects_are_claimable_with_a_fresh_expiry() -> None:
     coordinator, hooks = make()
     await advance_to(1000.0)
