@@ -10,7 +10,7 @@ from collections.abc import Collection
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import BUNDLED_CNI_DIR, Config
-from cri_shim.images.pull import ImagePuller
+from cri_shim.images.on_demand import PullerOnDemand
 from cri_shim.images.store import ImageStore
 from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.lifecycle.containers import ContainerLifecycle
@@ -104,7 +104,7 @@ def build_components(config: Config) -> Components:
         sandboxes=sandboxes,
         containers=containers,
         images=images,
-        puller=ImagePuller.from_config(images, config.images),
+        puller=PullerOnDemand(images, config.images),
         limiter=RequestLimiter(config.requests, creations_in_flight),
         streaming=streaming,
         metrics=Metrics(),

@@ -11,7 +11,7 @@ from typing import Any
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
-from cri_shim.images.pull import ImagePuller
+from cri_shim.images.on_demand import PullerOnDemand
 from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.sandboxes import SandboxLifecycle
@@ -35,7 +35,7 @@ class Components:
     images: ImageStore
     # The daemon's one puller: its in-flight maps are what lets concurrent pulls share
     # downloads, so there must be exactly one.
-    puller: ImagePuller
+    puller: PullerOnDemand
     limiter: RequestLimiter
     streaming: StreamingServer
     metrics: Metrics

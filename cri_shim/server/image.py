@@ -13,7 +13,6 @@ import grpc
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
-from cri_shim.images.auth import Credentials
 from cri_shim.server import listing
 from cri_shim.state.records import ImageRecord
 
@@ -109,6 +108,9 @@ async def image_status(
 async def pull_image(
     services: Components, request: api_pb2.PullImageRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.PullImageResponse:
+    # The registry client is imported by the first pull (images/on_demand.py).
+    from cri_shim.images.auth import Credentials
+
     ref = _image_ref(request.image, "PullImage")
     auth = request.auth
     credentials = Credentials.from_auth_config(

@@ -1,0 +1,36 @@
+"""The daemon's image puller, built on the first PullImage rather than at start.
+
+The registry client (httpx, its TLS and HTTP/1.1 machinery) is about 7 MiB of an idle
+daemon's memory, which a node that runs only imported or already pulled images never
+needs. One puller is built and then kept: its in-flight maps are what lets concurrent
+pulls share downloads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cri_shim.config import ImagesConfig
+    from cri_shim.images.auth import Credentials
+    from cri_shim.images.pull import ImagePuller
+    from cri_shim.images.store import ImageStore
+    from cri_shim.state.records import ImageRecord
+
+
+class PullerOnDemand:
+    def __init__(self, store: ImageStore, config: ImagesConfig) -> None:
+        self._store = store
+        self._config = config
+        self._puller: ImagePuller | None = None
+
+    async def pull(self, image: str, credentials: Credentials) -> ImageRecord:
+        if self._puller is None:
+            from cri_shim.images.pull import ImagePuller
+
+            self._puller = ImagePuller.from_config(self._store, self._config)
+        return await self._puller.pull(image, credentials)
+
+    async def aclose(self) -> None:
+        if self._puller is not None:
+            await self._puller.aclose()
