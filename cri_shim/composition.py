@@ -29,8 +29,8 @@ from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.sandboxes import SandboxRepository
+from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
-from cri_shim.streaming.server import StreamingConfig, StreamingServer
 
 
 def build_components(config: Config) -> Components:
@@ -88,12 +88,10 @@ def build_components(config: Config) -> Components:
             containers.coordinator.stats()["in_flight"]
         )
 
-    streaming = StreamingServer(
-        StreamingConfig(
-            address=config.streaming.address,
-            tls_cert=config.streaming.tls_cert,
-            tls_key=config.streaming.tls_key,
-        ),
+    streaming = StreamingOnDemand(
+        config.streaming.address,
+        config.streaming.tls_cert,
+        config.streaming.tls_key,
         RuncStreamingBackend(containers.streaming_endpoint, pods.netns_of),
     )
     components = Components(

@@ -113,7 +113,6 @@ class Daemon:
                 handler_features(b.runtime_path) for b in services.containers.backends.values()
             ]
         )
-        await services.streaming.start()
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
@@ -187,7 +186,7 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.services is not None:
-            await self.services.streaming.stop()
+            await self.services.streaming.aclose()
             await self.services.puller.aclose()
             await self.services.sandboxes.coordinator.aclose()
             await self.services.containers.coordinator.aclose()

@@ -21,7 +21,7 @@ from cri_shim.server.limits import RequestLimiter
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
-from cri_shim.streaming.server import StreamingServer
+from cri_shim.streaming.on_demand import StreamingOnDemand
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Components:
     # downloads, so there must be exactly one.
     puller: PullerOnDemand
     limiter: RequestLimiter
-    streaming: StreamingServer
+    streaming: StreamingOnDemand
     metrics: Metrics
     cpu_rates: CpuRates = field(default_factory=CpuRates)
 
