@@ -105,7 +105,8 @@ def build_components(config: Config) -> Components:
         puller=PullerOnDemand(images, config.images),
         limiter=RequestLimiter(config.requests, creations_in_flight),
         streaming=streaming,
-        metrics=Metrics(),
+        # Counted only to be exported: without `[metrics] listen` nothing is counted.
+        metrics=Metrics() if config.metrics.listen else None,
     )
     return components
 

@@ -137,8 +137,9 @@ class Daemon:
         self.image_service.services = services
         # Metrics (issue 7): collectors read the services at scrape time; the HTTP endpoint
         # runs only when [metrics] listen is set, and is closed in stop().
-        self._metrics = MetricsExporter(services, self.config.metrics.listen)
-        await self._metrics.start()
+        if services.metrics is not None:
+            self._metrics = MetricsExporter(services, services.metrics, self.config.metrics.listen)
+            await self._metrics.start()
         await self._bind()
         log.info("serving CRI on %s", self.config.listen)
         notify_systemd("READY=1\nSTATUS=serving")

@@ -38,7 +38,7 @@ class Components:
     puller: PullerOnDemand
     limiter: RequestLimiter
     streaming: StreamingOnDemand
-    metrics: Metrics
+    metrics: Metrics | None
     cpu_rates: CpuRates = field(default_factory=CpuRates)
 
     def creation_stats(self) -> dict[str, Any]:

@@ -115,7 +115,8 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 log.exception("%s failed unexpectedly", name)
                 await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
             finally:
-                services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
+                if services.metrics is not None:
+                    services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 
     method.__name__ = name
     return method

@@ -342,7 +342,7 @@ async def test_a_busy_port_is_reported_with_the_key() -> None:
 
 async def test_exporter_wires_collector_and_sink_and_undoes_them() -> None:
     services = FakeServices(sandbox_states=["ready"])
-    exporter = MetricsExporter(services, "")  # type: ignore[arg-type]
+    exporter = MetricsExporter(services, services.metrics, "")  # type: ignore[arg-type]
     assert exporter.endpoint is None  # off by default
     await exporter.start()
     try:
