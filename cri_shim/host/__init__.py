@@ -2,6 +2,6 @@
 mounts, namespaces, idmapped mounts, inotify, netlink and process attributes.
 
 Everything else in the daemon reaches the kernel through these modules (no ctypes
-elsewhere). pyroute2, the netlink library, is imported only by `netlink`, and only when a
-message is first sent: it costs about 11 MiB resident.
+elsewhere). `netlink` encodes its one message with `struct`: a netlink library costs
+about 11 MiB resident.
 """
