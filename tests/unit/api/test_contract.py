@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from google.protobuf import descriptor_pb2
 
 from cri_shim.api.v1 import api_pb2
 
 REPO = Path(__file__).resolve().parents[3]
-GENERATED = REPO / "cri_shim" / "api" / "v1"
 
 # Fields whose type changed upstream, on purpose and within one wire type.
 UPSTREAM_CHANGES = {
@@ -119,14 +119,17 @@ def test_what_cri_1_36_added_is_there() -> None:
         )
 
 
-def test_regenerating_changes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("package", "pattern"), [("cri_shim/api/v1", "api_pb2*"), ("cri_shim/nri/api", "*_pb2*")]
+)
+def test_regenerating_changes_nothing(tmp_path: Path, package: str, pattern: str) -> None:
     """The checked-in modules are what scripts/protos makes of protos/ today."""
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}
     subprocess.run([REPO / "scripts" / "protos", tmp_path], check=True, env=env)
-    fresh = tmp_path / "cri_shim" / "api" / "v1"
+    fresh, checked_in = tmp_path / package, REPO / package
     names = sorted(p.name for p in fresh.iterdir())
-    assert names == sorted(p.name for p in GENERATED.glob("api_pb2*"))
-    stale = [n for n in names if (fresh / n).read_bytes() != (GENERATED / n).read_bytes()]
+    assert names == sorted(p.name for p in checked_in.glob(pattern))
+    stale = [n for n in names if (fresh / n).read_bytes() != (checked_in / n).read_bytes()]
     assert not stale, f"run scripts/protos and commit: {stale} differ from protos/"
 
 
