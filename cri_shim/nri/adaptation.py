@@ -1,0 +1,288 @@
+"""The runtime's side of NRI: the socket plugins connect to, and the registry of plugins.
+
+A plugin that connects registers (name, two-digit index) within the registration timeout,
+is configured (it answers with the events it subscribes to), and is synchronized with the
+pods and containers that exist at that moment; only then does it take part in events.
+Plugins see events in the order of their index (then name). Every call has the request
+timeout as its budget: a plugin that does not answer in time, or whose connection drops,
+is closed and leaves the registry, so that no creation waits on it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message as ProtoMessage
+
+from cri_shim.nri import mux
+from cri_shim.nri.api import api_pb2
+from cri_shim.nri.connection import ConnectionClosed, Handler, MuxedConnection
+from cri_shim.nri.ttrpc import CallError, Code
+
+log = logging.getLogger("cri_shim.nri")
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+# An event's bit in a plugin's subscription is 1 << (event - 1).
+ALL_EVENTS = (1 << (api_pb2.LAST - 1)) - 1
+_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+_INDEX = re.compile(r"[0-9]{2}")
+
+Reply = TypeVar("Reply", bound=ProtoMessage)
+Snapshot = Callable[[], Awaitable[tuple[list[api_pb2.PodSandbox], list[api_pb2.Container]]]]
+
+
+def event_bit(event: int) -> int:
+    return 1 << (event - 1)
+
+
+@dataclass(frozen=True)
+class NriSettings:
+    socket_path: Path = Path("/var/run/nri/nri.sock")
+    registration_timeout: float = 5.0
+    request_timeout: float = 2.0
+    runtime_name: str = "cri-shim"
+    runtime_version: str = ""
+
+
+@dataclass
+class Plugin:
+    """A registered, configured and synchronized plugin."""
+
+    name: str
+    index: str
+    events: int
+    connection: MuxedConnection = field(repr=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.index}-{self.name}"
+
+    def subscribed(self, event: int) -> bool:
+        return bool(self.events & event_bit(event))
+
+
+class PluginRejected(Exception):
+    """A connecting plugin failed registration, configuration or synchronization."""
+
+
+class Adaptation:
+    def __init__(self, settings: NriSettings, snapshot: Snapshot) -> None:
+        self.settings = settings
+        self._snapshot = snapshot
+        self._plugins: list[Plugin] = []
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Registration and synchronization take this lock, and so does every event, so a
+        # plugin never misses an object created while it synchronizes, nor sees one twice.
+        self.lock = asyncio.Lock()
+
+    @property
+    def plugins(self) -> list[Plugin]:
+        """The plugins taking part in events, in the order they see them."""
+        return list(self._plugins)
+
+    async def start(self) -> None:
+        path = self.settings.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        self._server = await asyncio.start_unix_server(self._on_connect, path=str(path))
+        os.chmod(path, 0o600)
+        log.info("NRI: serving plugins on %s", path)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for plugin in list(self._plugins):
+            await self._drop(plugin, "the runtime is stopping")
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            await self._server.wait_closed()
+            with contextlib.suppress(FileNotFoundError):
+                self.settings.socket_path.unlink()
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._serve_plugin(reader, writer)
+        finally:
+            self._tasks.discard(task)
+
+    async def _serve_plugin(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        registered: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+
+        async def register(payload: bytes) -> bytes:
+            request = api_pb2.RegisterPluginRequest.FromString(payload)
+            problem = _registration_problem(request)
+            if problem:
+                if not registered.done():
+                    registered.set_exception(PluginRejected(problem))
+                raise CallError(Code.INVALID_ARGUMENT, problem)
+            if not registered.done():
+                registered.set_result((request.plugin_name, request.plugin_idx))
+            return api_pb2.Empty().SerializeToString()
+
+        plugin: Plugin | None = None
+
+        async def update_containers(payload: bytes) -> bytes:
+            request = api_pb2.UpdateContainersRequest.FromString(payload)
+            failed = await self._on_update_request(plugin, request)
+            return api_pb2.UpdateContainersResponse(failed=failed).SerializeToString()
+
+        handlers: dict[str, Handler] = {
+            f"{RUNTIME_SERVICE}/RegisterPlugin": register,
+            f"{RUNTIME_SERVICE}/UpdateContainers": update_containers,
+        }
+        connection = MuxedConnection(
+            reader,
+            writer,
+            serve_conn=mux.RUNTIME_SERVICE_CONN,
+            call_conn=mux.PLUGIN_SERVICE_CONN,
+            handlers=handlers,
+        )
+        reading = asyncio.get_running_loop().create_task(connection.run())
+        try:
+            try:
+                plugin = await self._admit(connection, registered)
+            except (PluginRejected, CallError, ConnectionClosed, TimeoutError) as e:
+                log.warning("NRI: plugin %s refused: %s", connection.name, e)
+                await connection.close(f"refused: {e}")
+                return
+            await reading
+        finally:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+            if plugin is not None and plugin in self._plugins:
+                self._plugins.remove(plugin)
+                log.info("NRI: plugin %s left: %s", plugin.id, connection.close_reason)
+
+    async def _admit(
+        self, connection: MuxedConnection, registered: asyncio.Future[tuple[str, str]]
+    ) -> Plugin:
+        closed = asyncio.ensure_future(connection.closed.wait())
+        either: set[asyncio.Future[Any]] = {registered, closed}
+        try:
+            done, _ = await asyncio.wait(
+                either,
+                timeout=self.settings.registration_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            closed.cancel()
+        if registered not in done:
+            raise PluginRejected(
+                "connection closed before registering"
+                if connection.closed.is_set()
+                else f"did not register in {self.settings.registration_timeout:g}s"
+            )
+        name, index = registered.result()
+        connection.name = f"{index}-{name}"
+        timeout = self.settings.request_timeout
+        configured = await connection.call(
+            PLUGIN_SERVICE,
+            "Configure",
+            api_pb2.ConfigureRequest(
+                runtime_name=self.settings.runtime_name,
+                runtime_version=self.settings.runtime_version,
+                registration_timeout=int(self.settings.registration_timeout * 1000),
+                request_timeout=int(timeout * 1000),
+            ),
+            api_pb2.ConfigureResponse(),
+            timeout,
+        )
+        events = configured.events or ALL_EVENTS
+        if events & ~ALL_EVENTS:
+            raise PluginRejected(f"subscribes to unknown events 0x{events & ~ALL_EVENTS:x}")
+        async with self.lock:
+            pods, containers = await self._snapshot()
+            synchronized = await connection.call(
+                PLUGIN_SERVICE,
+                "Synchronize",
+                api_pb2.SynchronizeRequest(pods=pods, containers=containers),
+                api_pb2.SynchronizeResponse(),
+                timeout,
+            )
+            plugin = Plugin(name, index, events, connection)
+            if synchronized.update:
+                await self.apply_updates(plugin, list(synchronized.update))
+            self._plugins.append(plugin)
+            self._plugins.sort(key=lambda p: (p.index, p.name))
+        log.info("NRI: plugin %s registered, events 0x%x", plugin.id, events)
+        return plugin
+
+    async def _on_update_request(
+        self, plugin: Plugin | None, request: api_pb2.UpdateContainersRequest
+    ) -> list[api_pb2.ContainerUpdate]:
+        if plugin is None:
+            raise CallError(Code.FAILED_PRECONDITION, "plugin is not registered yet")
+        return await self.apply_updates(plugin, list(request.update))
+
+    async def apply_updates(
+        self, plugin: Plugin, updates: list[api_pb2.ContainerUpdate]
+    ) -> list[api_pb2.ContainerUpdate]:
+        """Container updates a plugin asked for; returns those that failed.
+
+        The runtime does not apply updates yet: every one is reported failed.
+        """
+        if updates:
+            log.warning("NRI: plugin %s asked for %d container updates", plugin.id, len(updates))
+        return updates
+
+    async def _drop(self, plugin: Plugin, reason: str) -> None:
+        if plugin in self._plugins:
+            self._plugins.remove(plugin)
+        log.warning("NRI: plugin %s dropped: %s", plugin.id, reason)
+        await plugin.connection.close(reason)
+
+    async def call_plugins(
+        self, event: int, method: str, request: ProtoMessage, reply: Callable[[], Reply]
+    ) -> list[tuple[Plugin, Reply]]:
+        """Send one event to every subscribed plugin in order; their answers.
+
+        A plugin that times out or disconnects is dropped and the event goes on to the
+        next; a plugin that answers with an error status fails the event (CallError).
+        """
+        answers: list[tuple[Plugin, Reply]] = []
+        for plugin in list(self._plugins):
+            if not plugin.subscribed(event):
+                continue
+            try:
+                answer = await plugin.connection.call(
+                    PLUGIN_SERVICE, method, request, reply(), self.settings.request_timeout
+                )
+            except ConnectionClosed as e:
+                await self._drop(plugin, str(e))
+                continue
+            except CallError as e:
+                if e.code == Code.DEADLINE_EXCEEDED:
+                    await self._drop(plugin, str(e))
+                    continue
+                raise CallError(e.code, f"NRI plugin {plugin.id}: {e.message}") from e
+            answers.append((plugin, answer))
+        return answers
+
+
+def _registration_problem(request: api_pb2.RegisterPluginRequest) -> str:
+    if not _NAME.fullmatch(request.plugin_name):
+        return f"invalid plugin name {request.plugin_name!r}"
+    if not _INDEX.fullmatch(request.plugin_idx):
+        return f"invalid plugin index {request.plugin_idx!r}, must be 2 digits"
+    return ""

@@ -1,0 +1,192 @@
+"""The runtime's NRI socket with real plugins connected over it: registration,
+configuration, synchronization, event order by index, and plugins that fail, stall or
+leave."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cri_shim.nri.adaptation import Adaptation, NriSettings
+from cri_shim.nri.api import api_pb2
+from cri_shim.nri.ttrpc import CallError, Code
+from tests.nri_plugin import RecordingPlugin, fail_with
+from tests.waiting import until
+
+POD = api_pb2.PodSandbox(id="pod1", name="web", namespace="default", uid="u1")
+CONTAINER = api_pb2.Container(
+    id="c1", pod_sandbox_id="pod1", name="app", state=api_pb2.CONTAINER_RUNNING
+)
+
+
+class World:
+    def __init__(self) -> None:
+        self.pods = [POD]
+        self.containers = [CONTAINER]
+
+    async def snapshot(self) -> tuple[list[api_pb2.PodSandbox], list[api_pb2.Container]]:
+        return list(self.pods), list(self.containers)
+
+
+@pytest.fixture
+async def adaptation() -> AsyncIterator[Adaptation]:
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(
+            socket_path=Path(tmp) / "nri.sock",
+            registration_timeout=0.5,
+            request_timeout=0.3,
+            runtime_version="1.2.3",
+        )
+        nri = Adaptation(settings, World().snapshot)
+        await nri.start()
+        try:
+            yield nri
+        finally:
+            await nri.stop()
+
+
+async def joined(nri: Adaptation, plugin: RecordingPlugin) -> RecordingPlugin:
+    await plugin.connect(nri.settings.socket_path)
+    await until(lambda: any(p.id == f"{plugin.index}-{plugin.name}" for p in nri.plugins))
+    return plugin
+
+
+async def test_a_plugin_is_configured_then_synchronized(adaptation: Adaptation) -> None:
+    plugin = await joined(adaptation, RecordingPlugin(events=[api_pb2.RUN_POD_SANDBOX]))
+    assert plugin.methods == ["Configure", "Synchronize"]
+    configure = plugin.calls[0][1]
+    assert isinstance(configure, api_pb2.ConfigureRequest)
+    assert (configure.runtime_name, configure.runtime_version) == ("cri-shim", "1.2.3")
+    assert (configure.registration_timeout, configure.request_timeout) == (500, 300)
+    sync = plugin.calls[1][1]
+    assert isinstance(sync, api_pb2.SynchronizeRequest)
+    assert list(sync.pods) == [POD] and list(sync.containers) == [CONTAINER]
+    [registered] = adaptation.plugins
+    assert registered.subscribed(api_pb2.RUN_POD_SANDBOX)
+    assert not registered.subscribed(api_pb2.CREATE_CONTAINER)
+    await plugin.close()
+    await until(lambda: not adaptation.plugins)
+
+
+async def test_no_subscription_means_every_event(adaptation: Adaptation) -> None:
+    await joined(adaptation, RecordingPlugin())
+    [registered] = adaptation.plugins
+    assert all(registered.subscribed(e) for e in range(1, api_pb2.LAST))
+
+
+async def test_events_reach_plugins_in_index_order(adaptation: Adaptation) -> None:
+    order: list[str] = []
+
+    def note(name: str) -> RecordingPlugin:
+        def respond(_request: object) -> api_pb2.RunPodSandboxResponse:
+            order.append(name)
+            return api_pb2.RunPodSandboxResponse()
+
+        return RecordingPlugin(name=name, index=name[:2], responders={"RunPodSandbox": respond})
+
+    for name in ("50-b", "05-a", "50-a"):
+        await joined(adaptation, note(name))
+    assert [p.id for p in adaptation.plugins] == ["05-05-a", "50-50-a", "50-50-b"]
+    request = api_pb2.RunPodSandboxRequest(pod=POD)
+    await adaptation.call_plugins(
+        api_pb2.RUN_POD_SANDBOX, "RunPodSandbox", request, api_pb2.RunPodSandboxResponse
+    )
+    assert order == ["05-a", "50-a", "50-b"]
+
+
+async def test_a_plugin_that_fails_an_event_fails_it(adaptation: Adaptation) -> None:
+    await joined(adaptation, RecordingPlugin(responders={"CreateContainer": fail_with("no way")}))
+    with pytest.raises(CallError, match="NRI plugin 10-recorder: no way"):
+        await adaptation.call_plugins(
+            api_pb2.CREATE_CONTAINER,
+            "CreateContainer",
+            api_pb2.CreateContainerRequest(pod=POD, container=CONTAINER),
+            api_pb2.CreateContainerResponse,
+        )
+    assert len(adaptation.plugins) == 1  # a refusal is an answer: the plugin stays
+
+
+async def test_a_plugin_that_stalls_is_dropped_within_its_budget(adaptation: Adaptation) -> None:
+    slow = await joined(adaptation, RecordingPlugin(name="slow", delays={"StopPodSandbox": 30}))
+    fast = await joined(adaptation, RecordingPlugin(name="fast", index="20"))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answers = await adaptation.call_plugins(
+        api_pb2.STOP_POD_SANDBOX,
+        "StopPodSandbox",
+        api_pb2.StopPodSandboxRequest(pod=POD),
+        api_pb2.StopPodSandboxResponse,
+    )
+    assert loop.time() - started < 1.0
+    assert [p.name for p, _ in answers] == ["fast"]
+    assert [p.name for p in adaptation.plugins] == ["fast"]
+    assert "StopPodSandbox" in fast.methods
+    await until(lambda: slow.connection is not None and slow.connection.closed.is_set())
+
+
+async def test_a_plugin_that_leaves_is_skipped(adaptation: Adaptation) -> None:
+    gone = await joined(adaptation, RecordingPlugin(name="gone"))
+    await gone.close()
+    await until(lambda: not adaptation.plugins)
+    answers = await adaptation.call_plugins(
+        api_pb2.REMOVE_POD_SANDBOX,
+        "RemovePodSandbox",
+        api_pb2.RemovePodSandboxRequest(pod=POD),
+        api_pb2.RemovePodSandboxResponse,
+    )
+    assert answers == []
+
+
+@pytest.mark.parametrize(
+    ("name", "index", "problem"),
+    [("", "10", "invalid plugin name"), ("a b", "10", "invalid plugin name"),
+     ("ok", "1", "must be 2 digits"), ("ok", "x1", "must be 2 digits")],
+)  # fmt: skip
+async def test_a_bad_registration_is_refused(
+    adaptation: Adaptation, name: str, index: str, problem: str
+) -> None:
+    plugin = RecordingPlugin(name=name, index=index)
+    with pytest.raises(CallError, match=problem) as refused:
+        await plugin.connect(adaptation.settings.socket_path)
+    assert refused.value.code == Code.INVALID_ARGUMENT
+    assert plugin.connection is not None
+    await until(plugin.connection.closed.is_set)
+    assert adaptation.plugins == []
+
+
+async def test_a_plugin_that_never_registers_is_closed(adaptation: Adaptation) -> None:
+    plugin = RecordingPlugin()
+    await plugin.connect(adaptation.settings.socket_path, register=False)
+    assert plugin.connection is not None
+    await until(plugin.connection.closed.is_set, timeout=2.0)
+    assert plugin.methods == [] and adaptation.plugins == []
+
+
+async def test_a_plugin_that_stalls_configuration_is_refused(adaptation: Adaptation) -> None:
+    plugin = RecordingPlugin(delays={"Configure": 30})
+    await plugin.connect(adaptation.settings.socket_path)
+    assert plugin.connection is not None
+    await until(plugin.connection.closed.is_set, timeout=2.0)
+    assert adaptation.plugins == []
+
+
+async def test_a_plugin_asking_for_unknown_events_is_refused(adaptation: Adaptation) -> None:
+    plugin = RecordingPlugin(events=[api_pb2.LAST + 3])
+    await plugin.connect(adaptation.settings.socket_path)
+    assert plugin.connection is not None
+    await until(plugin.connection.closed.is_set)
+    assert plugin.methods == ["Configure"] and adaptation.plugins == []
+
+
+async def test_an_unknown_method_answers_unimplemented(adaptation: Adaptation) -> None:
+    plugin = await joined(adaptation, RecordingPlugin())
+    assert plugin.connection is not None
+    with pytest.raises(CallError) as failed:
+        await plugin.connection.call(
+            "nri.pkg.api.v1alpha1.Runtime", "Nope", api_pb2.Empty(), api_pb2.Empty(), 1.0
+        )
+    assert failed.value.code == Code.UNIMPLEMENTED
