@@ -37,8 +37,8 @@ async def adaptation() -> AsyncIterator[Adaptation]:
     with tempfile.TemporaryDirectory(prefix="nri") as tmp:
         settings = NriSettings(
             socket_path=Path(tmp) / "nri.sock",
-            registration_timeout=0.5,
-            request_timeout=0.3,
+            registration_timeout=1.0,
+            request_timeout=1.0,
             runtime_version="1.2.3",
         )
         nri = Adaptation(settings, World().snapshot)
@@ -61,7 +61,7 @@ async def test_a_plugin_is_configured_then_synchronized(adaptation: Adaptation) 
     configure = plugin.calls[0][1]
     assert isinstance(configure, api_pb2.ConfigureRequest)
     assert (configure.runtime_name, configure.runtime_version) == ("cri-shim", "1.2.3")
-    assert (configure.registration_timeout, configure.request_timeout) == (500, 300)
+    assert (configure.registration_timeout, configure.request_timeout) == (1000, 1000)
     sync = plugin.calls[1][1]
     assert isinstance(sync, api_pb2.SynchronizeRequest)
     assert list(sync.pods) == [POD] and list(sync.containers) == [CONTAINER]
@@ -121,7 +121,7 @@ async def test_a_plugin_that_stalls_is_dropped_within_its_budget(adaptation: Ada
         api_pb2.StopPodSandboxRequest(pod=POD),
         api_pb2.StopPodSandboxResponse,
     )
-    assert loop.time() - started < 1.0
+    assert loop.time() - started < 2.5  # the stalled plugin's 1s, not its 30s
     assert [p.name for p, _ in answers] == ["fast"]
     assert [p.name for p in adaptation.plugins] == ["fast"]
     assert "StopPodSandbox" in fast.methods
@@ -162,7 +162,7 @@ async def test_a_plugin_that_never_registers_is_closed(adaptation: Adaptation) -
     plugin = RecordingPlugin()
     await plugin.connect(adaptation.settings.socket_path, register=False)
     assert plugin.connection is not None
-    await until(plugin.connection.closed.is_set, timeout=2.0)
+    await until(plugin.connection.closed.is_set, timeout=4.0)
     assert plugin.methods == [] and adaptation.plugins == []
 
 
@@ -170,7 +170,7 @@ async def test_a_plugin_that_stalls_configuration_is_refused(adaptation: Adaptat
     plugin = RecordingPlugin(delays={"Configure": 30})
     await plugin.connect(adaptation.settings.socket_path)
     assert plugin.connection is not None
-    await until(plugin.connection.closed.is_set, timeout=2.0)
+    await until(plugin.connection.closed.is_set, timeout=4.0)
     assert adaptation.plugins == []
 
 
