@@ -125,6 +125,17 @@ class CdiConfig:
 
 
 @dataclass
+class NriConfig:
+    # Off by default, as in containerd and CRI-O: a plugin can change every container.
+    enable: bool = False
+    socket_path: Path = Path("/var/run/nri/nri.sock")
+    # A plugin that connects must register within this, and answer every call within the
+    # request timeout; one that does not is disconnected (and never holds a creation up).
+    plugin_registration_timeout: float = 5.0
+    plugin_request_timeout: float = 2.0
+
+
+@dataclass
 class Config:
     listen: str = "unix:///run/cri-shim/cri-shim.sock"
     root: Path = Path("/var/lib/cri-shim")
@@ -144,6 +155,7 @@ class Config:
     streaming: StreamingSection = field(default_factory=StreamingSection)
     requests: RequestsConfig = field(default_factory=RequestsConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
+    nri: NriConfig = field(default_factory=NriConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -164,6 +176,8 @@ DURATION_KEYS = {
     ("runtime", "stop_timeout_grace"),
     ("images", "download_timeout"),
     ("images", "download_rate_window"),
+    ("nri", "plugin_registration_timeout"),
+    ("nri", "plugin_request_timeout"),
 }
 SIZE_KEYS = {
     ("", "max_message_bytes"),

@@ -113,6 +113,15 @@ KEY_DOCS: dict[str, str] = {
     "cdi.spec_dirs": "directories of CDI spec files (`*.json`, `*.yaml`) that resolve the "
     "devices a container asks for (`cdi_devices`, `cdi.k8s.io/*` annotations); a later "
     "directory overrides an earlier one for the same device; files are re-read when changed",
+    "nri.enable": "serve NRI (Node Resource Interface) plugins on `socket_path`; a plugin sees "
+    "every pod and container event and may adjust a container before it is created, or fail "
+    "its creation",
+    "nri.socket_path": "unix socket NRI plugins connect to (made 0600)",
+    "nri.plugin_registration_timeout": "time a connecting plugin has to register; a plugin "
+    "that does not is disconnected",
+    "nri.plugin_request_timeout": "time a plugin has to answer each call (configuration, "
+    "synchronization, every event); a plugin that does not is disconnected and the event "
+    "goes on without it, so it costs a creation at most this once",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

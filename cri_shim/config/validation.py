@@ -21,6 +21,7 @@ from cri_shim.config.model import (
     ImagesConfig,
     MetricsConfig,
     NetworkConfig,
+    NriConfig,
     RequestsConfig,
     RuntimeConfig,
     RuntimeHandler,
@@ -219,6 +220,28 @@ def _load_cdi(table: dict[str, Any]) -> CdiConfig:
     return cdi
 
 
+def _load_nri(table: dict[str, Any]) -> NriConfig:
+    _unknown(
+        table,
+        {"enable", "socket_path", "plugin_registration_timeout", "plugin_request_timeout"},
+        "nri.",
+    )
+    nri = NriConfig()
+    if "enable" in table:
+        nri.enable = _expect(table["enable"], bool, "nri.enable", "true or false")
+    if "socket_path" in table:
+        path = Path(_expect(table["socket_path"], str, "nri.socket_path", "an absolute path"))
+        if not path.is_absolute():
+            raise ConfigError(f"nri.socket_path: expected an absolute path, got {str(path)!r}")
+        nri.socket_path = path
+    for key in ("plugin_registration_timeout", "plugin_request_timeout"):
+        if key in table:
+            setattr(nri, key, parse_duration(table[key], f"nri.{key}"))
+            if getattr(nri, key) <= 0:
+                raise ConfigError(f"nri.{key}: expected a duration above zero")
+    return nri
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     # The known keys are the fields: a section added to Config cannot be forgotten here.
     _unknown(data, {f.name for f in dataclasses.fields(Config)}, "")
@@ -257,6 +280,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "streaming": _load_streaming,
         "requests": _load_requests,
         "cdi": _load_cdi,
+        "nri": _load_nri,
     }
     for name, loader in sections.items():
         if name in data:

@@ -44,6 +44,24 @@ def test_cdi_spec_dirs_are_absolute_paths() -> None:
         config_from_dict({"cdi": {"spec_dirs": "/etc/cdi"}})
 
 
+def test_nri_is_off_unless_enabled() -> None:
+    assert not Config().nri.enable
+    assert Config().nri.socket_path == Path("/var/run/nri/nri.sock")
+    cfg = config_from_dict(
+        {"nri": {"enable": True, "socket_path": "/run/n.sock", "plugin_request_timeout": "500ms"}}
+    )
+    assert (cfg.nri.enable, cfg.nri.socket_path) == (True, Path("/run/n.sock"))
+    assert (cfg.nri.plugin_request_timeout, cfg.nri.plugin_registration_timeout) == (0.5, 5.0)
+    with pytest.raises(ConfigError, match=r"^nri\.socket_path: expected an absolute path"):
+        config_from_dict({"nri": {"socket_path": "nri.sock"}})
+    with pytest.raises(ConfigError, match=r"^nri\.enable"):
+        config_from_dict({"nri": {"enable": "yes"}})
+    with pytest.raises(ConfigError, match=r"^nri\.plugin_request_timeout"):
+        config_from_dict({"nri": {"plugin_request_timeout": "0s"}})
+    with pytest.raises(ConfigError, match=r"^nri\.plugin_path: unknown"):
+        config_from_dict({"nri": {"plugin_path": "/opt/nri"}})
+
+
 @pytest.mark.parametrize(
     ("value", "seconds"),
     [("90s", 90), ("5m", 300), ("1h", 3600), ("250ms", 0.25), (30, 30), ("1.5s", 1.5)],
