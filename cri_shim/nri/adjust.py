@@ -1,0 +1,141 @@
+"""Plugins' container adjustments, checked and applied to the OCI spec before `runc create`.
+
+The adjustments of every plugin that answered CreateContainer are applied in plugin order.
+Two plugins adjusting the same thing (one environment variable, one mount destination,
+one annotation, one resource limit) is a conflict that fails the creation, as the
+reference runtime does: neither plugin would get what it asked for. A name prefixed with
+"-" removes that item. What the runtime cannot apply (hooks, devices, rlimits, seccomp, and
+the rest of LinuxContainerAdjustment) is refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cri_shim.errors import InvalidArgument
+from cri_shim.nri.api import api_pb2
+
+_APPLIED_LINUX = {"resources", "oom_score_adj"}
+_APPLIED_MEMORY = {"limit", "reservation", "swap"}
+_APPLIED_CPU = {"shares", "quota", "period", "cpus", "mems"}
+_APPLIED_RESOURCES = {"memory", "cpu", "pids"}
+
+
+class AdjustmentRefused(InvalidArgument):
+    """A plugin's adjustment cannot be applied; the creation fails with this."""
+
+
+def apply_adjustments(
+    spec: dict[str, Any], adjustments: list[tuple[str, api_pb2.ContainerAdjustment]]
+) -> None:
+    """Apply each (plugin id, adjustment) to `spec`, in order; refuse before changing
+    anything if one is unsupported or two conflict."""
+    owners: dict[str, str] = {}
+    for plugin, adjustment in adjustments:
+        _check_supported(plugin, adjustment)
+        for key in _claims(adjustment):
+            if key in owners and owners[key] != plugin:
+                raise AdjustmentRefused(f"NRI plugins {owners[key]} and {plugin} both adjust {key}")
+            owners[key] = plugin
+    for _, adjustment in adjustments:
+        _apply(spec, adjustment)
+
+
+def _check_supported(plugin: str, adjustment: api_pb2.ContainerAdjustment) -> None:
+    unsupported = [
+        f.name
+        for f, _ in adjustment.ListFields()
+        if f.name not in {"annotations", "mounts", "env", "args", "linux"}
+    ]
+    linux = adjustment.linux
+    unsupported += [
+        f"linux.{f.name}" for f, _ in linux.ListFields() if f.name not in _APPLIED_LINUX
+    ]
+    resources = linux.resources
+    unsupported += [
+        f"linux.resources.{f.name}"
+        for f, _ in resources.ListFields()
+        if f.name not in _APPLIED_RESOURCES
+    ]
+    unsupported += [
+        f"linux.resources.memory.{f.name}"
+        for f, _ in resources.memory.ListFields()
+        if f.name not in _APPLIED_MEMORY
+    ]
+    unsupported += [
+        f"linux.resources.cpu.{f.name}"
+        for f, _ in resources.cpu.ListFields()
+        if f.name not in _APPLIED_CPU
+    ]
+    if unsupported:
+        raise AdjustmentRefused(
+            f"NRI plugin {plugin}: cri-shim cannot apply the adjustment of {', '.join(unsupported)}"
+        )
+    for mount in adjustment.mounts:
+        if not mount.destination.startswith("-") and not mount.destination.startswith("/"):
+            raise AdjustmentRefused(
+                f"NRI plugin {plugin}: mount destination {mount.destination!r} is not absolute"
+            )
+
+
+def _claims(adjustment: api_pb2.ContainerAdjustment) -> list[str]:
+    claims = [f"annotation {k.removeprefix('-')!r}" for k in adjustment.annotations]
+    claims += [f"environment variable {kv.key.removeprefix('-')!r}" for kv in adjustment.env]
+    claims += [f"mount {m.destination.removeprefix('-')!r}" for m in adjustment.mounts]
+    if adjustment.args:
+        claims.append("the command")
+    linux = adjustment.linux
+    if linux.HasField("oom_score_adj"):
+        claims.append("oom_score_adj")
+    resources = linux.resources
+    claims += [f"memory {f.name}" for f, _ in resources.memory.ListFields()]
+    claims += [f"cpu {f.name}" for f, _ in resources.cpu.ListFields()]
+    if resources.HasField("pids"):
+        claims.append("pids limit")
+    return claims
+
+
+def _apply(spec: dict[str, Any], adjustment: api_pb2.ContainerAdjustment) -> None:
+    annotations = spec.setdefault("annotations", {})
+    for key, value in adjustment.annotations.items():
+        if key.startswith("-"):
+            annotations.pop(key[1:], None)
+        else:
+            annotations[key] = value
+    process = spec.setdefault("process", {})
+    env: list[str] = process.setdefault("env", [])
+    for kv in adjustment.env:
+        name = kv.key.removeprefix("-")
+        env[:] = [e for e in env if e.split("=", 1)[0] != name]
+        if not kv.key.startswith("-"):
+            env.append(f"{kv.key}={kv.value}")
+    if adjustment.args:
+        process["args"] = list(adjustment.args)
+    mounts: list[dict[str, Any]] = spec.setdefault("mounts", [])
+    for mount in adjustment.mounts:
+        destination = mount.destination.removeprefix("-")
+        mounts[:] = [m for m in mounts if m.get("destination") != destination]
+        if not mount.destination.startswith("-"):
+            mounts.append(
+                {
+                    "destination": mount.destination,
+                    "type": mount.type or "bind",
+                    "source": mount.source,
+                    "options": list(mount.options),
+                }
+            )
+    linux = adjustment.linux
+    if linux.HasField("oom_score_adj"):
+        process["oomScoreAdj"] = linux.oom_score_adj.value
+    resources = spec.setdefault("linux", {}).setdefault("resources", {})
+    adjusted = linux.resources
+    if adjusted.HasField("memory"):
+        memory = resources.setdefault("memory", {})
+        for field, _ in adjusted.memory.ListFields():
+            memory[field.name] = getattr(adjusted.memory, field.name).value
+    if adjusted.HasField("cpu"):
+        cpu = resources.setdefault("cpu", {})
+        for field, value in adjusted.cpu.ListFields():
+            cpu[field.name] = value if field.name in {"cpus", "mems"} else value.value
+    if adjusted.HasField("pids"):
+        resources["pids"] = {"limit": adjusted.pids.limit}

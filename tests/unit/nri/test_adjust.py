@@ -1,0 +1,81 @@
+"""Plugins' adjustments applied to an OCI spec: env, annotations, mounts, resource limits,
+removals, conflicts between plugins, and what is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cri_shim.nri.adjust import AdjustmentRefused, apply_adjustments
+from cri_shim.nri.api import api_pb2
+
+
+def spec() -> dict[str, Any]:
+    return {
+        "process": {"args": ["sh"], "env": ["PATH=/bin", "KEEP=1", "DROP=x"]},
+        "annotations": {"a": "1"},
+        "mounts": [{"destination": "/data", "type": "bind", "source": "/old", "options": []}],
+        "linux": {"resources": {"memory": {"limit": 100}, "cpu": {"shares": 2}}},
+    }
+
+
+def test_env_annotations_mounts_and_limits_are_applied() -> None:
+    adjustment = api_pb2.ContainerAdjustment(
+        env=[api_pb2.KeyValue(key="NEW", value="v"), api_pb2.KeyValue(key="-DROP")],
+        annotations={"b": "2", "-a": ""},
+        mounts=[api_pb2.Mount(destination="/data", source="/new", options=["ro"])],
+    )
+    adjustment.linux.resources.memory.limit.value = 64 << 20
+    adjustment.linux.resources.cpu.quota.value = 50_000
+    adjustment.linux.resources.cpu.cpus = "0"
+    adjustment.linux.resources.pids.limit = 99
+    s = spec()
+    apply_adjustments(s, [("10-a", adjustment)])
+    assert s["process"]["env"] == ["PATH=/bin", "KEEP=1", "NEW=v"]
+    assert s["annotations"] == {"b": "2"}
+    assert s["mounts"] == [
+        {"destination": "/data", "type": "bind", "source": "/new", "options": ["ro"]}
+    ]
+    assert s["linux"]["resources"]["memory"] == {"limit": 64 << 20}
+    assert s["linux"]["resources"]["cpu"] == {"shares": 2, "quota": 50_000, "cpus": "0"}
+    assert s["linux"]["resources"]["pids"] == {"limit": 99}
+
+
+def test_a_later_plugin_may_adjust_other_things() -> None:
+    first = api_pb2.ContainerAdjustment(env=[api_pb2.KeyValue(key="A", value="1")])
+    second = api_pb2.ContainerAdjustment(env=[api_pb2.KeyValue(key="B", value="2")])
+    s = spec()
+    apply_adjustments(s, [("10-a", first), ("20-b", second)])
+    assert s["process"]["env"][-2:] == ["A=1", "B=2"]
+
+
+def test_two_plugins_adjusting_one_thing_conflict_and_nothing_changes() -> None:
+    first = api_pb2.ContainerAdjustment(env=[api_pb2.KeyValue(key="A", value="1")])
+    second = api_pb2.ContainerAdjustment(env=[api_pb2.KeyValue(key="-A")])
+    s = spec()
+    with pytest.raises(AdjustmentRefused, match="10-a and 20-b both adjust environment"):
+        apply_adjustments(s, [("10-a", first), ("20-b", second)])
+    assert s == spec()
+
+
+def test_what_cannot_be_applied_is_refused_by_name() -> None:
+    adjustment = api_pb2.ContainerAdjustment()
+    adjustment.hooks.prestart.add(path="/bin/true")
+    adjustment.linux.resources.memory.swappiness.value = 3
+    with pytest.raises(AdjustmentRefused, match=r"hooks, .*linux\.resources\.memory\.swappiness"):
+        apply_adjustments(spec(), [("10-a", adjustment)])
+
+
+def test_a_relative_mount_destination_is_refused() -> None:
+    adjustment = api_pb2.ContainerAdjustment(mounts=[api_pb2.Mount(destination="data")])
+    with pytest.raises(AdjustmentRefused, match="not absolute"):
+        apply_adjustments(spec(), [("10-a", adjustment)])
+
+
+def test_args_and_oom_score_adj() -> None:
+    adjustment = api_pb2.ContainerAdjustment(args=["sleep", "1"])
+    adjustment.linux.oom_score_adj.value = 500
+    s = spec()
+    apply_adjustments(s, [("10-a", adjustment)])
+    assert s["process"]["args"] == ["sleep", "1"] and s["process"]["oomScoreAdj"] == 500
