@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.images.on_demand import PullerOnDemand
@@ -20,6 +21,10 @@ from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
 from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
+from cri_shim.nri.adaptation import Adaptation, NriSettings
+from cri_shim.nri.api import api_pb2 as nri_api
+from cri_shim.nri.hooks import NriHooks
+from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.server.components import Components
 from cri_shim.server.events import render_event
@@ -67,8 +72,41 @@ def build_components(config: Config) -> Components:
         unpack_policy=UnpackPolicy.from_config(config.images),
     )
     pause = PauseProcesses(journal, backends)
+
+    async def nri_snapshot() -> tuple[list[nri_api.PodSandbox], list[nri_api.Container]]:
+        # What a connecting NRI plugin is synchronized with: the visible objects, as every
+        # List RPC sees them (cached and in-flight ones reach it through their own events).
+        # Plugins connect only once the daemon serves, after the graph is built.
+        assert components is not None
+        return (
+            [pod_of_record(s) for s in components.sandboxes.list()],
+            [container_of_record(c) for c in components.containers.list()],
+        )
+
+    adaptation = (
+        Adaptation(
+            NriSettings(
+                socket_path=config.nri.socket_path,
+                registration_timeout=config.nri.plugin_registration_timeout,
+                request_timeout=config.nri.plugin_request_timeout,
+                runtime_version=__version__,
+            ),
+            nri_snapshot,
+        )
+        if config.nri.enable
+        else None
+    )
+    nri = NriHooks(journal, adaptation)
     containers = ContainerLifecycle(
-        config, container_rows, pods, journal, images, backends, events=events, pause=pause
+        config,
+        container_rows,
+        pods,
+        journal,
+        images,
+        backends,
+        events=events,
+        pause=pause,
+        nri=nri,
     )
     sandboxes = SandboxLifecycle(
         config,
@@ -81,6 +119,7 @@ def build_components(config: Config) -> Components:
         containers=containers,
         handler_features=containers.features_of,
         pause=pause,
+        nri=nri,
     )
 
     def creations_in_flight() -> int:
@@ -107,6 +146,7 @@ def build_components(config: Config) -> Components:
         streaming=streaming,
         # Counted only to be exported: without `[metrics] listen` nothing is counted.
         metrics=Metrics() if config.metrics.listen else None,
+        nri=nri,
     )
     return components
 

@@ -113,6 +113,9 @@ class Daemon:
                 handler_features(b.runtime_path) for b in services.containers.backends.values()
             ]
         )
+        if services.nri is not None and services.nri.adaptation is not None:
+            # After restore, so that a plugin is synchronized with the whole state.
+            await services.nri.adaptation.start()
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
@@ -187,6 +190,8 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.services is not None:
+            if self.services.nri is not None and self.services.nri.adaptation is not None:
+                await self.services.nri.adaptation.stop()
             await self.services.streaming.aclose()
             await self.services.puller.aclose()
             await self.services.sandboxes.coordinator.aclose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,3 +142,26 @@ def fail_with(message: str) -> Responder:
         raise CallError(Code.UNKNOWN, message)
 
     return respond
+
+
+class PluginThread:
+    """A RecordingPlugin on an event loop of its own, for tests whose client is blocking
+    (the daemon's gRPC stubs): connected on start, closed on stop."""
+
+    def __init__(self, plugin: RecordingPlugin, socket_path: Path) -> None:
+        self.plugin = plugin
+        self._socket_path = socket_path
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def start(self) -> RecordingPlugin:
+        self._thread.start()
+        connect = self.plugin.connect(self._socket_path)
+        asyncio.run_coroutine_threadsafe(connect, self._loop).result(timeout=10)
+        return self.plugin
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.plugin.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()

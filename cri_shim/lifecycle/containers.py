@@ -44,11 +44,17 @@ from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
 from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.sandboxes import Pods
+from cri_shim.nri.adjust import apply_adjustments
+from cri_shim.nri.api import api_pb2 as nri_api
+from cri_shim.nri.hooks import NriHooks
+from cri_shim.nri.objects import container_of, container_of_record, pod_of_record
 from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import HandlerFeatures, handler_features, require_features
+from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.mount_sources import pin_bind_sources
 from cri_shim.runtime.oci import ExecResult
+from cri_shim.runtime.resources import clamp_oom_score_adj
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec, resolve_stop_signal
 from cri_shim.runtime.userns import pod_mappings
 from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
@@ -60,6 +66,7 @@ log = logging.getLogger("cri_shim.container")
 
 STAGE_STORAGE = "container storage"
 STAGE_SPEC = "container spec"
+STAGE_NRI = "container NRI plugins"
 STAGE_RUNTIME = "container runtime creation"
 STAGE_CREATED = "container created"
 
@@ -82,8 +89,10 @@ class ContainerLifecycle:
         *,
         events: EventBus,
         pause: PauseProcesses | None = None,
+        nri: NriHooks | None = None,
     ) -> None:
         self.rows = rows
+        self._nri = nri
         self._pods = pods
         self._config = config
         self._journal = journal
@@ -212,6 +221,9 @@ class ContainerLifecycle:
             image_mounts=image_mounts,
             cdi=self._cdi,
         )
+        if self._nri is not None and self._nri.enabled:
+            stage.set(STAGE_NRI)
+            await self._adjust_by_plugins(container_id, sandbox, config, spec)
 
         stage.set(STAGE_RUNTIME)
         pid = await self._create_in_runtime(
@@ -219,6 +231,32 @@ class ContainerLifecycle:
         )
         self.rows.set_pid(container_id, pid)
         stage.set(STAGE_CREATED)
+        if self._nri is not None and self._nri.enabled:
+            container = container_of(container_id, sandbox.id, config, state="created", pid=pid)
+            await self._nri.container_event(
+                nri_api.POST_CREATE_CONTAINER, pod_of_record(sandbox), container
+            )
+
+    async def _adjust_by_plugins(
+        self,
+        container_id: str,
+        sandbox: SandboxRecord,
+        config: api_pb2.ContainerConfig,
+        spec: dict[str, Any],
+    ) -> None:
+        """NRI plugins' adjustments, applied to the spec before runc sees it; a plugin's
+        refusal fails the creation, which the journal rolls back."""
+        assert self._nri is not None
+        container = container_of(container_id, sandbox.id, config, spec=spec)
+        adjustments = await self._nri.create_container(pod_of_record(sandbox), container)
+        fault_point("container:nri-created")
+        apply_adjustments(spec, adjustments)
+        process = spec.get("process", {})
+        if "oomScoreAdj" in process:
+            # A plugin is held to the same floor as the request (DESIGN §5).
+            process["oomScoreAdj"] = clamp_oom_score_adj(
+                process["oomScoreAdj"], current_host_limits(), container_id
+            )
 
     async def _make_storage(
         self,
@@ -387,6 +425,10 @@ class ContainerLifecycle:
         # Taken before the start: a process that exits at once must not look as if it
         # finished before it started.
         started_at = _now_ns()
+        if self._nri is not None and self._nri.enabled:
+            await self._nri.container_event(
+                nri_api.START_CONTAINER, pod_of_record(sandbox), container_of_record(container)
+            )
         try:
             await backend.start(container.id)
         except CriError:
@@ -397,6 +439,10 @@ class ContainerLifecycle:
             log.warning("container %s (%s) was already started", container.id, container.name)
         fault_point("container:started")
         self.mark_started(container, started_at)
+        if self._nri is not None and self._nri.enabled:
+            await self._nri.container_event(
+                nri_api.POST_START_CONTAINER, pod_of_record(sandbox), container_of_record(container)
+            )
 
     def mark_started(self, container: ContainerRecord, started_at: int) -> None:
         container.state, container.started_at = RUNNING, started_at
@@ -433,8 +479,14 @@ class ContainerLifecycle:
                 log.warning("container %s: %s; stopping it with SIGKILL", container.id, err)
                 stop_signal, timeout = signal.SIGKILL, 0
             await backend.stop(container.id, max(0.0, timeout), stop_signal)
-        self._mark_exited(container, backend)
+        container = self._mark_exited(container, backend)
         log.info("container %s (%s) stopped", container.id, container.name)
+        if self._nri is not None and self._nri.enabled:
+            sandbox = self._pods.find(container.sandbox_id)
+            if sandbox is not None:
+                await self._nri.container_event(
+                    nri_api.STOP_CONTAINER, pod_of_record(sandbox), container_of_record(container)
+                )
 
     def _mark_exited(self, container: ContainerRecord, backend: RuntimeBackend) -> ContainerRecord:
         status = backend.exit_status(container.id)

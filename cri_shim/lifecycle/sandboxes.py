@@ -36,6 +36,9 @@ from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses, shares_pid_na
 from cri_shim.logcontext import object_fields
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
+from cri_shim.nri.hooks import POD_STOPPED as NRI_POD_STOPPED
+from cri_shim.nri.hooks import NriHooks
+from cri_shim.nri.objects import pod_of
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
 from cri_shim.runtime.userns import pod_mappings, require_searchable
@@ -50,10 +53,13 @@ STAGE_STORAGE = "sandbox storage"
 STAGE_NAMESPACES = "sandbox namespaces"
 STAGE_PID_NAMESPACE = "sandbox pid namespace"
 STAGE_NETWORK = "sandbox network"
+STAGE_NRI = "sandbox NRI plugins"
 STAGE_READY = "sandbox ready"
 
 # Steps that StopPodSandbox undoes; the directory and the rows stay until RemovePodSandbox.
-_STOP_ACTIONS = ("cni_del", "unpin", "unmount", PAUSE_ACTION)
+# NRI's StopPodSandbox, journaled last, is undone first: plugins hear of the stop before
+# the network goes.
+_STOP_ACTIONS = (NRI_POD_STOPPED, "cni_del", "unpin", "unmount", PAUSE_ACTION)
 
 SHM_SIZE = 64 * 1024 * 1024
 
@@ -113,8 +119,10 @@ class SandboxLifecycle:
         containers: PodContainers,
         handler_features: Callable[[str], HandlerFeatures],
         pause: PauseProcesses | None = None,
+        nri: NriHooks | None = None,
     ) -> None:
         self.pods = pods
+        self._nri = nri
         self.rows = pods.rows
         self._config = config
         self._journal = journal
@@ -251,6 +259,11 @@ class SandboxLifecycle:
                 self._ledger.allocate("ip", ip, sandbox_id)
             fault_point("sandbox:network-added")
         self.rows.mark_ready(sandbox_id, ips, result)
+        if self._nri is not None and self._nri.enabled:
+            # Last, so that plugins see the pod's IPs; a refusal rolls the pod back.
+            stage.set(STAGE_NRI)
+            await self._nri.run_pod(pod_of(sandbox_id, config, handler, ips))
+            fault_point("sandbox:nri-run")
         stage.set(STAGE_READY)
         fault_point("sandbox:ready")
 

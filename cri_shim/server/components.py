@@ -16,6 +16,7 @@ from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.sandboxes import SandboxLifecycle
 from cri_shim.metrics import Metrics
+from cri_shim.nri.hooks import NriHooks
 from cri_shim.runtime.stats import CpuRates
 from cri_shim.server.limits import RequestLimiter
 from cri_shim.state.db import Database
@@ -40,6 +41,7 @@ class Components:
     streaming: StreamingOnDemand
     metrics: Metrics | None
     cpu_rates: CpuRates = field(default_factory=CpuRates)
+    nri: NriHooks | None = None  # None in tests that build components by hand
 
     def creation_stats(self) -> dict[str, Any]:
         return {

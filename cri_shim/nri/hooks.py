@@ -1,0 +1,185 @@
+"""What the pod and container lifecycles tell NRI plugins, and when.
+
+Each event a plugin sees about an object is tied to the object's undo journal: before a
+plugin first hears of a pod (RunPodSandbox) or a container (CreateContainer), the events
+that end its life for the plugin (StopPodSandbox, RemovePodSandbox, RemoveContainer) are
+recorded as undo steps. A creation that fails, a cached object that expires unclaimed, a
+removal and a restart that rolls back an interrupted creation all run the journal, so a
+plugin hears of the end exactly once, whichever way the object goes. A kubelet retry
+answered from the creation cache creates nothing, so the plugin hears nothing new.
+
+Events that can refuse (RunPodSandbox, CreateContainer, StartContainer) fail the call
+with the plugin's message; the others only inform, and a plugin's error is logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message as ProtoMessage
+
+from cri_shim.errors import FailedPrecondition
+from cri_shim.nri.adaptation import Adaptation
+from cri_shim.nri.api import api_pb2
+from cri_shim.nri.ttrpc import CallError
+from cri_shim.state.journal import Journal
+
+log = logging.getLogger("cri_shim.nri")
+
+POD_STOPPED = "nri_pod_stopped"
+POD_REMOVED = "nri_pod_removed"
+CONTAINER_REMOVED = "nri_container_removed"
+
+Reply = TypeVar("Reply", bound=ProtoMessage)
+Adjustments = list[tuple[str, api_pb2.ContainerAdjustment]]
+
+
+class PluginRefused(FailedPrecondition):
+    """An NRI plugin failed the pod's or container's creation or start."""
+
+
+def _encoded(message: ProtoMessage) -> str:
+    return base64.b64encode(message.SerializeToString()).decode()
+
+
+def _decoded(text: str, message: Reply) -> Reply:
+    message.ParseFromString(base64.b64decode(text))
+    return message
+
+
+class NriHooks:
+    def __init__(self, journal: Journal, adaptation: Adaptation | None = None) -> None:
+        self.adaptation = adaptation
+        self._journal = journal
+        # Registered whether NRI is on or not: a journal written while it was on is
+        # replayed after a restart with it off (then the steps inform nobody).
+        journal.register(POD_STOPPED, self._undo_pod_stopped)
+        journal.register(POD_REMOVED, self._undo_pod_removed)
+        journal.register(CONTAINER_REMOVED, self._undo_container_removed)
+
+    @property
+    def enabled(self) -> bool:
+        return self.adaptation is not None
+
+    async def _call(
+        self, event: int, method: str, request: ProtoMessage, reply: type[Reply], refusable: bool
+    ) -> list[tuple[str, Reply]]:
+        if self.adaptation is None:
+            return []
+        async with self.adaptation.lock:
+            try:
+                answers = await self.adaptation.call_plugins(event, method, request, reply)
+            except CallError as e:
+                if refusable:
+                    raise PluginRefused(f"{method}: {e.message}") from e
+                log.warning("NRI %s: %s", method, e.message)
+                return []
+        return [(plugin.id, answer) for plugin, answer in answers]
+
+    # ---- pods ------------------------------------------------------------------------
+
+    async def run_pod(self, pod: api_pb2.PodSandbox) -> None:
+        if self.adaptation is None:
+            return
+        self._journal.record(pod.id, POD_REMOVED, pod=_encoded(pod))
+        self._journal.record(pod.id, POD_STOPPED, pod=_encoded(pod))
+        request = api_pb2.RunPodSandboxRequest(pod=pod)
+        await self._call(
+            api_pb2.RUN_POD_SANDBOX, "RunPodSandbox", request, api_pb2.RunPodSandboxResponse, True
+        )
+
+    async def _undo_pod_stopped(self, args: dict[str, Any]) -> None:
+        request = api_pb2.StopPodSandboxRequest(pod=_decoded(args["pod"], api_pb2.PodSandbox()))
+        await self._call(
+            api_pb2.STOP_POD_SANDBOX,
+            "StopPodSandbox",
+            request,
+            api_pb2.StopPodSandboxResponse,
+            False,
+        )
+
+    async def _undo_pod_removed(self, args: dict[str, Any]) -> None:
+        pod = _decoded(args["pod"], api_pb2.PodSandbox())
+        request = api_pb2.RemovePodSandboxRequest(pod=pod)
+        await self._call(
+            api_pb2.REMOVE_POD_SANDBOX,
+            "RemovePodSandbox",
+            request,
+            api_pb2.RemovePodSandboxResponse,
+            False,
+        )
+
+    # ---- containers ------------------------------------------------------------------
+
+    async def create_container(
+        self, pod: api_pb2.PodSandbox, container: api_pb2.Container
+    ) -> Adjustments:
+        """The plugins' adjustments to the container, in plugin order."""
+        if self.adaptation is None:
+            return []
+        self._journal.record(
+            container.id, CONTAINER_REMOVED, pod=_encoded(pod), container=_encoded(container)
+        )
+        request = api_pb2.CreateContainerRequest(pod=pod, container=container)
+        answers = await self._call(
+            api_pb2.CREATE_CONTAINER,
+            "CreateContainer",
+            request,
+            api_pb2.CreateContainerResponse,
+            True,
+        )
+        for plugin, answer in answers:
+            if answer.update or answer.evict:
+                log.warning(
+                    "NRI plugin %s: updates and evictions of other containers during a "
+                    "creation are not applied",
+                    plugin,
+                )
+        return [(plugin, answer.adjust) for plugin, answer in answers if answer.HasField("adjust")]
+
+    async def _undo_container_removed(self, args: dict[str, Any]) -> None:
+        request = api_pb2.RemoveContainerRequest(
+            pod=_decoded(args["pod"], api_pb2.PodSandbox()),
+            container=_decoded(args["container"], api_pb2.Container()),
+        )
+        await self._call(
+            api_pb2.REMOVE_CONTAINER,
+            "RemoveContainer",
+            request,
+            api_pb2.RemoveContainerResponse,
+            False,
+        )
+
+    async def container_event(
+        self, event: int, pod: api_pb2.PodSandbox, container: api_pb2.Container
+    ) -> None:
+        """PostCreate, Start (which may refuse), PostStart, Stop and PostUpdate."""
+        method, request_type, reply_type = _CONTAINER_EVENTS[event]
+        request = request_type(pod=pod, container=container)
+        await self._call(event, method, request, reply_type, event == api_pb2.START_CONTAINER)
+
+
+_CONTAINER_EVENTS: dict[int, tuple[str, Any, type[ProtoMessage]]] = {
+    api_pb2.POST_CREATE_CONTAINER: (
+        "PostCreateContainer",
+        api_pb2.PostCreateContainerRequest,
+        api_pb2.PostCreateContainerResponse,
+    ),
+    api_pb2.START_CONTAINER: (
+        "StartContainer",
+        api_pb2.StartContainerRequest,
+        api_pb2.StartContainerResponse,
+    ),
+    api_pb2.POST_START_CONTAINER: (
+        "PostStartContainer",
+        api_pb2.PostStartContainerRequest,
+        api_pb2.PostStartContainerResponse,
+    ),
+    api_pb2.STOP_CONTAINER: (
+        "StopContainer",
+        api_pb2.StopContainerRequest,
+        api_pb2.StopContainerResponse,
+    ),
+}

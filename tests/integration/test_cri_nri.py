@@ -1,0 +1,132 @@
+"""NRI through the real daemon: a plugin connected over the real socket is synchronized
+with the pods that exist, sees every event of a container's life in order, adjusts a
+container's environment and memory limit (which the container then has), and fails a
+creation that then leaves nothing behind and frees its name."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.message import Message
+
+from cri_shim.nri.api import api_pb2 as nri
+from tests.harness import Daemon
+from tests.integration.cri_testkit import (
+    container_config,
+    create,
+    import_image,
+    output,
+    pod,
+    remove,
+    run_to_exit,
+)
+from tests.nri_plugin import PluginThread, RecordingPlugin, fail_with
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.root]
+
+LIMIT = 48 << 20
+SCRIPT = (
+    'echo "env $NRI_ADDED"; '
+    "cat /sys/fs/cgroup/memory.max 2>/dev/null || "
+    "cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+)
+
+
+def adjust(request: Message) -> Message:
+    assert isinstance(request, nri.CreateContainerRequest)
+    if request.container.name == "refused":
+        raise fail_with("refused by the test plugin")(request)
+    response = nri.CreateContainerResponse()
+    response.adjust.env.add(key="NRI_ADDED", value="by-plugin")
+    response.adjust.linux.resources.memory.limit.value = LIMIT
+    return response
+
+
+@pytest.fixture
+def nri_daemon(make_daemon: Any, short_tmp: Path, busybox_layout: Path) -> Daemon:
+    daemon: Daemon = make_daemon(
+        settings={"nri": {"enable": True, "socket_path": str(short_tmp / "nri.sock")}}
+    )
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    return daemon
+
+
+@pytest.fixture
+def plugin(nri_daemon: Daemon, short_tmp: Path) -> Iterator[RecordingPlugin]:
+    thread = PluginThread(
+        RecordingPlugin(responders={"CreateContainer": adjust}), short_tmp / "nri.sock"
+    )
+    yield thread.start()
+    thread.stop()
+
+
+def test_a_plugin_adjusts_a_container_and_sees_its_life_in_order(
+    nri_daemon: Daemon, short_tmp: Path
+) -> None:
+    with pod(nri_daemon, "before", short_tmp) as existing:
+        thread = PluginThread(
+            RecordingPlugin(responders={"CreateContainer": adjust}), short_tmp / "nri.sock"
+        )
+        plugin = thread.start()
+        wait_until(lambda: "Synchronize" in plugin.methods)
+        sync = plugin.calls[1][1]
+        assert isinstance(sync, nri.SynchronizeRequest)
+        assert [p.id for p in sync.pods] == [existing[0]]
+
+        st = run_to_exit(nri_daemon, existing, container_config("adjusted", SCRIPT))
+        assert st.exit_code == 0, output(st, "stderr")
+        assert output(st) == ["env by-plugin", str(LIMIT)]
+        remove(nri_daemon, st.id)
+    try:
+        wait_until(lambda: "RemovePodSandbox" in plugin.methods)
+        assert plugin.methods == [
+            "Configure",
+            "Synchronize",
+            "CreateContainer",
+            "PostCreateContainer",
+            "StartContainer",
+            "PostStartContainer",
+            "RemoveContainer",
+            "StopPodSandbox",
+            "RemovePodSandbox",
+        ]
+    finally:
+        thread.stop()
+
+
+def test_pod_events_come_once_per_pod(
+    nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
+) -> None:
+    with pod(nri_daemon, "counted", short_tmp) as p:
+        wait_until(lambda: "RunPodSandbox" in plugin.methods)
+        run = plugin.calls[plugin.methods.index("RunPodSandbox")][1]
+        assert isinstance(run, nri.RunPodSandboxRequest)
+        assert (run.pod.id, run.pod.name, run.pod.namespace) == (p[0], "counted", "default")
+    wait_until(lambda: "RemovePodSandbox" in plugin.methods)
+    pod_events = [m for m in plugin.methods if "PodSandbox" in m]
+    assert pod_events == ["RunPodSandbox", "StopPodSandbox", "RemovePodSandbox"]
+
+
+def test_a_refused_creation_leaves_nothing_and_frees_its_name(
+    nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
+) -> None:
+    with pod(nri_daemon, "refusing", short_tmp) as p:
+        with pytest.raises(grpc.RpcError) as err:
+            create(nri_daemon, p, container_config("refused", "true"))
+        assert "refused by the test plugin" in err.value.details()
+        assert not nri_daemon.rows("containers")
+        # The plugin heard of the container's end, as of its beginning.
+        wait_until(lambda: "RemoveContainer" in plugin.methods)
+        plugin.responders.pop("CreateContainer")
+        started = time.monotonic()
+        container_id = create(nri_daemon, p, container_config("refused", "true"))
+        assert container_id and time.monotonic() - started < 30
+        remove(nri_daemon, container_id)
+    assert nri_daemon.leaks() == {}
