@@ -74,14 +74,15 @@ def build_components(config: Config) -> Components:
     pause = PauseProcesses(journal, backends)
 
     async def nri_snapshot() -> tuple[list[nri_api.PodSandbox], list[nri_api.Container]]:
-        # What a connecting NRI plugin is synchronized with: the visible objects, as every
-        # List RPC sees them (cached and in-flight ones reach it through their own events).
-        # Plugins connect only once the daemon serves, after the graph is built.
+        # What a connecting NRI plugin is synchronized with (under the lock every event
+        # takes): the visible objects, as they are now, and those other plugins were told
+        # of that are not visible yet (in flight, or cached), so that none is lost to a
+        # plugin that connects while they are being created. The graph is built by then.
         assert components is not None
-        return (
-            [pod_of_record(s) for s in components.sandboxes.list()],
-            [container_of_record(c) for c in components.containers.list()],
-        )
+        pods, containers = nri.announced()
+        pods.update((s.id, pod_of_record(s)) for s in components.sandboxes.list())
+        containers.update((c.id, container_of_record(c)) for c in components.containers.list())
+        return list(pods.values()), list(containers.values())
 
     adaptation = (
         Adaptation(

@@ -190,8 +190,10 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.services is not None:
-            if self.services.nri is not None and self.services.nri.adaptation is not None:
-                await self.services.nri.adaptation.stop()
+            if self.services.nri is not None:
+                await self.services.nri.close()
+                if self.services.nri.adaptation is not None:
+                    await self.services.nri.adaptation.stop()
             await self.services.streaming.aclose()
             await self.services.puller.aclose()
             await self.services.sandboxes.coordinator.aclose()

@@ -156,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kit", type=Path, default=DEFAULT_KIT, help="the conformance kit")
     parser.add_argument("--focus", action="append", default=[], help="run only matching specs")
     parser.add_argument("--skip", action="append", default=[], help="leave matching specs out")
+    parser.add_argument(
+        "--no-nri",
+        dest="nri",
+        action="store_false",
+        help="leave [nri] off, and critest's NRI specs skipped",
+    )
     parser.add_argument("critest_args", nargs="*", help="more critest arguments, after --")
     args = parser.parse_args(argv)
     critest = args.kit / "bin" / "critest"
@@ -172,14 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         _run([str(args.kit / "images" / "push.sh"), str(images), registry.host], work / "push.log")
         network = make_test_network(work, 0, slow=False)
         mirrors = {name: [registry.url] for name in MIRRORED}
-        daemon = Daemon(
-            work,
-            network,
-            settings={
-                "log_level": "info",
-                "images": {"insecure_registries": [registry.host], "mirrors": mirrors},
-            },
-        )
+        settings: dict[str, object] = {
+            "log_level": "info",
+            "images": {"insecure_registries": [registry.host], "mirrors": mirrors},
+        }
+        nri_socket = work / "nri.sock"
+        if args.nri:
+            # critest's NRI specs connect their own plugin to this socket. Two of them hold
+            # a plugin's Synchronize open for 2s, the default request timeout: a plugin
+            # refused for it would see none of the containers they count.
+            settings["nri"] = {
+                "enable": True,
+                "socket_path": str(nri_socket),
+                "plugin_request_timeout": "5s",
+            }
+        daemon = Daemon(work, network, settings=settings)
         daemon.start()
         endpoint = f"unix://{daemon.socket}"
         report = work / "report.json"
@@ -189,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--image-endpoint={endpoint}",
             "--ginkgo.no-color",
             f"--ginkgo.json-report={report}",
+            *([f"-nri-socket={nri_socket}"] if args.nri else []),
             *(f"--ginkgo.focus={focus}" for focus in args.focus),
             *(f"--ginkgo.skip={skip}" for skip in args.skip),
             *args.critest_args,

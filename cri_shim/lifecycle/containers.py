@@ -426,9 +426,7 @@ class ContainerLifecycle:
         # finished before it started.
         started_at = _now_ns()
         if self._nri is not None and self._nri.enabled:
-            await self._nri.container_event(
-                nri_api.START_CONTAINER, pod_of_record(sandbox), container_of_record(container)
-            )
+            await self._nri.start_container(pod_of_record(sandbox), container_of_record(container))
         try:
             await backend.start(container.id)
         except CriError:
@@ -481,12 +479,8 @@ class ContainerLifecycle:
             await backend.stop(container.id, max(0.0, timeout), stop_signal)
         container = self._mark_exited(container, backend)
         log.info("container %s (%s) stopped", container.id, container.name)
-        if self._nri is not None and self._nri.enabled:
-            sandbox = self._pods.find(container.sandbox_id)
-            if sandbox is not None:
-                await self._nri.container_event(
-                    nri_api.STOP_CONTAINER, pod_of_record(sandbox), container_of_record(container)
-                )
+        if self._nri is not None:
+            await self._nri.settle(container.id)  # StopContainer answered before we are
 
     def _mark_exited(self, container: ContainerRecord, backend: RuntimeBackend) -> ContainerRecord:
         status = backend.exit_status(container.id)
@@ -505,6 +499,8 @@ class ContainerLifecycle:
         container.finished_at, container.reason = finished, reason
         if changed:  # a stop and the exit watcher may both notice it; one event
             self.events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
+            if self._nri is not None:
+                self._nri.container_exited(container.id)
         return container
 
     def mark_lost(self, container: ContainerRecord) -> None:
@@ -543,6 +539,8 @@ class ContainerLifecycle:
         if container is None:
             return
         await self._stop(container, 0)
+        if self._nri is not None:
+            await self._nri.settle(container.id)  # its StopContainer, before teardown
         self.rows.mark_cleaning(container.id)
         log.info("container %s (%s) removed; tearing down", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)

@@ -14,8 +14,11 @@ with the plugin's message; the others only inform, and a plugin's error is logge
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
@@ -31,6 +34,7 @@ log = logging.getLogger("cri_shim.nri")
 POD_STOPPED = "nri_pod_stopped"
 POD_REMOVED = "nri_pod_removed"
 CONTAINER_REMOVED = "nri_container_removed"
+CONTAINER_STOPPED = "nri_container_stopped"
 
 Reply = TypeVar("Reply", bound=ProtoMessage)
 Adjustments = list[tuple[str, api_pb2.ContainerAdjustment]]
@@ -58,17 +62,29 @@ class NriHooks:
         journal.register(POD_STOPPED, self._undo_pod_stopped)
         journal.register(POD_REMOVED, self._undo_pod_removed)
         journal.register(CONTAINER_REMOVED, self._undo_container_removed)
+        journal.register(CONTAINER_STOPPED, self._undo_container_stopped)
+        # StopContainer for containers whose exit was noticed, one task per container.
+        self._stopping: dict[str, asyncio.Task[None]] = {}
 
     @property
     def enabled(self) -> bool:
         return self.adaptation is not None
 
     async def _call(
-        self, event: int, method: str, request: ProtoMessage, reply: type[Reply], refusable: bool
+        self,
+        event: int,
+        method: str,
+        request: ProtoMessage,
+        reply: type[Reply],
+        refusable: bool,
+        journal: Callable[[], None] = lambda: None,
     ) -> list[tuple[str, Reply]]:
         if self.adaptation is None:
             return []
         async with self.adaptation.lock:
+            # Journaled under the lock that synchronization takes: a plugin connecting
+            # now finds the object either in its snapshot or in this event, not both.
+            journal()
             try:
                 answers = await self.adaptation.call_plugins(event, method, request, reply)
             except CallError as e:
@@ -83,11 +99,19 @@ class NriHooks:
     async def run_pod(self, pod: api_pb2.PodSandbox) -> None:
         if self.adaptation is None:
             return
-        self._journal.record(pod.id, POD_REMOVED, pod=_encoded(pod))
-        self._journal.record(pod.id, POD_STOPPED, pod=_encoded(pod))
+
+        def journal() -> None:
+            self._journal.record(pod.id, POD_REMOVED, pod=_encoded(pod))
+            self._journal.record(pod.id, POD_STOPPED, pod=_encoded(pod))
+
         request = api_pb2.RunPodSandboxRequest(pod=pod)
         await self._call(
-            api_pb2.RUN_POD_SANDBOX, "RunPodSandbox", request, api_pb2.RunPodSandboxResponse, True
+            api_pb2.RUN_POD_SANDBOX,
+            "RunPodSandbox",
+            request,
+            api_pb2.RunPodSandboxResponse,
+            True,
+            journal,
         )
 
     async def _undo_pod_stopped(self, args: dict[str, Any]) -> None:
@@ -119,9 +143,12 @@ class NriHooks:
         """The plugins' adjustments to the container, in plugin order."""
         if self.adaptation is None:
             return []
-        self._journal.record(
-            container.id, CONTAINER_REMOVED, pod=_encoded(pod), container=_encoded(container)
-        )
+
+        def journal() -> None:
+            self._journal.record(
+                container.id, CONTAINER_REMOVED, pod=_encoded(pod), container=_encoded(container)
+            )
+
         request = api_pb2.CreateContainerRequest(pod=pod, container=container)
         answers = await self._call(
             api_pb2.CREATE_CONTAINER,
@@ -129,6 +156,7 @@ class NriHooks:
             request,
             api_pb2.CreateContainerResponse,
             True,
+            journal,
         )
         for plugin, answer in answers:
             if answer.update or answer.evict:
@@ -138,6 +166,19 @@ class NriHooks:
                     plugin,
                 )
         return [(plugin, answer.adjust) for plugin, answer in answers if answer.HasField("adjust")]
+
+    def announced(self) -> tuple[dict[str, api_pb2.PodSandbox], dict[str, api_pb2.Container]]:
+        """The pods and containers plugins were told of and not yet told the end of, as
+        they were told; visible or not (in flight, or in the creation cache)."""
+        pods = {
+            step.object_id: _decoded(step.args["pod"], api_pb2.PodSandbox())
+            for step in self._journal.steps_named(POD_REMOVED)
+        }
+        containers = {
+            step.object_id: _decoded(step.args["container"], api_pb2.Container())
+            for step in self._journal.steps_named(CONTAINER_REMOVED)
+        }
+        return pods, containers
 
     async def _undo_container_removed(self, args: dict[str, Any]) -> None:
         request = api_pb2.RemoveContainerRequest(
@@ -152,10 +193,52 @@ class NriHooks:
             False,
         )
 
+    async def _undo_container_stopped(self, args: dict[str, Any]) -> None:
+        request = api_pb2.StopContainerRequest(
+            pod=_decoded(args["pod"], api_pb2.PodSandbox()),
+            container=_decoded(args["container"], api_pb2.Container()),
+        )
+        await self._call(
+            api_pb2.STOP_CONTAINER, "StopContainer", request, api_pb2.StopContainerResponse, False
+        )
+
+    async def start_container(self, pod: api_pb2.PodSandbox, container: api_pb2.Container) -> None:
+        """StartContainer, which may refuse; from here on the container's end includes a
+        StopContainer, sent once when it stops or exits."""
+        if self.adaptation is None:
+            return
+        self._journal.record(
+            container.id, CONTAINER_STOPPED, pod=_encoded(pod), container=_encoded(container)
+        )
+        await self.container_event(api_pb2.START_CONTAINER, pod, container)
+
+    def container_exited(self, container_id: str) -> None:
+        """The container's process is gone: tell plugins (StopContainer) without holding
+        up whoever noticed (the exit watcher, a status call)."""
+        if self.adaptation is None or container_id in self._stopping:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._journal.undo(container_id, only=(CONTAINER_STOPPED,))
+        )
+        self._stopping[container_id] = task
+        task.add_done_callback(lambda _: self._stopping.pop(container_id, None))
+
+    async def settle(self, container_id: str) -> None:
+        """Wait until plugins have heard of the container's exit, if they are hearing."""
+        task = self._stopping.get(container_id)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+
+    async def close(self) -> None:
+        for task in list(self._stopping.values()):
+            task.cancel()
+        await asyncio.gather(*self._stopping.values(), return_exceptions=True)
+
     async def container_event(
         self, event: int, pod: api_pb2.PodSandbox, container: api_pb2.Container
     ) -> None:
-        """PostCreate, Start (which may refuse), PostStart, Stop and PostUpdate."""
+        """PostCreate, Start (which may refuse) and PostStart."""
         method, request_type, reply_type = _CONTAINER_EVENTS[event]
         request = request_type(pod=pod, container=container)
         await self._call(event, method, request, reply_type, event == api_pb2.START_CONTAINER)
@@ -176,10 +259,5 @@ _CONTAINER_EVENTS: dict[int, tuple[str, Any, type[ProtoMessage]]] = {
         "PostStartContainer",
         api_pb2.PostStartContainerRequest,
         api_pb2.PostStartContainerResponse,
-    ),
-    api_pb2.STOP_CONTAINER: (
-        "StopContainer",
-        api_pb2.StopContainerRequest,
-        api_pb2.StopContainerResponse,
     ),
 }

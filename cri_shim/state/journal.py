@@ -98,6 +98,14 @@ class Journal:
         )
         return [UndoStep(r[0], int(r[1]), r[2], json.loads(r[3])) for r in rows]
 
+    def steps_named(self, action: str) -> list[UndoStep]:
+        """Every object's steps of one action, in the order they were recorded."""
+        rows = self._db.query(
+            "SELECT object_id, seq, action, args FROM journal WHERE action = ? ORDER BY rowid",
+            (action,),
+        )
+        return [UndoStep(r[0], int(r[1]), r[2], json.loads(r[3])) for r in rows]
+
     def objects(self) -> list[str]:
         return [r[0] for r in self._db.query("SELECT DISTINCT object_id FROM journal")]
 

@@ -93,6 +93,7 @@ def test_a_plugin_adjusts_a_container_and_sees_its_life_in_order(
             "PostCreateContainer",
             "StartContainer",
             "PostStartContainer",
+            "StopContainer",  # it exited by itself
             "RemoveContainer",
             "StopPodSandbox",
             "RemovePodSandbox",
