@@ -88,14 +88,15 @@ async def test_events_reach_plugins_in_index_order(adaptation: Adaptation) -> No
 
         return RecordingPlugin(name=name, index=name[:2], responders={"RunPodSandbox": respond})
 
-    for name in ("50-b", "05-a", "50-a"):
-        await joined(adaptation, note(name))
+    # Held, as a plugin process holds its connection: an unreferenced one is collected.
+    plugins = [await joined(adaptation, note(name)) for name in ("50-b", "05-a", "50-a")]
     assert [p.id for p in adaptation.plugins] == ["05-05-a", "50-50-a", "50-50-b"]
     request = api_pb2.RunPodSandboxRequest(pod=POD)
     await adaptation.call_plugins(
         api_pb2.RUN_POD_SANDBOX, "RunPodSandbox", request, api_pb2.RunPodSandboxResponse
     )
     assert order == ["05-a", "50-a", "50-b"]
+    assert len(plugins) == 3
 
 
 async def test_a_plugin_that_fails_an_event_fails_it(adaptation: Adaptation) -> None:
