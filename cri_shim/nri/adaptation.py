@@ -120,6 +120,10 @@ class Adaptation:
         self._tasks.add(task)
         try:
             await self._serve_plugin(reader, writer)
+        except asyncio.CancelledError:
+            # Only stop() cancels these: the connection ends with the runtime, and the
+            # stream machinery would otherwise report the cancellation as an error.
+            pass
         finally:
             self._tasks.discard(task)
 
