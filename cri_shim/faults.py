@@ -36,6 +36,8 @@ CONTAINER_CREATE = (
 CONTAINER_START = ("container:started",)
 # RemoveContainer has answered; its teardown is about to run from the journal.
 CONTAINER_REMOVE = ("container:teardown",)
+# Reached only with [nri] enable: after plugins heard of the object, before it is done.
+NRI_CREATE = ("sandbox:nri-run", "container:nri-created")
 TEARDOWN = (
     "undo:cni_del",
     "undo:unpin",

@@ -214,6 +214,35 @@ def test_crash_during_container_creation(daemon: Daemon, busybox_layout: Path, f
     assert _runc_containers(daemon) == []
 
 
+@pytest.mark.parametrize("fault", faults.NRI_CREATE)
+def test_crash_after_nri_plugins_heard_of_a_creation(
+    make_daemon, busybox_layout: Path, short_tmp: Path, fault: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The NRI steps are journaled like the others: a creation killed after plugins were
+    told of it is rolled back on restart, and its name comes back."""
+    daemon = make_daemon(settings={"nri": {"enable": True, "socket_path": str(short_tmp / "n")}})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    config = pod_config("crash", log_directory=str(daemon.base / "pod-logs"))
+    if fault.startswith("sandbox:"):
+        crash_and_restart(daemon, fault, lambda: run_pod(daemon, config=config))
+        assert listed(daemon) == []
+        sandbox_id = run_pod(daemon, config=config)
+    else:
+        sandbox_id = run_pod(daemon, config=config)
+        crash_and_restart(daemon, fault, lambda: _create_container(daemon, sandbox_id, config))
+        assert daemon.rows("containers") == [] and _runc_containers(daemon) == []
+        assert _create_container(daemon, sandbox_id, config)  # the name is free again
+    assert not daemon.rows(
+        "journal",
+        "action LIKE 'nri_%' AND object_id NOT IN "
+        "(SELECT id FROM sandboxes UNION SELECT id FROM containers)",
+    )
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert daemon.rows("journal") == []
+
+
 @pytest.mark.parametrize("fault", faults.CONTAINER_REMOVE + CONTAINER_TEARDOWN)
 def test_crash_during_container_removal(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
     """RemoveContainer answers before its teardown; a crash in the teardown is rolled
