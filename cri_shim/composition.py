@@ -7,6 +7,7 @@ construction. The daemon starts and stops what this builds (daemon.py).
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
@@ -84,6 +85,10 @@ def build_components(config: Config) -> Components:
         containers.update((c.id, container_of_record(c)) for c in components.containers.list())
         return list(pods.values()), list(containers.values())
 
+    async def nri_update(container_id: str, resources: dict[str, Any]) -> None:
+        assert components is not None
+        await components.containers.update_resources(container_id, resources)
+
     adaptation = (
         Adaptation(
             NriSettings(
@@ -93,6 +98,7 @@ def build_components(config: Config) -> Components:
                 runtime_version=__version__,
             ),
             nri_snapshot,
+            nri_update,
         )
         if config.nri.enable
         else None

@@ -65,6 +65,7 @@ class RecordingPlugin:
     delays: dict[str, float] = field(default_factory=dict)
     calls: list[tuple[str, Message]] = field(default_factory=list)
     connection: MuxedConnection | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     _reading: asyncio.Task[None] | None = None
 
     @property
@@ -91,6 +92,7 @@ class RecordingPlugin:
         return handle
 
     async def connect(self, socket_path: Path, register: bool = True) -> None:
+        self.loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_unix_connection(str(socket_path))
         self.connection = MuxedConnection(
             reader,

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -589,7 +590,10 @@ class ContainerLifecycle:
         container = self.get_running(ref)
         await self.backend_of(container).reopen_log(container.id)
 
-    async def update_resources(self, ref: str, resources: api_pb2.LinuxContainerResources) -> None:
+    async def update_resources(
+        self, ref: str, resources: api_pb2.LinuxContainerResources | Mapping[str, Any]
+    ) -> None:
+        """A CRI update, or OCI LinuxResources (an NRI plugin's update)."""
         container = self.get(ref)
         if container.state == EXITED:
             raise FailedPrecondition(f"container {container.id} has exited")

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message as ProtoMessage
 
 from cri_shim.nri import mux
+from cri_shim.nri.adjust import oci_resources, unsupported_resources
 from cri_shim.nri.api import api_pb2
 from cri_shim.nri.connection import ConnectionClosed, Handler, MuxedConnection
 from cri_shim.nri.ttrpc import CallError, Code
@@ -37,6 +38,8 @@ _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 _INDEX = re.compile(r"[0-9]{2}")
 
 Reply = TypeVar("Reply", bound=ProtoMessage)
+# A plugin's container update: the container ID and the OCI LinuxResources to apply.
+UpdateResources = Callable[[str, dict[str, Any]], Awaitable[None]]
 Snapshot = Callable[[], Awaitable[tuple[list[api_pb2.PodSandbox], list[api_pb2.Container]]]]
 
 
@@ -75,9 +78,12 @@ class PluginRejected(Exception):
 
 
 class Adaptation:
-    def __init__(self, settings: NriSettings, snapshot: Snapshot) -> None:
+    def __init__(
+        self, settings: NriSettings, snapshot: Snapshot, update: UpdateResources | None = None
+    ) -> None:
         self.settings = settings
         self._snapshot = snapshot
+        self._update = update
         self._plugins: list[Plugin] = []
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -242,13 +248,28 @@ class Adaptation:
     async def apply_updates(
         self, plugin: Plugin, updates: list[api_pb2.ContainerUpdate]
     ) -> list[api_pb2.ContainerUpdate]:
-        """Container updates a plugin asked for; returns those that failed.
-
-        The runtime does not apply updates yet: every one is reported failed.
-        """
-        if updates:
-            log.warning("NRI: plugin %s asked for %d container updates", plugin.id, len(updates))
-        return updates
+        """Container updates a plugin asked for (resources only), applied in order;
+        returns those that failed and did not say their failure may be ignored."""
+        failed: list[api_pb2.ContainerUpdate] = []
+        for update in updates:
+            unsupported = unsupported_resources(update.linux.resources)
+            try:
+                if unsupported:
+                    raise CallError(Code.INVALID_ARGUMENT, f"cannot apply {', '.join(unsupported)}")
+                if self._update is None:
+                    raise CallError(Code.UNIMPLEMENTED, "the runtime applies no updates")
+                await self._update(update.container_id, oci_resources(update.linux.resources))
+                log.info("NRI: plugin %s updated container %s", plugin.id, update.container_id)
+            except Exception as e:
+                log.warning(
+                    "NRI: plugin %s: update of container %s failed: %s",
+                    plugin.id,
+                    update.container_id,
+                    e,
+                )
+                if not update.ignore_failure:
+                    failed.append(update)
+        return failed
 
     async def _drop(self, plugin: Plugin, reason: str) -> None:
         if plugin in self._plugins:

@@ -51,22 +51,7 @@ def _check_supported(plugin: str, adjustment: api_pb2.ContainerAdjustment) -> No
     unsupported += [
         f"linux.{f.name}" for f, _ in linux.ListFields() if f.name not in _APPLIED_LINUX
     ]
-    resources = linux.resources
-    unsupported += [
-        f"linux.resources.{f.name}"
-        for f, _ in resources.ListFields()
-        if f.name not in _APPLIED_RESOURCES
-    ]
-    unsupported += [
-        f"linux.resources.memory.{f.name}"
-        for f, _ in resources.memory.ListFields()
-        if f.name not in _APPLIED_MEMORY
-    ]
-    unsupported += [
-        f"linux.resources.cpu.{f.name}"
-        for f, _ in resources.cpu.ListFields()
-        if f.name not in _APPLIED_CPU
-    ]
+    unsupported += unsupported_resources(linux.resources)
     if unsupported:
         raise AdjustmentRefused(
             f"NRI plugin {plugin}: cri-shim cannot apply the adjustment of {', '.join(unsupported)}"
@@ -128,14 +113,46 @@ def _apply(spec: dict[str, Any], adjustment: api_pb2.ContainerAdjustment) -> Non
     if linux.HasField("oom_score_adj"):
         process["oomScoreAdj"] = linux.oom_score_adj.value
     resources = spec.setdefault("linux", {}).setdefault("resources", {})
-    adjusted = linux.resources
+    for key, values in oci_resources(linux.resources).items():
+        if isinstance(values, dict) and key != "pids":
+            resources.setdefault(key, {}).update(values)
+        else:
+            resources[key] = values
+
+
+def oci_resources(adjusted: api_pb2.LinuxResources) -> dict[str, Any]:
+    """The OCI LinuxResources fields an NRI LinuxResources sets (those we apply)."""
+    resources: dict[str, Any] = {}
     if adjusted.HasField("memory"):
-        memory = resources.setdefault("memory", {})
-        for field, _ in adjusted.memory.ListFields():
-            memory[field.name] = getattr(adjusted.memory, field.name).value
+        resources["memory"] = {
+            field.name: getattr(adjusted.memory, field.name).value
+            for field, _ in adjusted.memory.ListFields()
+        }
     if adjusted.HasField("cpu"):
-        cpu = resources.setdefault("cpu", {})
-        for field, value in adjusted.cpu.ListFields():
-            cpu[field.name] = value if field.name in {"cpus", "mems"} else value.value
+        resources["cpu"] = {
+            field.name: value if field.name in {"cpus", "mems"} else value.value
+            for field, value in adjusted.cpu.ListFields()
+        }
     if adjusted.HasField("pids"):
         resources["pids"] = {"limit": adjusted.pids.limit}
+    return resources
+
+
+def unsupported_resources(resources: api_pb2.LinuxResources) -> list[str]:
+    """The fields of an NRI LinuxResources that cri-shim cannot apply."""
+    unsupported = [
+        f"linux.resources.{f.name}"
+        for f, _ in resources.ListFields()
+        if f.name not in _APPLIED_RESOURCES
+    ]
+    unsupported += [
+        f"linux.resources.memory.{f.name}"
+        for f, _ in resources.memory.ListFields()
+        if f.name not in _APPLIED_MEMORY
+    ]
+    unsupported += [
+        f"linux.resources.cpu.{f.name}"
+        for f, _ in resources.cpu.ListFields()
+        if f.name not in _APPLIED_CPU
+    ]
+    return unsupported

@@ -5,10 +5,11 @@ creation that then leaves nothing behind and frees its name."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -19,11 +20,13 @@ from tests.harness import Daemon
 from tests.integration.cri_testkit import (
     container_config,
     create,
+    exec_sync,
     import_image,
     output,
     pod,
     remove,
     run_to_exit,
+    start,
 )
 from tests.nri_plugin import PluginThread, RecordingPlugin, fail_with
 from tests.waiting import wait_until
@@ -31,11 +34,11 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
 LIMIT = 48 << 20
-SCRIPT = (
-    'echo "env $NRI_ADDED"; '
-    "cat /sys/fs/cgroup/memory.max 2>/dev/null || "
-    "cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+T = TypeVar("T")
+MEMORY_LIMIT = (
+    "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
 )
+SCRIPT = 'echo "env $NRI_ADDED"; ' + MEMORY_LIMIT
 
 
 def adjust(request: Message) -> Message:
@@ -56,6 +59,12 @@ def nri_daemon(make_daemon: Any, short_tmp: Path, busybox_layout: Path) -> Daemo
     daemon.start()
     import_image(daemon, busybox_layout)
     return daemon
+
+
+def plugin_call(plugin: RecordingPlugin, call: Coroutine[Any, Any, T]) -> T:
+    """Run one of the plugin's calls on its own loop, from the test's thread."""
+    assert plugin.loop is not None
+    return asyncio.run_coroutine_threadsafe(call, plugin.loop).result(timeout=30)
 
 
 @pytest.fixture
@@ -131,3 +140,18 @@ def test_a_refused_creation_leaves_nothing_and_frees_its_name(
         assert container_id and time.monotonic() - started < 30
         remove(nri_daemon, container_id)
     assert nri_daemon.leaks() == {}
+
+
+def test_a_plugin_updates_a_running_containers_memory_limit(
+    nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
+) -> None:
+    with pod(nri_daemon, "updated", short_tmp) as p:
+        container_id = create(nri_daemon, p, container_config("long", "sleep 60"))
+        start(nri_daemon, container_id)
+        update = nri.ContainerUpdate(container_id=container_id)
+        update.linux.resources.memory.limit.value = 2 * LIMIT
+        answer = plugin_call(plugin, plugin.update_containers([update]))
+        assert list(answer.failed) == []
+        got = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT])
+        assert got.stdout.decode().strip() == str(2 * LIMIT)
+        remove(nri_daemon, container_id)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cri_shim.errors import NotFound
 from cri_shim.nri.adaptation import Adaptation, NriSettings
 from cri_shim.nri.api import api_pb2
 from cri_shim.nri.ttrpc import CallError, Code
@@ -32,6 +33,15 @@ class World:
         return list(self.pods), list(self.containers)
 
 
+UPDATED: list[tuple[str, dict[str, object]]] = []
+
+
+async def record_update(container_id: str, resources: dict[str, object]) -> None:
+    if container_id == "gone":
+        raise NotFound("no such container")
+    UPDATED.append((container_id, resources))
+
+
 @pytest.fixture
 async def adaptation() -> AsyncIterator[Adaptation]:
     with tempfile.TemporaryDirectory(prefix="nri") as tmp:
@@ -41,7 +51,8 @@ async def adaptation() -> AsyncIterator[Adaptation]:
             request_timeout=1.0,
             runtime_version="1.2.3",
         )
-        nri = Adaptation(settings, World().snapshot)
+        UPDATED.clear()
+        nri = Adaptation(settings, World().snapshot, record_update)
         await nri.start()
         try:
             yield nri
@@ -191,3 +202,18 @@ async def test_an_unknown_method_answers_unimplemented(adaptation: Adaptation) -
             "nri.pkg.api.v1alpha1.Runtime", "Nope", api_pb2.Empty(), api_pb2.Empty(), 1.0
         )
     assert failed.value.code == Code.UNIMPLEMENTED
+
+
+async def test_a_plugin_updates_containers_and_hears_which_failed(adaptation: Adaptation) -> None:
+    plugin = await joined(adaptation, RecordingPlugin())
+    memory = api_pb2.ContainerUpdate(container_id="c1")
+    memory.linux.resources.memory.limit.value = 1 << 30
+    missing = api_pb2.ContainerUpdate(container_id="gone")
+    missing.linux.resources.cpu.shares.value = 5
+    tolerated = api_pb2.ContainerUpdate(container_id="gone", ignore_failure=True)
+    tolerated.linux.resources.pids.limit = 7
+    unsupported = api_pb2.ContainerUpdate(container_id="c1")
+    unsupported.linux.resources.hugepage_limits.add(page_size="2MB", limit=1)
+    answer = await plugin.update_containers([memory, missing, tolerated, unsupported])
+    assert list(answer.failed) == [missing, unsupported]
+    assert UPDATED == [("c1", {"memory": {"limit": 1 << 30}})]
