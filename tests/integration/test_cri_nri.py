@@ -15,6 +15,7 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.nri.api import api_pb2 as nri
 from tests.harness import Daemon
 from tests.integration.cri_testkit import (
@@ -155,3 +156,50 @@ def test_a_plugin_updates_a_running_containers_memory_limit(
         got = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT])
         assert got.stdout.decode().strip() == str(2 * LIMIT)
         remove(nri_daemon, container_id)
+
+
+def test_a_retry_answered_from_the_cache_is_no_second_creation_for_plugins(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+) -> None:
+    socket = short_tmp / "nri.sock"
+    daemon: Daemon = make_daemon(
+        settings={
+            "nri": {"enable": True, "socket_path": str(socket), "plugin_request_timeout": "10s"},
+            "creation": {"claim_grace": "2s"},
+        }
+    )
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    # A plugin slow to answer CreateContainer makes kubelet's call time out.
+    thread = PluginThread(RecordingPlugin(delays={"CreateContainer": 1.5}), socket)
+    plugin = thread.start()
+    try:
+        with pod(daemon, "retried", short_tmp) as p:
+            request = api_pb2.CreateContainerRequest(
+                pod_sandbox_id=p[0], config=container_config("slow", "true"), sandbox_config=p[1]
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                daemon.runtime().CreateContainer(request, timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_until(lambda: "PostCreateContainer" in plugin.methods)
+            # The retry gets the cached container; plugins heard of it once.
+            claimed = daemon.runtime().CreateContainer(request, timeout=30).container_id
+            assert plugin.methods.count("CreateContainer") == 1
+            created = plugin.calls[plugin.methods.index("CreateContainer")][1]
+            assert isinstance(created, nri.CreateContainerRequest)
+            assert created.container.id == claimed
+
+            # One left unclaimed expires: the plugin hears of its removal.
+            unclaimed = api_pb2.CreateContainerRequest(
+                pod_sandbox_id=p[0], config=container_config("left", "true"), sandbox_config=p[1]
+            )
+            with pytest.raises(grpc.RpcError):
+                daemon.runtime().CreateContainer(unclaimed, timeout=0.5)
+            wait_until(lambda: plugin.methods.count("RemoveContainer") == 1, timeout=60)
+            removed = plugin.calls[plugin.methods.index("RemoveContainer")][1]
+            assert isinstance(removed, nri.RemoveContainerRequest)
+            assert removed.container.name == "left"
+            remove(daemon, claimed)
+        assert daemon.leaks() == {}
+    finally:
+        thread.stop()
