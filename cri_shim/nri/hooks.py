@@ -115,25 +115,11 @@ class NriHooks:
         )
 
     async def _undo_pod_stopped(self, args: dict[str, Any]) -> None:
-        request = api_pb2.StopPodSandboxRequest(pod=_decoded(args["pod"], api_pb2.PodSandbox()))
-        await self._call(
-            api_pb2.STOP_POD_SANDBOX,
-            "StopPodSandbox",
-            request,
-            api_pb2.StopPodSandboxResponse,
-            False,
-        )
+        await self._tell(api_pb2.STOP_POD_SANDBOX, pod=_decoded(args["pod"], api_pb2.PodSandbox()))
 
     async def _undo_pod_removed(self, args: dict[str, Any]) -> None:
         pod = _decoded(args["pod"], api_pb2.PodSandbox())
-        request = api_pb2.RemovePodSandboxRequest(pod=pod)
-        await self._call(
-            api_pb2.REMOVE_POD_SANDBOX,
-            "RemovePodSandbox",
-            request,
-            api_pb2.RemovePodSandboxResponse,
-            False,
-        )
+        await self._tell(api_pb2.REMOVE_POD_SANDBOX, pod=pod)
 
     # ---- containers ------------------------------------------------------------------
 
@@ -181,26 +167,10 @@ class NriHooks:
         return pods, containers
 
     async def _undo_container_removed(self, args: dict[str, Any]) -> None:
-        request = api_pb2.RemoveContainerRequest(
-            pod=_decoded(args["pod"], api_pb2.PodSandbox()),
-            container=_decoded(args["container"], api_pb2.Container()),
-        )
-        await self._call(
-            api_pb2.REMOVE_CONTAINER,
-            "RemoveContainer",
-            request,
-            api_pb2.RemoveContainerResponse,
-            False,
-        )
+        await self._tell(api_pb2.REMOVE_CONTAINER, **_pod_and_container(args))
 
     async def _undo_container_stopped(self, args: dict[str, Any]) -> None:
-        request = api_pb2.StopContainerRequest(
-            pod=_decoded(args["pod"], api_pb2.PodSandbox()),
-            container=_decoded(args["container"], api_pb2.Container()),
-        )
-        await self._call(
-            api_pb2.STOP_CONTAINER, "StopContainer", request, api_pb2.StopContainerResponse, False
-        )
+        await self._tell(api_pb2.STOP_CONTAINER, **_pod_and_container(args))
 
     async def start_container(self, pod: api_pb2.PodSandbox, container: api_pb2.Container) -> None:
         """StartContainer, which may refuse; from here on the container's end includes a
@@ -239,12 +209,43 @@ class NriHooks:
         self, event: int, pod: api_pb2.PodSandbox, container: api_pb2.Container
     ) -> None:
         """PostCreate, Start (which may refuse) and PostStart."""
-        method, request_type, reply_type = _CONTAINER_EVENTS[event]
-        request = request_type(pod=pod, container=container)
+        await self._tell(event, pod=pod, container=container)
+
+    async def _tell(self, event: int, **fields: ProtoMessage) -> None:
+        method, request_type, reply_type = _EVENTS[event]
+        request = request_type(**fields)
         await self._call(event, method, request, reply_type, event == api_pb2.START_CONTAINER)
 
 
-_CONTAINER_EVENTS: dict[int, tuple[str, Any, type[ProtoMessage]]] = {
+def _pod_and_container(args: dict[str, Any]) -> dict[str, ProtoMessage]:
+    return {
+        "pod": _decoded(args["pod"], api_pb2.PodSandbox()),
+        "container": _decoded(args["container"], api_pb2.Container()),
+    }
+
+
+# The events that only inform (and StartContainer): method, request and reply types.
+_EVENTS: dict[int, tuple[str, Any, type[ProtoMessage]]] = {
+    api_pb2.STOP_POD_SANDBOX: (
+        "StopPodSandbox",
+        api_pb2.StopPodSandboxRequest,
+        api_pb2.StopPodSandboxResponse,
+    ),
+    api_pb2.REMOVE_POD_SANDBOX: (
+        "RemovePodSandbox",
+        api_pb2.RemovePodSandboxRequest,
+        api_pb2.RemovePodSandboxResponse,
+    ),
+    api_pb2.STOP_CONTAINER: (
+        "StopContainer",
+        api_pb2.StopContainerRequest,
+        api_pb2.StopContainerResponse,
+    ),
+    api_pb2.REMOVE_CONTAINER: (
+        "RemoveContainer",
+        api_pb2.RemoveContainerRequest,
+        api_pb2.RemoveContainerResponse,
+    ),
     api_pb2.POST_CREATE_CONTAINER: (
         "PostCreateContainer",
         api_pb2.PostCreateContainerRequest,
