@@ -541,7 +541,8 @@ class ContainerLifecycle:
             return
         await self._stop(container, 0)
         if self._nri is not None:
-            await self._nri.settle(container.id)  # its StopContainer, before teardown
+            # Plugins hear of the removal as kubelet does, before the teardown runs on.
+            await self._nri.removed(container.id)
         self.rows.mark_cleaning(container.id)
         log.info("container %s (%s) removed; tearing down", container.id, container.name)
         self.events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)

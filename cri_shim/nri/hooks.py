@@ -200,6 +200,12 @@ class NriHooks:
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
 
+    async def removed(self, container_id: str) -> None:
+        """The container is being removed: StopContainer (if its exit is still being
+        told) then RemoveContainer, once each, from its journal."""
+        await self.settle(container_id)
+        await self._journal.undo(container_id, only=(CONTAINER_STOPPED, CONTAINER_REMOVED))
+
     async def close(self) -> None:
         for task in list(self._stopping.values()):
             task.cancel()
