@@ -10,36 +10,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bench_daemon, percentiles
+from common import bench_daemon, percentiles, pod_with_container
 
 from cri_shim.api.v1 import api_pb2
-from tests.churn import IMAGE, Churn
-from tests.harness import Daemon, import_image, pod_config
+from tests.churn import Churn
+from tests.harness import Daemon, import_image
 from tests.imagebuild import cached_oci_layout
 
 
 def restore_time(daemon: Daemon, count: int) -> float:
-    rt = daemon.runtime()
-    sandboxes = []
-    for i in range(count):
-        config = pod_config(f"full-{i}", uid=f"full-{i}")
-        sid = rt.RunPodSandbox(
-            api_pb2.RunPodSandboxRequest(config=config), timeout=60
-        ).pod_sandbox_id
-        cid = rt.CreateContainer(
-            api_pb2.CreateContainerRequest(
-                pod_sandbox_id=sid,
-                sandbox_config=config,
-                config=api_pb2.ContainerConfig(
-                    metadata=api_pb2.ContainerMetadata(name="c"),
-                    image=api_pb2.ImageSpec(image=IMAGE),
-                    command=["sleep", "3600"],
-                ),
-            ),
-            timeout=60,
-        ).container_id
-        rt.StartContainer(api_pb2.StartContainerRequest(container_id=cid), timeout=60)
-        sandboxes.append(sid)
+    sandboxes = [pod_with_container(daemon, f"full-{i}") for i in range(count)]
     daemon.stop()
     t0 = time.perf_counter()
     daemon.start()

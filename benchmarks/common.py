@@ -14,7 +14,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import Daemon, make_test_network
+from cri_shim.api.v1 import api_pb2
+from tests.churn import IMAGE
+from tests.harness import Daemon, make_test_network, pod_config
 
 
 @contextmanager
@@ -53,3 +55,26 @@ def row(name: str, samples: list[float]) -> str:
     return (
         f"{name:<22} median {median * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   (n={len(samples)})"
     )
+
+
+def pod_with_container(daemon: Daemon, name: str) -> str:
+    """A pod running one sleeping busybox container; the pod's sandbox ID."""
+    rt = daemon.runtime()
+    config = pod_config(name, uid=name)
+    sandbox_id = rt.RunPodSandbox(
+        api_pb2.RunPodSandboxRequest(config=config), timeout=60
+    ).pod_sandbox_id
+    container_id = rt.CreateContainer(
+        api_pb2.CreateContainerRequest(
+            pod_sandbox_id=sandbox_id,
+            sandbox_config=config,
+            config=api_pb2.ContainerConfig(
+                metadata=api_pb2.ContainerMetadata(name="c"),
+                image=api_pb2.ImageSpec(image=IMAGE),
+                command=["sleep", "3600"],
+            ),
+        ),
+        timeout=60,
+    ).container_id
+    rt.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=60)
+    return str(sandbox_id)

@@ -14,35 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bench_daemon, rss_mib
+from common import bench_daemon, pod_with_container, rss_mib
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import Daemon, import_image, pod_config
+from tests.harness import Daemon, import_image
 from tests.imagebuild import cached_oci_layout
-
-IMAGE = "docker.io/library/busybox:latest"
-
-
-def pod_with_container(daemon: Daemon, name: str) -> str:
-    rt = daemon.runtime()
-    config = pod_config(name, uid=name)
-    sandbox_id = rt.RunPodSandbox(
-        api_pb2.RunPodSandboxRequest(config=config), timeout=60
-    ).pod_sandbox_id
-    container_id = rt.CreateContainer(
-        api_pb2.CreateContainerRequest(
-            pod_sandbox_id=sandbox_id,
-            sandbox_config=config,
-            config=api_pb2.ContainerConfig(
-                metadata=api_pb2.ContainerMetadata(name="c"),
-                image=api_pb2.ImageSpec(image=IMAGE),
-                command=["sleep", "3600"],
-            ),
-        ),
-        timeout=60,
-    ).container_id
-    rt.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=60)
-    return sandbox_id
 
 
 def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
