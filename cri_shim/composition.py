@@ -96,6 +96,8 @@ def build_components(config: Config) -> Components:
                 registration_timeout=config.nri.plugin_registration_timeout,
                 request_timeout=config.nri.plugin_request_timeout,
                 runtime_version=__version__,
+                plugin_path=config.nri.plugin_path,
+                plugin_config_path=config.nri.plugin_config_path,
             ),
             nri_snapshot,
             nri_update,

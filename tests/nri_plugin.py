@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,8 +93,19 @@ class RecordingPlugin:
         return handle
 
     async def connect(self, socket_path: Path, register: bool = True) -> None:
-        self.loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        await self._serve(reader, writer, register)
+
+    async def connect_inherited(self, fd: int) -> None:
+        """Connect over the socket a runtime that launched this plugin passed it, as the
+        NRI_PLUGIN_SOCKET fd, and register."""
+        reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
+        await self._serve(reader, writer, register=True)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, register: bool
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
         self.connection = MuxedConnection(
             reader,
             writer,

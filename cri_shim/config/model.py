@@ -133,6 +133,10 @@ class NriConfig:
     # request timeout; one that does not is disconnected (and never holds a creation up).
     plugin_registration_timeout: float = 5.0
     plugin_request_timeout: float = 2.0
+    # Pre-installed plugins, as containerd's NRI has them: executables named NN-name that
+    # the daemon launches at start, and their configuration files.
+    plugin_path: Path = Path("/opt/nri/plugins")
+    plugin_config_path: Path = Path("/etc/nri/conf.d")
 
 
 @dataclass

@@ -223,17 +223,25 @@ def _load_cdi(table: dict[str, Any]) -> CdiConfig:
 def _load_nri(table: dict[str, Any]) -> NriConfig:
     _unknown(
         table,
-        {"enable", "socket_path", "plugin_registration_timeout", "plugin_request_timeout"},
+        {
+            "enable",
+            "socket_path",
+            "plugin_registration_timeout",
+            "plugin_request_timeout",
+            "plugin_path",
+            "plugin_config_path",
+        },
         "nri.",
     )
     nri = NriConfig()
     if "enable" in table:
         nri.enable = _expect(table["enable"], bool, "nri.enable", "true or false")
-    if "socket_path" in table:
-        path = Path(_expect(table["socket_path"], str, "nri.socket_path", "an absolute path"))
-        if not path.is_absolute():
-            raise ConfigError(f"nri.socket_path: expected an absolute path, got {str(path)!r}")
-        nri.socket_path = path
+    for key in ("socket_path", "plugin_path", "plugin_config_path"):
+        if key in table:
+            path = Path(_expect(table[key], str, f"nri.{key}", "an absolute path"))
+            if not path.is_absolute():
+                raise ConfigError(f"nri.{key}: expected an absolute path, got {str(path)!r}")
+            setattr(nri, key, path)
     for key in ("plugin_registration_timeout", "plugin_request_timeout"):
         if key in table:
             setattr(nri, key, parse_duration(table[key], f"nri.{key}"))

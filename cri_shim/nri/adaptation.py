@@ -15,6 +15,8 @@ import contextlib
 import logging
 import os
 import re
+import socket
+import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,8 @@ class NriSettings:
     request_timeout: float = 2.0
     runtime_name: str = "cri-shim"
     runtime_version: str = ""
+    plugin_path: Path | None = None
+    plugin_config_path: Path | None = None
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Adaptation:
         self._plugins: list[Plugin] = []
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._launched: list[LaunchedPlugin] = []
         # Registration and synchronization take this lock, and so does every event, so a
         # plugin never misses an object created while it synchronizes, nor sees one twice.
         self.lock = asyncio.Lock()
@@ -104,12 +109,64 @@ class Adaptation:
         self._server = await asyncio.start_unix_server(self._on_connect, path=str(path))
         os.chmod(path, 0o600)
         log.info("NRI: serving plugins on %s", path)
+        if self.settings.plugin_path is not None:
+            for executable, index, name in pre_installed_plugins(self.settings.plugin_path):
+                await self._launch(executable, index, name)
+
+    async def _launch(self, executable: Path, index: str, name: str) -> None:
+        try:
+            config = plugin_config(self.settings.plugin_config_path, index, name)
+        except OSError as e:
+            log.warning("NRI: not starting plugin %s: its configuration: %s", executable, e)
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Only these, as containerd gives its plugins: the daemon's own environment
+            # is none of a plugin's business.
+            env = {
+                "NRI_PLUGIN_NAME": name,
+                "NRI_PLUGIN_IDX": index,
+                "NRI_PLUGIN_SOCKET": str(theirs.fileno()),
+            }
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    str(executable),
+                    env=env,
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                ours.close()
+                log.warning("NRI: cannot start plugin %s: %s", executable, e)
+                return
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        launched = LaunchedPlugin(f"{index}-{name}", process)
+        self._launched.append(launched)
+        log.info("NRI: started plugin %s (pid %d)", launched.id, process.pid)
+        self._own(self._serve_plugin(reader, writer, config, (name, index)))
+        self._own(self._watch(launched))
+
+    def _own(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self, launched: LaunchedPlugin) -> None:
+        code = await launched.process.wait()
+        if not launched.stopping:
+            log.warning("NRI: plugin %s exited with status %d", launched.id, code)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
         for plugin in list(self._plugins):
             await self._drop(plugin, "the runtime is stopping")
+        for launched in self._launched:
+            await launched.stop(self.settings.request_timeout)
+        self._launched.clear()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -134,12 +191,22 @@ class Adaptation:
             self._tasks.discard(task)
 
     async def _serve_plugin(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        config: str = "",
+        launched_as: tuple[str, str] | None = None,
     ) -> None:
+        """Serve one plugin connection; a launched plugin is known by the (name, index) of
+        its file, whatever it registers as, as in containerd."""
         registered: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
 
         async def register(payload: bytes) -> bytes:
             request = api_pb2.RegisterPluginRequest.FromString(payload)
+            if launched_as is not None:
+                if not registered.done():
+                    registered.set_result(launched_as)
+                return api_pb2.Empty().SerializeToString()
             problem = _registration_problem(request)
             if problem:
                 if not registered.done():
@@ -170,7 +237,7 @@ class Adaptation:
         reading = asyncio.get_running_loop().create_task(connection.run())
         try:
             try:
-                plugin = await self._admit(connection, registered)
+                plugin = await self._admit(connection, registered, config)
             except (PluginRejected, CallError, ConnectionClosed, TimeoutError) as e:
                 log.warning("NRI: plugin %s refused: %s", connection.name, e)
                 await connection.close(f"refused: {e}")
@@ -185,7 +252,10 @@ class Adaptation:
                 log.info("NRI: plugin %s left: %s", plugin.id, connection.close_reason)
 
     async def _admit(
-        self, connection: MuxedConnection, registered: asyncio.Future[tuple[str, str]]
+        self,
+        connection: MuxedConnection,
+        registered: asyncio.Future[tuple[str, str]],
+        config: str,
     ) -> Plugin:
         closed = asyncio.ensure_future(connection.closed.wait())
         either: set[asyncio.Future[Any]] = {registered, closed}
@@ -214,6 +284,7 @@ class Adaptation:
                 runtime_version=self.settings.runtime_version,
                 registration_timeout=int(self.settings.registration_timeout * 1000),
                 request_timeout=int(timeout * 1000),
+                config=config,
             ),
             api_pb2.ConfigureResponse(),
             timeout,
@@ -303,6 +374,63 @@ class Adaptation:
                 raise CallError(e.code, f"NRI plugin {plugin.id}: {e.message}") from e
             answers.append((plugin, answer))
         return answers
+
+
+@dataclass
+class LaunchedPlugin:
+    """A pre-installed plugin's process, started and owned by the daemon."""
+
+    id: str
+    process: asyncio.subprocess.Process = field(repr=False)
+    stopping: bool = False
+
+    async def stop(self, grace: float) -> None:
+        """Terminate the process, killed if it outlives `grace`, and reap it."""
+        self.stopping = True
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
+            try:
+                async with asyncio.timeout(grace):
+                    await self.process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+                await self.process.wait()
+
+
+_PLUGIN_FILE = re.compile(r"([0-9]{2})-([A-Za-z0-9_.+-]+)")
+
+
+def pre_installed_plugins(directory: Path) -> list[tuple[Path, str, str]]:
+    """The executables named NN-name in `directory`, in name order, as (path, index, name);
+    other executables are skipped with a warning, and a missing directory has none."""
+    try:
+        entries = sorted(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    found: list[tuple[Path, str, str]] = []
+    for entry in entries:
+        if not entry.is_file() or not os.access(entry, os.X_OK):
+            continue  # configuration, documentation: not plugins, as in containerd
+        match = _PLUGIN_FILE.fullmatch(entry.name)
+        if match is None:
+            # containerd refuses to start NRI at all here; one plugin's name is not worth
+            # the others, nor the daemon.
+            log.warning("NRI: not starting %s: a plugin is named NN-name", entry)
+        else:
+            found.append((entry, match[1], match[2]))
+    return found
+
+
+def plugin_config(directory: Path | None, index: str, name: str) -> str:
+    """A pre-installed plugin's configuration: NN-name.conf, else name.conf, else none."""
+    if directory is None:
+        return ""
+    for candidate in (f"{index}-{name}.conf", f"{name}.conf"):
+        with contextlib.suppress(FileNotFoundError):
+            return (directory / candidate).read_text()
+    return ""
 
 
 def _registration_problem(request: api_pb2.RegisterPluginRequest) -> str:

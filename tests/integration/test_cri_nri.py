@@ -6,6 +6,7 @@ creation that then leaves nothing behind and frees its name."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -203,3 +204,99 @@ def test_a_retry_answered_from_the_cache_is_no_second_creation_for_plugins(
         assert daemon.leaks() == {}
     finally:
         thread.stop()
+
+
+# A pre-installed plugin: the RecordingPlugin over the fd the daemon passes, which writes
+# its pid, its configuration and every call it gets to files beside it, for the test.
+LAUNCHED_PLUGIN = """#!{python}
+import asyncio, os, sys
+sys.path.insert(0, {root!r})
+from cri_shim.nri.api import api_pb2 as nri
+from tests.nri_plugin import RecordingPlugin
+
+out = {out!r}
+
+def adjust(request):
+    response = nri.CreateContainerResponse()
+    response.adjust.env.add(key="NRI_ADDED", value="pre-installed")
+    return response
+
+def record(method, request):
+    with open(out + "/calls", "a") as f:
+        f.write(method + "\\n")
+        if method == "Configure":
+            f.write("config " + request.config + "\\n")
+
+class Recording(RecordingPlugin):
+    def _handler(self, method):
+        handle = super()._handler(method)
+        async def recorded(payload):
+            answer = await handle(payload)
+            record(method, self.calls[-1][1])
+            return answer
+        return recorded
+
+async def main():
+    with open(out + "/pid", "w") as f:
+        f.write(str(os.getpid()))
+    plugin = Recording(
+        name=os.environ["NRI_PLUGIN_NAME"],
+        index=os.environ["NRI_PLUGIN_IDX"],
+        responders={{"CreateContainer": adjust}},
+    )
+    await plugin.connect_inherited(int(os.environ["NRI_PLUGIN_SOCKET"]))
+    assert plugin.connection is not None
+    await plugin.connection.closed.wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_pre_installed_plugin_is_launched_configured_served_and_stopped(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+) -> None:
+    plugins, configs, out = short_tmp / "plugins", short_tmp / "conf.d", short_tmp / "out"
+    for directory in (plugins, configs, out):
+        directory.mkdir()
+    script = plugins / "20-launched"
+    script.write_text(
+        LAUNCHED_PLUGIN.format(
+            python=sys.executable, root=str(Path(__file__).parents[2]), out=str(out)
+        )
+    )
+    script.chmod(0o755)
+    (plugins / "not-a-plugin").write_text("")
+    (configs / "launched.conf").write_text("answer = 42")
+    daemon: Daemon = make_daemon(
+        settings={
+            "nri": {
+                "enable": True,
+                "socket_path": str(short_tmp / "nri.sock"),
+                "plugin_path": str(plugins),
+                "plugin_config_path": str(configs),
+            }
+        }
+    )
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    calls = out / "calls"
+
+    def seen() -> list[str]:
+        return calls.read_text().splitlines() if calls.exists() else []
+
+    wait_until(lambda: "Synchronize" in seen())
+    pid = int((out / "pid").read_text())
+    with pod(daemon, "launched", short_tmp) as p:
+        st = run_to_exit(daemon, p, container_config("adjusted", 'echo "env $NRI_ADDED"'))
+        assert output(st) == ["env pre-installed"]
+        remove(daemon, st.id)
+    wait_until(lambda: "RemovePodSandbox" in seen())
+    assert seen()[:5] == [
+        "Configure",
+        "config answer = 42",
+        "Synchronize",
+        "RunPodSandbox",
+        "CreateContainer",
+    ]
+    daemon.stop()
+    assert not Path(f"/proc/{pid}").exists()

@@ -54,12 +54,20 @@ def test_nri_is_off_unless_enabled() -> None:
     assert (cfg.nri.plugin_request_timeout, cfg.nri.plugin_registration_timeout) == (0.5, 5.0)
     with pytest.raises(ConfigError, match=r"^nri\.socket_path: expected an absolute path"):
         config_from_dict({"nri": {"socket_path": "nri.sock"}})
+    assert (Config().nri.plugin_path, Config().nri.plugin_config_path) == (
+        Path("/opt/nri/plugins"),
+        Path("/etc/nri/conf.d"),
+    )
+    cfg = config_from_dict({"nri": {"plugin_path": "/p", "plugin_config_path": "/c"}})
+    assert (cfg.nri.plugin_path, cfg.nri.plugin_config_path) == (Path("/p"), Path("/c"))
+    with pytest.raises(ConfigError, match=r"^nri\.plugin_path: expected an absolute path"):
+        config_from_dict({"nri": {"plugin_path": "plugins"}})
     with pytest.raises(ConfigError, match=r"^nri\.enable"):
         config_from_dict({"nri": {"enable": "yes"}})
     with pytest.raises(ConfigError, match=r"^nri\.plugin_request_timeout"):
         config_from_dict({"nri": {"plugin_request_timeout": "0s"}})
-    with pytest.raises(ConfigError, match=r"^nri\.plugin_path: unknown"):
-        config_from_dict({"nri": {"plugin_path": "/opt/nri"}})
+    with pytest.raises(ConfigError, match=r"^nri\.plugin_dir: unknown"):
+        config_from_dict({"nri": {"plugin_dir": "/opt/nri"}})
 
 
 @pytest.mark.parametrize(

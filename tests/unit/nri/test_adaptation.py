@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import NotFound
-from cri_shim.nri.adaptation import Adaptation, NriSettings
+from cri_shim.nri.adaptation import (
+    Adaptation,
+    NriSettings,
+    plugin_config,
+    pre_installed_plugins,
+)
 from cri_shim.nri.api import api_pb2
 from cri_shim.nri.ttrpc import CallError, Code
 from tests.nri_plugin import RecordingPlugin, fail_with
@@ -217,3 +222,30 @@ async def test_a_plugin_updates_containers_and_hears_which_failed(adaptation: Ad
     answer = await plugin.update_containers([memory, missing, tolerated, unsupported])
     assert list(answer.failed) == [missing, unsupported]
     assert UPDATED == [("c1", {"memory": {"limit": 1 << 30}})]
+
+
+def test_pre_installed_plugins_are_the_executables_named_nn_name(tmp_path: Path) -> None:
+    for name, mode in [
+        ("10-first", 0o755),
+        ("05-earlier", 0o755),
+        ("20-not-executable", 0o644),
+        ("1-bad-index", 0o755),
+        ("noindex", 0o755),
+    ]:
+        (tmp_path / name).write_text("")
+        (tmp_path / name).chmod(mode)
+    (tmp_path / "30-dir").mkdir()
+    assert pre_installed_plugins(tmp_path) == [
+        (tmp_path / "05-earlier", "05", "earlier"),
+        (tmp_path / "10-first", "10", "first"),
+    ]
+    assert pre_installed_plugins(tmp_path / "missing") == []
+
+
+def test_a_pre_installed_plugins_config_is_nn_name_conf_else_name_conf(tmp_path: Path) -> None:
+    (tmp_path / "logger.conf").write_text("shared")
+    assert plugin_config(tmp_path, "10", "logger") == "shared"
+    (tmp_path / "10-logger.conf").write_text("own")
+    assert plugin_config(tmp_path, "10", "logger") == "own"
+    assert plugin_config(tmp_path, "10", "other") == ""
+    assert plugin_config(None, "10", "logger") == ""
