@@ -162,6 +162,9 @@ class Adaptation:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        # Every plugin hears it, subscribed or not, all at once: the daemon's stop waits
+        # one request budget for them, not one per plugin.
+        await asyncio.gather(*(self._shut_down(plugin) for plugin in list(self._plugins)))
         for plugin in list(self._plugins):
             await self._drop(plugin, "the runtime is stopping")
         for launched in self._launched:
@@ -341,6 +344,18 @@ class Adaptation:
                 if not update.ignore_failure:
                     failed.append(update)
         return failed
+
+    async def _shut_down(self, plugin: Plugin) -> None:
+        try:
+            await plugin.connection.call(
+                PLUGIN_SERVICE,
+                "Shutdown",
+                api_pb2.Empty(),
+                api_pb2.Empty(),
+                self.settings.request_timeout,
+            )
+        except (CallError, ConnectionClosed) as e:
+            log.warning("NRI: plugin %s: shutdown: %s", plugin.id, e)
 
     async def _drop(self, plugin: Plugin, reason: str) -> None:
         if plugin in self._plugins:

@@ -299,4 +299,5 @@ def test_a_pre_installed_plugin_is_launched_configured_served_and_stopped(
         "CreateContainer",
     ]
     daemon.stop()
+    assert seen()[-1] == "Shutdown"
     assert not Path(f"/proc/{pid}").exists()

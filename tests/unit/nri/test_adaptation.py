@@ -249,3 +249,22 @@ def test_a_pre_installed_plugins_config_is_nn_name_conf_else_name_conf(tmp_path:
     assert plugin_config(tmp_path, "10", "logger") == "own"
     assert plugin_config(tmp_path, "10", "other") == ""
     assert plugin_config(None, "10", "logger") == ""
+
+
+async def test_plugins_are_told_of_the_shutdown_within_one_request_budget() -> None:
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=0.5)
+        nri = Adaptation(settings, World().snapshot)
+        await nri.start()
+        # Subscribed to nothing of the shutdown: it is told all the same.
+        quick = await joined(nri, RecordingPlugin(name="quick", events=[api_pb2.RUN_POD_SANDBOX]))
+        slow = await joined(nri, RecordingPlugin(name="slow", delays={"Shutdown": 5.0}))
+        other = await joined(nri, RecordingPlugin(name="other", delays={"Shutdown": 5.0}))
+        started = asyncio.get_running_loop().time()
+        await nri.stop()
+        assert asyncio.get_running_loop().time() - started < 1.0
+        for plugin in (quick, slow, other):
+            assert plugin.methods[-1] == "Shutdown"
+            assert plugin.connection is not None
+            await plugin.connection.closed.wait()
+            await plugin.close()
