@@ -45,7 +45,7 @@ from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
 from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.sandboxes import Pods
-from cri_shim.nri.adjust import apply_adjustments
+from cri_shim.nri.adjust import adjust_update, apply_adjustments, nri_resources_of
 from cri_shim.nri.api import api_pb2 as nri_api
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of, container_of_record, pod_of_record
@@ -598,7 +598,30 @@ class ContainerLifecycle:
         container = self.get(ref)
         if container.state == EXITED:
             raise FailedPrecondition(f"container {container.id} has exited")
-        await self.backend_of(container).update_resources(container.id, resources)
+        backend = self.backend_of(container)
+        nri = self._nri
+        if (
+            nri is None
+            or not nri.enabled
+            or not isinstance(resources, api_pb2.LinuxContainerResources)
+        ):
+            # Plugins' own updates come as OCI resources and are not told back to them.
+            await backend.update_resources(container.id, resources)
+            return
+        # Plugins may change a CRI update before it is applied, or refuse it.
+        pod, told = (
+            pod_of_record(self._pods.get(container.sandbox_id)),
+            container_of_record(container),
+        )
+        changes = await nri.update_container(pod, told, nri_resources_of(resources))
+        if changes:
+            changed = api_pb2.LinuxContainerResources()
+            changed.CopyFrom(resources)
+            adjust_update(changed, changes)
+            resources = changed
+        await backend.update_resources(container.id, resources)
+        told.linux.resources.CopyFrom(nri_resources_of(resources))
+        await nri.container_event(nri_api.POST_UPDATE_CONTAINER, pod, told)
 
     def streaming_endpoint(self, ref: str) -> ContainerEndpoint:
         """Where the streaming server reaches a container (exec, attach)."""

@@ -156,3 +156,64 @@ def unsupported_resources(resources: api_pb2.LinuxResources) -> list[str]:
         if f.name not in _APPLIED_CPU
     ]
     return unsupported
+
+
+# A CRI update's fields as NRI LinuxResources: (CRI field, NRI section, NRI field).
+_CRI_UPDATE_FIELDS = (
+    ("memory_limit_in_bytes", "memory", "limit"),
+    ("memory_swap_limit_in_bytes", "memory", "swap"),
+    ("cpu_shares", "cpu", "shares"),
+    ("cpu_quota", "cpu", "quota"),
+    ("cpu_period", "cpu", "period"),
+    ("cpuset_cpus", "cpu", "cpus"),
+    ("cpuset_mems", "cpu", "mems"),
+)
+
+
+def nri_resources_of(resources: Any) -> api_pb2.LinuxResources:
+    """A CRI LinuxContainerResources update as plugins see it (the fields that are set)."""
+    out = api_pb2.LinuxResources()
+    for cri, section, name in _CRI_UPDATE_FIELDS:
+        value = getattr(resources, cri)
+        if not value:
+            continue
+        target = getattr(out, section)
+        if name in {"cpus", "mems"}:
+            setattr(target, name, value)
+        else:
+            getattr(target, name).value = value
+    return out
+
+
+def adjust_update(resources: Any, updates: list[tuple[str, api_pb2.LinuxResources]]) -> None:
+    """Apply plugins' changes to a CRI update (a LinuxContainerResources, in place), in
+    plugin order; two plugins changing one field, or a field a CRI update cannot carry,
+    fail the update by the plugins' names."""
+    owner: dict[str, str] = {}
+    for plugin, changed in updates:
+        # A CRI update has no pids limit nor memory reservation to carry these in.
+        unsupported = unsupported_resources(changed)
+        if changed.HasField("pids"):
+            unsupported.append("linux.resources.pids")
+        if changed.memory.HasField("reservation"):
+            unsupported.append("linux.resources.memory.reservation")
+        if unsupported:
+            raise AdjustmentRefused(
+                f"NRI plugin {plugin}: cannot apply to an update: {', '.join(unsupported)}"
+            )
+        for cri, section, name in _CRI_UPDATE_FIELDS:
+            part = getattr(changed, section)
+            if name in {"cpus", "mems"}:
+                if not getattr(part, name):
+                    continue
+                value = getattr(part, name)
+            elif part.HasField(name):
+                value = getattr(part, name).value
+            else:
+                continue
+            if cri in owner:
+                raise AdjustmentRefused(
+                    f"NRI plugins {owner[cri]} and {plugin} both change {section}.{name}"
+                )
+            owner[cri] = plugin
+            setattr(resources, cri, value)

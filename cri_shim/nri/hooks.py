@@ -8,7 +8,8 @@ removal and a restart that rolls back an interrupted creation all run the journa
 plugin hears of the end exactly once, whichever way the object goes. A kubelet retry
 answered from the creation cache creates nothing, so the plugin hears nothing new.
 
-Events that can refuse (RunPodSandbox, CreateContainer, StartContainer) fail the call
+Events that can refuse (RunPodSandbox, CreateContainer, StartContainer, UpdateContainer)
+fail the call
 with the plugin's message; the others only inform, and a plugin's error is logged.
 """
 
@@ -153,6 +154,39 @@ class NriHooks:
                 )
         return [(plugin, answer.adjust) for plugin, answer in answers if answer.HasField("adjust")]
 
+    async def update_container(
+        self,
+        pod: api_pb2.PodSandbox,
+        container: api_pb2.Container,
+        resources: api_pb2.LinuxResources,
+    ) -> list[tuple[str, api_pb2.LinuxResources]]:
+        """UpdateContainer, which may refuse: the plugins' changes to this container's
+        update, in plugin order."""
+        request = api_pb2.UpdateContainerRequest(
+            pod=pod, container=container, linux_resources=resources
+        )
+        answers = await self._call(
+            api_pb2.UPDATE_CONTAINER,
+            "UpdateContainer",
+            request,
+            api_pb2.UpdateContainerResponse,
+            True,
+        )
+        changes: list[tuple[str, api_pb2.LinuxResources]] = []
+        for plugin, answer in answers:
+            for update in answer.update:
+                if update.container_id == container.id:
+                    changes.append((plugin, update.linux.resources))
+                else:
+                    log.warning(
+                        "NRI plugin %s: updates of other containers during an update are "
+                        "not applied",
+                        plugin,
+                    )
+            if answer.evict:
+                log.warning("NRI plugin %s: evictions are not applied", plugin)
+        return changes
+
     def announced(self) -> tuple[dict[str, api_pb2.PodSandbox], dict[str, api_pb2.Container]]:
         """The pods and containers plugins were told of and not yet told the end of, as
         they were told; visible or not (in flight, or in the creation cache)."""
@@ -214,7 +248,7 @@ class NriHooks:
     async def container_event(
         self, event: int, pod: api_pb2.PodSandbox, container: api_pb2.Container
     ) -> None:
-        """PostCreate, Start (which may refuse) and PostStart."""
+        """PostCreate, Start (which may refuse), PostStart and PostUpdate."""
         await self._tell(event, pod=pod, container=container)
 
     async def _tell(self, event: int, **fields: ProtoMessage) -> None:
@@ -261,6 +295,11 @@ _EVENTS: dict[int, tuple[str, Any, type[ProtoMessage]]] = {
         "StartContainer",
         api_pb2.StartContainerRequest,
         api_pb2.StartContainerResponse,
+    ),
+    api_pb2.POST_UPDATE_CONTAINER: (
+        "PostUpdateContainer",
+        api_pb2.PostUpdateContainerRequest,
+        api_pb2.PostUpdateContainerResponse,
     ),
     api_pb2.POST_START_CONTAINER: (
         "PostStartContainer",

@@ -159,6 +159,56 @@ def test_a_plugin_updates_a_running_containers_memory_limit(
         remove(nri_daemon, container_id)
 
 
+def raise_memory(request: Message) -> Message:
+    assert isinstance(request, nri.UpdateContainerRequest)
+    if request.linux_resources.memory.limit.value == 3 * LIMIT:
+        raise fail_with("update refused by the test plugin")(request)
+    response = nri.UpdateContainerResponse()
+    update = response.update.add(container_id=request.container.id)
+    update.linux.resources.memory.limit.value = 2 * LIMIT
+    return response
+
+
+def test_plugins_change_a_cri_update_or_refuse_it_and_hear_what_was_applied(
+    nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
+) -> None:
+    plugin.responders["UpdateContainer"] = raise_memory
+    with pod(nri_daemon, "cri-updated", short_tmp) as p:
+        container_id = create(nri_daemon, p, container_config("long", "sleep 60"))
+        start(nri_daemon, container_id)
+        nri_daemon.runtime().UpdateContainerResources(
+            api_pb2.UpdateContainerResourcesRequest(
+                container_id=container_id,
+                linux=api_pb2.LinuxContainerResources(memory_limit_in_bytes=LIMIT),
+            ),
+            timeout=30,
+        )
+        got = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT])
+        assert got.stdout.decode().strip() == str(2 * LIMIT)
+        asked = plugin.calls[plugin.methods.index("UpdateContainer")][1]
+        assert isinstance(asked, nri.UpdateContainerRequest)
+        assert asked.container.id == container_id
+        assert asked.linux_resources.memory.limit.value == LIMIT
+        wait_until(lambda: "PostUpdateContainer" in plugin.methods)
+        told = plugin.calls[plugin.methods.index("PostUpdateContainer")][1]
+        assert isinstance(told, nri.PostUpdateContainerRequest)
+        assert told.container.linux.resources.memory.limit.value == 2 * LIMIT
+
+        with pytest.raises(grpc.RpcError) as err:
+            nri_daemon.runtime().UpdateContainerResources(
+                api_pb2.UpdateContainerResourcesRequest(
+                    container_id=container_id,
+                    linux=api_pb2.LinuxContainerResources(memory_limit_in_bytes=3 * LIMIT),
+                ),
+                timeout=30,
+            )
+        assert "NRI plugin 10-recorder: update refused by the test plugin" in err.value.details()
+        got = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT])
+        assert got.stdout.decode().strip() == str(2 * LIMIT)
+        assert plugin.methods.count("PostUpdateContainer") == 1
+        remove(nri_daemon, container_id)
+
+
 def test_a_retry_answered_from_the_cache_is_no_second_creation_for_plugins(
     make_daemon: Any, short_tmp: Path, busybox_layout: Path
 ) -> None:

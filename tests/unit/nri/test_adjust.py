@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from cri_shim.nri.adjust import AdjustmentRefused, apply_adjustments
+from cri_shim.api.v1 import api_pb2 as cri_api
+from cri_shim.nri.adjust import (
+    AdjustmentRefused,
+    adjust_update,
+    apply_adjustments,
+    nri_resources_of,
+)
 from cri_shim.nri.api import api_pb2
 
 
@@ -79,3 +85,28 @@ def test_args_and_oom_score_adj() -> None:
     s = spec()
     apply_adjustments(s, [("10-a", adjustment)])
     assert s["process"]["args"] == ["sleep", "1"] and s["process"]["oomScoreAdj"] == 500
+
+
+def test_plugins_change_a_cri_update_in_order_and_conflicts_are_named() -> None:
+    update = cri_api.LinuxContainerResources(memory_limit_in_bytes=1 << 20, cpu_shares=512)
+    asked = nri_resources_of(update)
+    assert (asked.memory.limit.value, asked.cpu.shares.value) == (1 << 20, 512)
+    assert not asked.cpu.HasField("quota")
+    memory = api_pb2.LinuxResources()
+    memory.memory.limit.value = 2 << 20
+    cpus = api_pb2.LinuxResources()
+    cpus.cpu.cpus = "0-1"
+    adjust_update(update, [("10-a", memory), ("20-b", cpus)])
+    assert (update.memory_limit_in_bytes, update.cpuset_cpus, update.cpu_shares) == (
+        2 << 20,
+        "0-1",
+        512,
+    )
+    with pytest.raises(
+        AdjustmentRefused, match=r"NRI plugins 10-a and 30-c both change memory\.limit"
+    ):
+        adjust_update(update, [("10-a", memory), ("30-c", memory)])
+    pids = api_pb2.LinuxResources()
+    pids.pids.limit = 10
+    with pytest.raises(AdjustmentRefused, match=r"NRI plugin 40-d: .*linux\.resources\.pids"):
+        adjust_update(update, [("40-d", pids)])
