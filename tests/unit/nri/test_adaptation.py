@@ -268,3 +268,26 @@ async def test_plugins_are_told_of_the_shutdown_within_one_request_budget() -> N
             assert plugin.connection is not None
             await plugin.connection.closed.wait()
             await plugin.close()
+
+
+async def test_a_pre_installed_plugin_that_exits_is_logged_not_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs = tmp_path / "runs"
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    script = plugins / "30-quitter"
+    script.write_text(f'#!/bin/sh\necho "$NRI_PLUGIN_IDX-$NRI_PLUGIN_NAME" >> {runs}\nexit 3\n')
+    script.chmod(0o755)
+    settings = NriSettings(
+        socket_path=tmp_path / "nri.sock", registration_timeout=0.5, plugin_path=plugins
+    )
+    nri = Adaptation(settings, World().snapshot)
+    await nri.start()
+    try:
+        await until(lambda: "exited with status 3" in caplog.text)
+        await asyncio.sleep(0.6)  # past the registration timeout: nothing starts it again
+        assert runs.read_text().splitlines() == ["30-quitter"]
+        assert not nri.plugins
+    finally:
+        await nri.stop()
