@@ -63,6 +63,7 @@ async def status(
         ),
     )
     if request.verbose:
+        apparmor = apparmor_enabled()
         info = {
             "config": {
                 "root": str(services.config.root),
@@ -74,9 +75,9 @@ async def status(
             "creation": services.creation_stats(),
             # RuntimeDefault is the host's own confinement: none where AppArmor is off.
             "apparmor": {
-                "enabled": apparmor_enabled(),
+                "enabled": apparmor,
                 "runtime_default": "the host's default profile"
-                if apparmor_enabled()
+                if apparmor
                 else "unconfined: AppArmor is not enabled on this host",
             },
         }
