@@ -19,6 +19,7 @@ from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.events import ContainerEvent, EventBus
 from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
+from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
@@ -142,6 +143,7 @@ def build_components(config: Config) -> Components:
         config.streaming.tls_key,
         RuncStreamingBackend(containers.streaming_endpoint, pods.netns_of),
     )
+    interval = config.metrics.event_loop_sample_interval
     components = Components(
         config=config,
         db=db,
@@ -156,6 +158,7 @@ def build_components(config: Config) -> Components:
         # Counted only to be exported: without `[metrics] listen` nothing is counted.
         metrics=Metrics() if config.metrics.listen else None,
         nri=nri,
+        loop_monitor=LoopMonitor(interval) if interval else None,
     )
     return components
 

@@ -17,7 +17,6 @@ import time
 import grpc
 
 from cri_shim import logcontext
-from cri_shim.api.v1 import api_pb2_grpc
 from cri_shim.composition import build_components
 from cri_shim.config import Config
 from cri_shim.host.process import set_child_subreaper
@@ -28,7 +27,7 @@ from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.server.components import Components
 from cri_shim.server.listing import reply_limit
-from cri_shim.server.services import ImageService, RuntimeService
+from cri_shim.server.services import ImageService, RuntimeService, add_to_server
 from cri_shim.server.unix_socket import bind_unix_socket
 
 log = logging.getLogger("cri_shim.daemon")
@@ -119,6 +118,9 @@ class Daemon:
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
+        if services.loop_monitor is not None:
+            monitor = services.loop_monitor.run()
+            self._background.add(asyncio.create_task(monitor, name="loop-monitor"))
         # Container events (issue 10): exits noticed as conmon writes them, so a stopped
         # event does not wait for someone to ask.
 
@@ -163,8 +165,7 @@ class Daemon:
             + limits.max_reads_in_flight
             + STREAM_HEADROOM,
         )
-        api_pb2_grpc.add_RuntimeServiceServicer_to_server(self.runtime_service, server)  # type: ignore[no-untyped-call]
-        api_pb2_grpc.add_ImageServiceServicer_to_server(self.image_service, server)  # type: ignore[no-untyped-call]
+        add_to_server(server, self.runtime_service, self.image_service)
         # Mode 0660, group socket_group, in a directory only root writes (issue 9).
         bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()

@@ -129,7 +129,11 @@ class ServicesCollector:
         self._services = services
 
     def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         events = CounterMetricFamily(
             "cri_shim_creation_events",
@@ -200,6 +204,15 @@ class ServicesCollector:
         for state in sorted(set(CONTAINER_STATES) | set(by_state)):
             containers.add_metric([state], by_state[state])
         yield containers
+        monitor = self._services.loop_monitor
+        if monitor is not None:
+            lag = HistogramMetricFamily(
+                "cri_shim_event_loop_lag_seconds",
+                "How late the event loop ran a task that was due, sampled every "
+                "[metrics] event_loop_sample_interval: how long a request arriving then waited",
+            )
+            lag.add_metric([], monitor.cumulative(), monitor.total_lag)
+            yield lag
 
 
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:]*)):(?P<port>\d+)$")

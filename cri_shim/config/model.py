@@ -116,6 +116,8 @@ class StreamingSection:
 @dataclass
 class MetricsConfig:
     listen: str = ""
+    # How often the event loop's lag is sampled (loop_monitor.py); 0 turns it off.
+    event_loop_sample_interval: float = 0.1
 
 
 @dataclass

@@ -106,6 +106,9 @@ KEY_DOCS: dict[str, str] = {
     "requests.max_reads_in_flight": "calls answered from the state (list, status, stats, "
     "version) running at once; more are refused with RESOURCE_EXHAUSTED",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
+    "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled, shown "
+    "in Status (verbose) as `eventLoop` and exported as `cri_shim_event_loop_lag_seconds`; a "
+    "stall longer than this is always seen; 0 is off",
     "streaming.address": "host:port of the exec/attach/port-forward server whose URLs the "
     "streaming RPCs return; port 0 picks a free port, loopback suffices as kubelet proxies",
     "streaming.tls_cert": "PEM certificate to serve the streaming URLs over HTTPS (with `tls_key`)",

@@ -183,8 +183,18 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
 
 
 def _load_metrics(table: dict[str, Any]) -> MetricsConfig:
-    _unknown(table, {"listen"}, "metrics.")
+    _unknown(table, {"listen", "event_loop_sample_interval"}, "metrics.")
     metrics = MetricsConfig()
+    if "event_loop_sample_interval" in table:
+        interval = parse_duration(
+            table["event_loop_sample_interval"], "metrics.event_loop_sample_interval"
+        )
+        if 0 < interval < 0.001:
+            raise ConfigError(
+                "metrics.event_loop_sample_interval: at least 1ms (or 0 for off), got "
+                f"{table['event_loop_sample_interval']!r}"
+            )
+        metrics.event_loop_sample_interval = interval
     if "listen" in table:
         metrics.listen = _check_host_port(
             _expect(table["listen"], str, "metrics.listen", "host:port"), "metrics.listen"

@@ -46,9 +46,11 @@ class OrphanReaper:
         return reaped
 
     async def run(self, interval: float = DEFAULT_INTERVAL) -> None:
-        """Scan for ever; cancel to stop. Own it in the daemon's task group."""
+        """Scan for ever; cancel to stop. Own it in the daemon's task group. The scan
+        reads /proc: off the event loop, which it would otherwise hold for as long as it
+        takes to get the interpreter back after every read."""
         while True:
-            self.scan()
+            await asyncio.to_thread(self.scan)
             await asyncio.sleep(interval)
 
 
@@ -56,15 +58,30 @@ def _zombie_children() -> list[tuple[int, int]]:
     """(pid, start time) of this process's zombie children."""
     me = os.getpid()
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in _children(me):
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
                 raw = handle.read()
         except OSError:
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()
         if fields[0] == b"Z" and int(fields[1]) == me:
-            found.append((int(entry.name), int(fields[19])))
+            found.append((pid, int(fields[19])))
     return found
+
+
+def _children(me: int) -> list[int]:
+    """The pids of this process's children: each thread's `children` file (a child
+    belongs to the thread that forked it, an adopted orphan to any of them), or every
+    process when the kernel has no such files (CONFIG_PROC_CHILDREN); the caller checks
+    the parent. A child missed while the list changes is found at the next scan."""
+    if not os.path.exists(f"/proc/{me}/task/{me}/children"):
+        return [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+    pids: list[int] = []
+    for thread in os.scandir(f"/proc/{me}/task"):
+        try:
+            with open(f"{thread.path}/children", "rb") as handle:
+                pids.extend(int(pid) for pid in handle.read().split())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return pids

@@ -15,6 +15,7 @@ from cri_shim.images.on_demand import PullerOnDemand
 from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.sandboxes import SandboxLifecycle
+from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import Metrics
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.runtime.stats import CpuRates
@@ -42,6 +43,8 @@ class Components:
     metrics: Metrics | None
     cpu_rates: CpuRates = field(default_factory=CpuRates)
     nri: NriHooks | None = None  # None in tests that build components by hand
+    # None with `[metrics] event_loop_sample_interval = 0`; the daemon runs it.
+    loop_monitor: LoopMonitor | None = None
 
     def creation_stats(self) -> dict[str, Any]:
         return {

@@ -150,12 +150,14 @@ async def admitted(
     request: Any,
     context: grpc.aio.ServicerContext,
     deadline: float | None,
+    large: bool = False,
 ) -> Any:
     """Run `handler` for `request` once it is valid and admitted (see the module
-    docstring); raises the domain errors the rpc wrapper maps to status codes."""
+    docstring); raises the domain errors the rpc wrapper maps to status codes. `large`:
+    the request was too big to parse on the event loop (server/wire.py)."""
     name = handler.__name__
     rpc = _rpc_name(name)
-    if rpc in _VALIDATED_OFF_LOOP or request.ByteSize() > _LARGE_REQUEST:
+    if rpc in _VALIDATED_OFF_LOOP or large:
         # Checking a request of many megabytes takes seconds of Python, and
         # CreateContainer's checks stat host paths (a hung NFS mount): neither may hold up
         # the RPCs served beside it.
@@ -167,7 +169,6 @@ async def admitted(
 
 
 _VALIDATED_OFF_LOOP = frozenset({"CreateContainer"})
-_LARGE_REQUEST = 256 * 1024
 
 
 def _rpc_name(handler_name: str) -> str:

@@ -10,9 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cri_shim import errors, logcontext
 from cri_shim.server.limits import admitted
+from cri_shim.server.wire import LargeRequest
 
 if TYPE_CHECKING:
     from cri_shim.server.components import Components
@@ -96,10 +98,13 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
         code = grpc.StatusCode.OK
         with logcontext.scope():  # what the request binds ends with it
             try:
+                large = isinstance(request, LargeRequest)
+                if large:
+                    request = await _parse_off_loop(name, request)
                 bind_request_objects(services, request)
                 # Validated and admitted first (issue 9): a bad or surplus call does nothing.
                 return await admitted(
-                    handler, services, request, context, request_deadline(context)
+                    handler, services, request, context, request_deadline(context), large
                 )
             except errors.CriError as exc:
                 code = status_code(exc)
@@ -120,6 +125,15 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
 
     method.__name__ = name
     return method
+
+
+async def _parse_off_loop(name: str, request: LargeRequest) -> Any:
+    try:
+        return await asyncio.to_thread(request.parse)
+    except DecodeError as exc:
+        raise errors.InvalidArgument(
+            f"{name}: the request is not a valid {request.message_class.__name__}: {exc}"
+        ) from None
 
 
 def unimplemented(

@@ -81,6 +81,8 @@ async def status(
                 else "unconfined: AppArmor is not enabled on this host",
             },
         }
+        if services.loop_monitor is not None:
+            info["eventLoop"] = services.loop_monitor.report()
         response.info["info"] = json.dumps(info, sort_keys=True)
     return response
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.server import (
@@ -17,6 +19,7 @@ from cri_shim.server import (
     streaming,
 )
 from cri_shim.server.rpc import rpc, unimplemented
+from cri_shim.server.wire import deserializer
 
 if TYPE_CHECKING:
     from cri_shim.server.components import Components
@@ -88,3 +91,27 @@ def _fill_unimplemented() -> None:
 
 
 _fill_unimplemented()
+
+
+def add_to_server(server: grpc.aio.Server, runtime: RuntimeService, image: ImageService) -> None:
+    """Serve both services on `server`. Each method's requests are deserialized so that
+    a large one is parsed off the event loop (server/wire.py); replies as protobuf does."""
+    for servicer, service in ((runtime, "RuntimeService"), (image, "ImageService")):
+        descriptor = api_pb2.DESCRIPTOR.services_by_name[service]
+        handlers: dict[str, Any] = {}
+        for method in descriptor.methods:
+            assert not method.client_streaming, f"{method.full_name} streams requests"
+            handler = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
+            )
+            handlers[method.name] = handler(
+                getattr(servicer, method.name),
+                request_deserializer=deserializer(getattr(api_pb2, method.input_type.name)),
+                response_serializer=getattr(api_pb2, method.output_type.name).SerializeToString,
+            )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
+        )
+        server.add_registered_method_handlers(descriptor.full_name, handlers)

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -374,9 +375,18 @@ def test_a_damaged_state_database_stops_the_start_with_one_line(make_daemon: typ
     assert not daemon.socket.exists()
 
 
-def test_a_huge_request_does_not_stall_the_rpcs_served_beside_it(daemon: Daemon) -> None:
-    # About 12 MiB of arguments and environment: seconds of checking, and the event loop
-    # must keep serving meanwhile.
+def _event_loop(daemon: Daemon) -> dict[str, Any]:
+    status = daemon.runtime().Status(api_pb2.StatusRequest(verbose=True), timeout=30)
+    report: dict[str, Any] = json.loads(status.info["info"])["eventLoop"]
+    return report
+
+
+def test_a_huge_request_does_not_stall_the_rpcs_served_beside_it(make_daemon: type) -> None:
+    # About 12 MiB of arguments and environment: a second of parsing and checking, and
+    # the event loop must keep serving meanwhile. The daemon samples its own loop every
+    # 5 ms (loop_monitor.py): what this process's threads see is noisier than that.
+    daemon: Daemon = make_daemon(settings={"metrics": {"event_loop_sample_interval": "5ms"}})
+    daemon.start()
     config = api_pb2.ContainerConfig(
         metadata=api_pb2.ContainerMetadata(name="huge"),
         image=api_pb2.ImageSpec(image="busybox"),
@@ -385,28 +395,46 @@ def test_a_huge_request_does_not_stall_the_rpcs_served_beside_it(daemon: Daemon)
         envs=[api_pb2.KeyValue(key=f"K{i}", value=b"v") for i in range(200_000)],
     )
     request = api_pb2.CreateContainerRequest(pod_sandbox_id="missing", config=config)
-    latencies: list[float] = []
+    answered: list[float] = []
     done = threading.Event()
 
     def versions() -> None:
         runtime = daemon.runtime()
         while not done.is_set():
-            started = time.monotonic()
             runtime.Version(api_pb2.VersionRequest(), timeout=30)
-            latencies.append(time.monotonic() - started)
+            answered.append(time.monotonic())
             time.sleep(0.01)
 
     beside = threading.Thread(target=versions)
     beside.start()
     try:
         time.sleep(0.2)
+        before = _event_loop(daemon)
         started = time.monotonic()
         code, details = code_of(lambda: daemon.runtime().CreateContainer(request, timeout=60))
-        checked = time.monotonic() - started
+        ended = time.monotonic()
+        after = _event_loop(daemon)
     finally:
         done.set()
         beside.join()
     assert code == grpc.StatusCode.NOT_FOUND, details
-    assert checked > 0.5  # the check really is long: otherwise this proves nothing
-    # The slowest Version answered while the check ran: the loop was never held for long.
-    assert max(latencies) < 0.25, (max(latencies), checked)
+    assert ended - started > 0.5  # the check really is long: otherwise this proves nothing
+    # Other calls were answered all along, and the loop was never held for 100 ms.
+    assert sum(started < at < ended for at in answered) >= 10, (answered, started, ended)
+    assert after["samples"] - before["samples"] >= 20, (before, after)
+    assert after["stallsOverMs"]["100"] == before["stallsOverMs"]["100"], (before, after)
+
+
+def test_large_requests_parsed_off_the_loop_are_answered_as_small_ones(daemon: Daemon) -> None:
+    # Over 256 KiB a request is parsed in a worker thread (server/wire.py): the same
+    # answers as parsed whole, and bytes that are no request are INVALID_ARGUMENT.
+    big = api_pb2.ExecSyncRequest(container_id="nonexistent", cmd=["x" * 1000] * 400)
+    code, details = code_of(lambda: daemon.runtime().ExecSync(big, timeout=30))
+    assert code == grpc.StatusCode.NOT_FOUND, details
+    assert "nonexistent" in details
+    call = daemon.channel().unary_unary("/runtime.v1.RuntimeService/ExecSync")
+    garbage = b"\x0a\x80\xa6\x12" + b"x" * (300 * 1024)  # container_id: 300 KiB and more
+    code, details = code_of(lambda: call(garbage + b"\x0f", timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "not a valid ExecSyncRequest" in details
+    daemon.runtime().Version(api_pb2.VersionRequest(), timeout=30)

@@ -204,3 +204,17 @@ def test_metrics_listen_accepts_host_port(value: str) -> None:
 def test_metrics_listen_rejects_what_is_not_host_port(value: str) -> None:
     with pytest.raises(ConfigError, match=r"^metrics.listen: expected host:port"):
         config_from_dict({"metrics": {"listen": value}})
+
+
+def test_the_event_loop_sample_interval_is_a_duration_of_a_millisecond_or_more() -> None:
+    assert config_from_dict({}).metrics.event_loop_sample_interval == 0.1
+    config = config_from_dict({"metrics": {"event_loop_sample_interval": "5ms"}})
+    assert config.metrics.event_loop_sample_interval == 0.005
+    assert (
+        config_from_dict(
+            {"metrics": {"event_loop_sample_interval": 0}}
+        ).metrics.event_loop_sample_interval
+        == 0
+    )
+    with pytest.raises(ConfigError, match=r"^metrics.event_loop_sample_interval: at least 1ms"):
+        config_from_dict({"metrics": {"event_loop_sample_interval": "0.5ms"}})

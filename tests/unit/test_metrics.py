@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cri_shim import metrics as metrics_module
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.errors import DeadlineExceeded, NameReserved
+from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import (
     Metrics,
     MetricsEndpoint,
@@ -161,6 +162,7 @@ class FakeServices:
     )
     sandbox_states: list[str] = field(default_factory=list)
     container_states: list[str] = field(default_factory=list)
+    loop_monitor: LoopMonitor | None = None
 
     def creation_stats(self) -> dict[str, Any]:
         return {"sandbox": self.sandbox_coordinator.stats()}
@@ -249,6 +251,21 @@ async def test_objects_are_counted_by_state_with_zeros_for_the_rest() -> None:
     assert found[("cri_shim_containers", frozenset({("state", "running")}))] == 2
     assert found[("cri_shim_containers", frozenset({("state", "created")}))] == 0
     assert found[("cri_shim_containers", frozenset({("state", "unknown")}))] == 0
+
+
+async def test_the_event_loops_lag_is_a_histogram() -> None:
+    services = FakeServices(loop_monitor=LoopMonitor(0.1))
+    assert services.loop_monitor is not None
+    for lag in (0.0005, 0.02, 0.3):
+        services.loop_monitor.record(lag)
+    services.metrics.registry.register(ServicesCollector(services))  # type: ignore[arg-type]
+    found = scrape(services)
+    bucket = "cri_shim_event_loop_lag_seconds_bucket"
+    assert found[(bucket, frozenset({("le", "0.001")}))] == 1
+    assert found[(bucket, frozenset({("le", "0.1")}))] == 2
+    assert found[(bucket, frozenset({("le", "+Inf")}))] == 3
+    assert found[("cri_shim_event_loop_lag_seconds_count", frozenset())] == 3
+    assert found[("cri_shim_event_loop_lag_seconds_sum", frozenset())] == pytest.approx(0.3205)
 
 
 # ---- the endpoint -------------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""How long the event loop is held: the daemon's one thread answers every RPC, so any
+piece of work that runs on it for long delays every call served beside it.
+
+A task sleeps `[metrics] event_loop_sample_interval` at a time and records how late it
+wakes: the lag, which is how long a request arriving at that moment would have waited
+for the loop. A stall longer than the interval is always seen (its length, less at most
+one interval); shorter ones are sampled. Reported in Status (verbose) as `eventLoop` and,
+when the exporter runs, as the histogram `cri_shim_event_loop_lag_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from typing import Any
+
+# Upper bounds of the histogram's buckets, seconds.
+BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+class LoopMonitor:
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.samples = 0
+        self.total_lag = 0.0
+        self.longest = 0.0
+        # counts[i]: samples with a lag of at most BOUNDS[i] (and over BOUNDS[i-1]); the
+        # last one counts those over every bound.
+        self.counts = [0] * (len(BOUNDS) + 1)
+
+    def record(self, lag: float) -> None:
+        lag = max(lag, 0.0)
+        self.samples += 1
+        self.total_lag += lag
+        self.longest = max(self.longest, lag)
+        self.counts[bisect.bisect_left(BOUNDS, lag)] += 1
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval
+            await asyncio.sleep(self.interval)
+            self.record(loop.time() - due)
+
+    def stalls_over(self, bound: float) -> int:
+        """Samples whose lag was over `bound` (one of BOUNDS)."""
+        return sum(self.counts[BOUNDS.index(bound) + 1 :])
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, samples at or under it) as a Prometheus histogram has them."""
+        buckets = []
+        running = 0
+        for bound, count in zip(BOUNDS, self.counts, strict=False):
+            running += count
+            buckets.append((str(bound), running))
+        buckets.append(("+Inf", self.samples))
+        return buckets
+
+    def report(self) -> dict[str, Any]:
+        """What Status (verbose) shows, in milliseconds."""
+        return {
+            "sampleIntervalMs": round(self.interval * 1000, 3),
+            "samples": self.samples,
+            "longestStallMs": round(self.longest * 1000, 3),
+            "stallsOverMs": {
+                f"{bound * 1000:g}": self.stalls_over(bound) for bound in (0.001, 0.01, 0.1, 1.0)
+            },
+        }

@@ -1,0 +1,41 @@
+"""loop_monitor.py: a stall of the event loop is seen and counted in its bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cri_shim.loop_monitor import LoopMonitor
+
+
+def test_lags_are_counted_by_bucket() -> None:
+    monitor = LoopMonitor(0.01)
+    for lag in (0.0002, 0.003, 0.003, 0.02, 0.25, 2.0, -0.001):
+        monitor.record(lag)
+    assert monitor.samples == 7
+    assert monitor.longest == 2.0
+    assert monitor.stalls_over(0.001) == 5
+    assert monitor.stalls_over(0.1) == 2
+    assert monitor.stalls_over(1.0) == 1
+    buckets = dict(monitor.cumulative())
+    assert buckets["0.001"] == 2 and buckets["0.005"] == 4 and buckets["+Inf"] == 7
+    report = monitor.report()
+    assert report["longestStallMs"] == 2000.0
+    assert report["stallsOverMs"] == {"1": 5, "10": 3, "100": 2, "1000": 1}
+
+
+def test_a_callback_that_holds_the_loop_is_a_stall() -> None:
+    async def scenario() -> LoopMonitor:
+        monitor = LoopMonitor(0.005)
+        task = asyncio.create_task(monitor.run())
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # noqa: ASYNC251 - holds the loop, as blocking work on it would
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return monitor
+
+    monitor = asyncio.run(scenario())
+    assert monitor.samples >= 3
+    # The sample due during the hold ran at least 0.2 s less one interval late.
+    assert monitor.longest >= 0.19
+    assert monitor.stalls_over(0.1) == 1
