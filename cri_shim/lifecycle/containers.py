@@ -230,7 +230,7 @@ class ContainerLifecycle:
         pid = await self._create_in_runtime(
             container_id, sandbox, config, bundle, spec, context, log_path
         )
-        self.rows.set_pid(container_id, pid)
+        self.rows.set_created(container_id, pid, spec["process"].get("user", {}))
         stage.set(STAGE_CREATED)
         if self._nri is not None and self._nri.enabled:
             container = container_of(container_id, sandbox.id, config, state="created", pid=pid)
@@ -523,10 +523,12 @@ class ContainerLifecycle:
         """Pick up an exit that conmon recorded since we last looked."""
         if container.state != RUNNING:
             return container
-        backend = self._backend(self._handler_of(container))
-        if backend.exit_status(container.id) is None:
-            return container
-        return self._mark_exited(container, backend)
+        # Only the backend that runs it has its exit file: no need to look its handler
+        # up (Status and List ask this of every container they answer with).
+        for backend in self.backends.values():
+            if backend.exit_status(container.id) is not None:
+                return self._mark_exited(container, backend)
+        return container
 
     async def remove(self, ref: str) -> None:
         """Hide the container and answer; its teardown (runc delete, unmounts, its

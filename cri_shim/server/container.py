@@ -157,9 +157,15 @@ def status_mounts(config: api_pb2.ContainerConfig) -> list[api_pb2.Mount]:
 def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:
     """Who the container's process runs as, as runc was told (the OCI spec's
     process.user): kubelet checks the effective supplemental groups against the pod's
-    SupplementalGroupsPolicy. The primary group is listed too, as `id -G` lists it."""
+    SupplementalGroupsPolicy. The primary group is listed too, as `id -G` lists it.
+    Recorded in the row when the runtime made the container; a container made before
+    the daemon recorded it has it read from its bundle's config.json."""
     try:
-        user = json.loads((container.bundle_dir / "config.json").read_text())["process"]["user"]
+        if container.process_user:
+            user = json.loads(container.process_user)
+        else:
+            spec = json.loads((container.bundle_dir / "config.json").read_text())
+            user = spec["process"]["user"]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no spec (yet): nothing to report rather than a guess
     gid = int(user.get("gid", 0))

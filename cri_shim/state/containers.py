@@ -7,6 +7,7 @@ import sqlite3
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.creation.coordinator import Phase
@@ -75,8 +76,12 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
                 "UPDATE containers SET layers = ? WHERE id = ?", (json.dumps(merged), container_id)
             )
 
-    def set_pid(self, container_id: str, pid: int) -> None:
-        self._db.execute("UPDATE containers SET pid = ? WHERE id = ?", (pid, container_id))
+    def set_created(self, container_id: str, pid: int, process_user: dict[str, Any]) -> None:
+        """The runtime made the container: its process and who that runs as."""
+        self._db.execute(
+            "UPDATE containers SET pid = ?, process_user = ? WHERE id = ?",
+            (pid, json.dumps(process_user, sort_keys=True), container_id),
+        )
 
     def mark_running(self, container_id: str, started_at: int) -> None:
         self._db.execute(

@@ -109,6 +109,10 @@ class ObjectRepository(Generic[Record]):
         """A visible object by full ID or unique ID prefix, as crictl users expect."""
         if not ref:
             raise InvalidArgument(f"{self.kind} ID must not be empty")
+        # Clients send full IDs: the primary key finds those; a prefix is a range scan.
+        exact = self.visible(ref)
+        if exact is not None:
+            return exact
         escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         rows = self._db.query(
             f"SELECT * FROM {self.table} WHERE phase = ? AND id LIKE ? ESCAPE '\\' LIMIT 2",

@@ -107,6 +107,9 @@ class ContainerRecord:
     rootfs: Path
     pid: int
     repo_digest: str = ""  # `name@sha256:…`, or "" for an image with no repository digest
+    # The OCI spec's process.user as JSON; "" until the runtime has made the container
+    # (and for containers made before the daemon recorded it).
+    process_user: str = ""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> ContainerRecord:
@@ -133,6 +136,7 @@ class ContainerRecord:
             bundle_dir=Path(row["bundle_dir"]),
             rootfs=Path(row["rootfs"]),
             pid=int(row["pid"]),
+            process_user=row["process_user"],
         )
 
 

@@ -121,4 +121,9 @@ MIGRATIONS: list[str] = [
     UPDATE sandboxes SET phase = 'in_flight' WHERE phase = 'creating';
     UPDATE containers SET phase = 'in_flight' WHERE phase = 'creating'
     """,
+    # 6: who a container's process runs as (the OCI spec's process.user, as JSON), which
+    # ContainerStatus reports: read from the row, not from the bundle's config.json.
+    """
+    ALTER TABLE containers ADD COLUMN process_user TEXT NOT NULL DEFAULT ''
+    """,
 ]

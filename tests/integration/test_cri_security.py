@@ -322,6 +322,15 @@ def test_supplemental_groups_policy_decides_what_the_image_adds(
         user = st.user.linux
         assert (user.uid, user.gid) == (1000, 3000)
         assert sorted(user.supplemental_groups) == expected
+        # Status reads who it runs as from the state, not from the bundle's spec.
+        (spec,) = daemon.root.glob(f"containers/{st.id}/config.json")
+        spec.rename(spec.with_name("config.json.moved"))
+        again = (
+            daemon.runtime()
+            .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=st.id), timeout=30)
+            .status.user.linux
+        )
+        assert again == user
 
 
 def test_status_advertises_the_supplemental_groups_policy(daemon: Daemon) -> None:
