@@ -49,6 +49,7 @@ from cri_shim.nri.adjust import adjust_update, apply_adjustments, nri_resources_
 from cri_shim.nri.api import api_pb2 as nri_api
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of, container_of_record, pod_of_record
+from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import HandlerFeatures, handler_features, require_features
@@ -104,6 +105,8 @@ class ContainerLifecycle:
         self._pause = pause
         self._dir = config.root / "containers"
         self._cdi = CdiRegistry(config.cdi.spec_dirs)
+        # The host's AppArmor: RuntimeDefault loads the runtime's profile when first used.
+        self.apparmor = AppArmor()
         hooks = PersistedCreationHooks(
             rows,
             journal,
@@ -221,6 +224,7 @@ class ContainerLifecycle:
             container_id=container_id,
             image_mounts=image_mounts,
             cdi=self._cdi,
+            apparmor=self.apparmor,
         )
         if self._nri is not None and self._nri.enabled:
             stage.set(STAGE_NRI)

@@ -20,6 +20,7 @@ from typing import Any
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
+from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.capabilities import CapabilitySet, resolve_capabilities
 from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
@@ -134,6 +135,7 @@ def build_spec(
     mountinfo: Callable[[], str] | None = None,
     image_mounts: Mapping[int, Path] | None = None,
     cdi: CdiRegistry | None = None,
+    apparmor: AppArmor | None = None,
 ) -> dict[str, Any]:
     """The config.json for `container_id`. Raises InvalidArgument, naming the field, for
     a request that cannot be run. `target_pid_ns_path` is the PID namespace of the target
@@ -164,9 +166,9 @@ def build_spec(
     if sandbox.userns is not None:
         _require_mapped(sandbox.userns, identity.uid, identity.gid, identity.additional_gids)
     linux = _linux(cfg, sandbox, caps, host, container_id, privileged, target_pid_ns_path, host_dev)
-    apparmor = container_apparmor(sc)
-    if apparmor is not None:
-        process["apparmorProfile"] = apparmor
+    profile = (apparmor or AppArmor()).profile_for(sc)
+    if profile is not None:
+        process["apparmorProfile"] = profile
     mounts, rootfs_propagation = container_mounts(
         cfg, sandbox, privileged=privileged, mountinfo=mountinfo, image_mounts=image_mounts
     )
@@ -466,56 +468,6 @@ def container_seccomp(
     if legacy.startswith("localhost/"):
         return load_localhost_profile(legacy.removeprefix("localhost"), capabilities)
     raise InvalidArgument(f"security_context.seccomp_profile_path: unknown profile {legacy!r}")
-
-
-APPARMOR_ENABLED = Path("/sys/module/apparmor/parameters/enabled")
-APPARMOR_PROFILES = Path("/sys/kernel/security/apparmor/profiles")
-
-
-def apparmor_enabled(enabled_file: Path = APPARMOR_ENABLED) -> bool:
-    try:
-        return enabled_file.read_text().strip() == "Y"
-    except OSError:
-        return False
-
-
-def container_apparmor(
-    sc: api_pb2.LinuxContainerSecurityContext,
-    *,
-    enabled_file: Path = APPARMOR_ENABLED,
-    profiles_file: Path = APPARMOR_PROFILES,
-) -> str | None:
-    """The AppArmor profile for process.apparmorProfile, or None for runc's default.
-
-    This runtime loads no profile of its own: RuntimeDefault means the host's default
-    confinement. A named (Localhost) profile is applied only if the host has AppArmor and
-    the profile is loaded; otherwise the request is refused rather than silently run
-    unconfined. On a host without AppArmor only a named profile is an error."""
-    if sc.HasField("apparmor"):
-        kind = sc.apparmor.profile_type
-        name = sc.apparmor.localhost_ref if kind == api_pb2.SecurityProfile.Localhost else ""
-        unconfined = kind == api_pb2.SecurityProfile.Unconfined
-    else:  # the deprecated string field
-        legacy = sc.apparmor_profile
-        name = legacy.removeprefix("localhost/") if legacy.startswith("localhost/") else ""
-        unconfined = legacy == "unconfined"
-    enabled = apparmor_enabled(enabled_file)
-    if not name:
-        return "unconfined" if unconfined and enabled and not sc.privileged else None
-    field = "security_context.apparmor"
-    if not enabled:
-        raise InvalidArgument(
-            f"{field}: profile {name!r} requested, but AppArmor is not enabled on this host"
-        )
-    try:
-        loaded = {line.rsplit(" (", 1)[0] for line in profiles_file.read_text().splitlines()}
-    except OSError:
-        loaded = set()
-    if name not in loaded:
-        raise InvalidArgument(
-            f"{field}: AppArmor profile {name!r} is not loaded on this host (apparmor_parser)"
-        )
-    return name
 
 
 def container_devices(

@@ -11,7 +11,6 @@ import grpc
 from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
 from cri_shim.runtime.features import handler_features, to_cri
-from cri_shim.runtime.spec import apparmor_enabled
 
 if TYPE_CHECKING:
     from cri_shim.server.components import Components
@@ -63,7 +62,7 @@ async def status(
         ),
     )
     if request.verbose:
-        apparmor = apparmor_enabled()
+        apparmor = services.containers.apparmor
         info = {
             "config": {
                 "root": str(services.config.root),
@@ -73,12 +72,10 @@ async def status(
                 "hand_off": services.config.creation.hand_off,
             },
             "creation": services.creation_stats(),
-            # RuntimeDefault is the host's own confinement: none where AppArmor is off.
+            # RuntimeDefault is the runtime's own profile; unconfined where AppArmor is off.
             "apparmor": {
-                "enabled": apparmor,
-                "runtime_default": "the host's default profile"
-                if apparmor
-                else "unconfined: AppArmor is not enabled on this host",
+                "enabled": apparmor.enabled(),
+                "runtime_default": apparmor.runtime_default(),
             },
         }
         if services.loop_monitor is not None:

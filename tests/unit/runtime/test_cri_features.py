@@ -4,7 +4,6 @@ a container (the integration tests run them for real)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,6 @@ from cri_shim.runtime.features import (
     require_features,
 )
 from cri_shim.runtime.identity import resolve_identity
-from cri_shim.runtime.spec import container_apparmor
 
 
 def test_rro_is_a_feature_only_when_runtime_and_kernel_both_have_it() -> None:
@@ -44,45 +42,6 @@ def test_a_handler_without_rro_refuses_the_mount_by_name() -> None:
     with pytest.raises(InvalidArgument, match=r"mounts\[0\].*handler 'crun'"):
         require_features(config, "crun", HandlerFeatures())
     require_features(config, "runc", HandlerFeatures(recursive_read_only_mounts=True))
-
-
-def _apparmor(tmp_path: Path, enabled: str, loaded: str = "") -> dict[str, Path]:
-    (tmp_path / "enabled").write_text(enabled)
-    (tmp_path / "profiles").write_text(loaded)
-    return {"enabled_file": tmp_path / "enabled", "profiles_file": tmp_path / "profiles"}
-
-
-def _named(name: str) -> api_pb2.LinuxContainerSecurityContext:
-    return api_pb2.LinuxContainerSecurityContext(
-        apparmor=api_pb2.SecurityProfile(
-            profile_type=api_pb2.SecurityProfile.Localhost, localhost_ref=name
-        )
-    )
-
-
-def test_apparmor_named_profile_needs_the_host_and_the_profile(tmp_path: Path) -> None:
-    host = _apparmor(tmp_path, "Y\n", "k8s-deny-write (enforce)\ncri-default (enforce)\n")
-    assert container_apparmor(_named("k8s-deny-write"), **host) == "k8s-deny-write"
-    with pytest.raises(InvalidArgument, match="not loaded"):
-        container_apparmor(_named("other"), **host)
-    legacy = api_pb2.LinuxContainerSecurityContext(apparmor_profile="localhost/cri-default")
-    assert container_apparmor(legacy, **host) == "cri-default"
-    unconfined = api_pb2.LinuxContainerSecurityContext(
-        apparmor=api_pb2.SecurityProfile(profile_type=api_pb2.SecurityProfile.Unconfined)
-    )
-    assert container_apparmor(unconfined, **host) == "unconfined"
-
-
-def test_apparmor_without_the_host_refuses_only_a_named_profile(tmp_path: Path) -> None:
-    host = _apparmor(tmp_path, "N\n")
-    with pytest.raises(InvalidArgument, match="AppArmor is not enabled on this host"):
-        container_apparmor(_named("k8s-deny-write"), **host)
-    default = api_pb2.LinuxContainerSecurityContext(
-        apparmor=api_pb2.SecurityProfile(profile_type=api_pb2.SecurityProfile.RuntimeDefault)
-    )
-    assert container_apparmor(default, **host) is None
-    missing = {"enabled_file": tmp_path / "absent", "profiles_file": tmp_path / "absent"}
-    assert container_apparmor(default, **missing) is None
 
 
 @pytest.mark.parametrize(("strict", "groups"), [(False, (50000, 4000)), (True, (4000,))])
