@@ -6,12 +6,19 @@ wakes: the lag, which is how long a request arriving at that moment would have w
 for the loop. A stall longer than the interval is always seen (its length, less at most
 one interval); shorter ones are sampled. Reported in Status (verbose) as `eventLoop` and,
 when the exporter runs, as the histogram `cri_shim_event_loop_lag_seconds`.
+
+A lag has three causes: work on the loop itself (a long callback), a worker thread of
+the daemon holding the interpreter, and a machine too busy to run the daemon. The first
+is told apart: the loop thread's own CPU time over the late sample, at most the lag, is
+its *busy* lag (`longestBusyStallMs`, `busyStallsOverMs`), which a loaded machine does not
+inflate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import time
 from typing import Any
 
 # Upper bounds of the histogram's buckets, seconds.
@@ -27,24 +34,33 @@ class LoopMonitor:
         # counts[i]: samples with a lag of at most BOUNDS[i] (and over BOUNDS[i-1]); the
         # last one counts those over every bound.
         self.counts = [0] * (len(BOUNDS) + 1)
+        self.longest_busy = 0.0
+        self.busy_counts = [0] * (len(BOUNDS) + 1)
 
-    def record(self, lag: float) -> None:
+    def record(self, lag: float, busy: float | None = None) -> None:
+        """One sample: the lag, and how much of it the loop thread spent on the CPU
+        (None: all of it)."""
         lag = max(lag, 0.0)
+        busy = lag if busy is None else min(max(busy, 0.0), lag)
         self.samples += 1
         self.total_lag += lag
         self.longest = max(self.longest, lag)
         self.counts[bisect.bisect_left(BOUNDS, lag)] += 1
+        self.longest_busy = max(self.longest_busy, busy)
+        self.busy_counts[bisect.bisect_left(BOUNDS, busy)] += 1
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             due = loop.time() + self.interval
+            cpu = time.thread_time()
             await asyncio.sleep(self.interval)
-            self.record(loop.time() - due)
+            self.record(loop.time() - due, time.thread_time() - cpu)
 
-    def stalls_over(self, bound: float) -> int:
-        """Samples whose lag was over `bound` (one of BOUNDS)."""
-        return sum(self.counts[BOUNDS.index(bound) + 1 :])
+    def stalls_over(self, bound: float, *, busy: bool = False) -> int:
+        """Samples whose lag (busy lag) was over `bound` (one of BOUNDS)."""
+        counts = self.busy_counts if busy else self.counts
+        return sum(counts[BOUNDS.index(bound) + 1 :])
 
     def cumulative(self) -> list[tuple[str, int]]:
         """(upper bound, samples at or under it) as a Prometheus histogram has them."""
@@ -58,11 +74,14 @@ class LoopMonitor:
 
     def report(self) -> dict[str, Any]:
         """What Status (verbose) shows, in milliseconds."""
+        shown = (0.001, 0.01, 0.1, 1.0)
         return {
             "sampleIntervalMs": round(self.interval * 1000, 3),
             "samples": self.samples,
             "longestStallMs": round(self.longest * 1000, 3),
-            "stallsOverMs": {
-                f"{bound * 1000:g}": self.stalls_over(bound) for bound in (0.001, 0.01, 0.1, 1.0)
+            "stallsOverMs": {f"{bound * 1000:g}": self.stalls_over(bound) for bound in shown},
+            "longestBusyStallMs": round(self.longest_busy * 1000, 3),
+            "busyStallsOverMs": {
+                f"{bound * 1000:g}": self.stalls_over(bound, busy=True) for bound in shown
             },
         }

@@ -419,10 +419,11 @@ def test_a_huge_request_does_not_stall_the_rpcs_served_beside_it(make_daemon: ty
         beside.join()
     assert code == grpc.StatusCode.NOT_FOUND, details
     assert ended - started > 0.5  # the check really is long: otherwise this proves nothing
-    # Other calls were answered all along, and the loop was never held for 100 ms.
+    # Other calls were answered all along, and no work on the loop held it for 100 ms
+    # (its busy lag: a machine too loaded to run the daemon would stretch the plain lag).
     assert sum(started < at < ended for at in answered) >= 10, (answered, started, ended)
     assert after["samples"] - before["samples"] >= 20, (before, after)
-    assert after["stallsOverMs"]["100"] == before["stallsOverMs"]["100"], (before, after)
+    assert after["busyStallsOverMs"]["100"] == before["busyStallsOverMs"]["100"], (before, after)
 
 
 def test_large_requests_parsed_off_the_loop_are_answered_as_small_ones(daemon: Daemon) -> None:

@@ -22,6 +22,17 @@ def test_lags_are_counted_by_bucket() -> None:
     report = monitor.report()
     assert report["longestStallMs"] == 2000.0
     assert report["stallsOverMs"] == {"1": 5, "10": 3, "100": 2, "1000": 1}
+    # Given no CPU figure, a lag is all busy.
+    assert report["busyStallsOverMs"] == report["stallsOverMs"]
+
+
+def test_a_lag_the_loop_did_not_spend_on_the_cpu_is_not_busy() -> None:
+    monitor = LoopMonitor(0.01)
+    monitor.record(0.3, 0.002)  # descheduled, or waiting for another thread
+    monitor.record(0.2, 0.5)  # busy is at most the lag
+    assert monitor.stalls_over(0.1) == 2
+    assert monitor.stalls_over(0.1, busy=True) == 1
+    assert monitor.longest_busy == 0.2
 
 
 def test_a_callback_that_holds_the_loop_is_a_stall() -> None:
@@ -39,3 +50,22 @@ def test_a_callback_that_holds_the_loop_is_a_stall() -> None:
     # The sample due during the hold ran at least 0.2 s less one interval late.
     assert monitor.longest >= 0.19
     assert monitor.stalls_over(0.1) == 1
+    # Sleeping holds the loop without the CPU: a lag, but not a busy one.
+    assert monitor.stalls_over(0.1, busy=True) == 0
+
+
+def test_work_on_the_loop_is_a_busy_stall() -> None:
+    async def scenario() -> LoopMonitor:
+        monitor = LoopMonitor(0.005)
+        task = asyncio.create_task(monitor.run())
+        await asyncio.sleep(0.05)
+        spin_until = time.thread_time() + 0.15
+        while time.thread_time() < spin_until:  # 150 ms of the loop thread's own CPU
+            pass
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return monitor
+
+    monitor = asyncio.run(scenario())
+    assert monitor.stalls_over(0.1, busy=True) == 1
+    assert monitor.longest_busy >= 0.14
