@@ -216,7 +216,23 @@ def _load_streaming(table: dict[str, Any]) -> StreamingSection:
             setattr(streaming, key, Path(_expect(table[key], str, f"streaming.{key}", "a path")))
     if (streaming.tls_cert is None) != (streaming.tls_key is None):
         raise ConfigError("streaming.tls_cert: tls_cert and tls_key must be given together")
+    if streaming.tls_cert is not None and streaming.tls_key is not None:
+        _check_tls(streaming.tls_cert, streaming.tls_key)
     return streaming
+
+
+def _check_tls(cert: Path, key: Path) -> None:
+    """Load the pair now: the streaming server starts with the first Exec, and a bad
+    file must stop the daemon's start, not every Exec after it."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"streaming.tls_cert: cannot serve TLS with certificate {cert} and key {key}: "
+            f"{exc.strerror or exc}"
+        ) from None
 
 
 def _load_cdi(table: dict[str, Any]) -> CdiConfig:
