@@ -154,6 +154,30 @@ class NriHooks:
                 )
         return [(plugin, answer.adjust) for plugin, answer in answers if answer.HasField("adjust")]
 
+    async def update_pod(
+        self,
+        pod: api_pb2.PodSandbox,
+        overhead: api_pb2.LinuxResources | None,
+        resources: api_pb2.LinuxResources | None,
+    ) -> None:
+        """UpdatePodSandbox (an in-place pod resize), which plugins may refuse."""
+        request = api_pb2.UpdatePodSandboxRequest(pod=pod)
+        if overhead is not None:
+            request.overhead_linux_resources.CopyFrom(overhead)
+        if resources is not None:
+            request.linux_resources.CopyFrom(resources)
+        await self._call(
+            api_pb2.UPDATE_POD_SANDBOX,
+            "UpdatePodSandbox",
+            request,
+            api_pb2.UpdatePodSandboxResponse,
+            True,
+        )
+
+    async def pod_updated(self, pod: api_pb2.PodSandbox) -> None:
+        """PostUpdatePodSandbox: the resize was applied."""
+        await self._tell(api_pb2.POST_UPDATE_POD_SANDBOX, pod=pod)
+
     async def update_container(
         self,
         pod: api_pb2.PodSandbox,
@@ -300,6 +324,11 @@ _EVENTS: dict[int, tuple[str, Any, type[ProtoMessage]]] = {
         "PostUpdateContainer",
         api_pb2.PostUpdateContainerRequest,
         api_pb2.PostUpdateContainerResponse,
+    ),
+    api_pb2.POST_UPDATE_POD_SANDBOX: (
+        "PostUpdatePodSandbox",
+        api_pb2.PostUpdatePodSandboxRequest,
+        api_pb2.PostUpdatePodSandboxResponse,
     ),
     api_pb2.POST_START_CONTAINER: (
         "PostStartContainer",

@@ -6,6 +6,7 @@ creation that then leaves nothing behind and frees its name."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Coroutine, Iterator
@@ -207,6 +208,55 @@ def test_plugins_change_a_cri_update_or_refuse_it_and_hear_what_was_applied(
         assert got.stdout.decode().strip() == str(2 * LIMIT)
         assert plugin.methods.count("PostUpdateContainer") == 1
         remove(nri_daemon, container_id)
+
+
+def refuse_big_pods(request: Message) -> Message:
+    assert isinstance(request, nri.UpdatePodSandboxRequest)
+    if request.linux_resources.memory.limit.value > 4 * LIMIT:
+        raise fail_with("pod too big for this node")(request)
+    return nri.UpdatePodSandboxResponse()
+
+
+def test_plugins_are_asked_about_a_pod_resize_and_told_of_it(
+    nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
+) -> None:
+    plugin.responders["UpdatePodSandbox"] = refuse_big_pods
+    runtime = nri_daemon.runtime()
+    with pod(nri_daemon, "resized", short_tmp) as p:
+        sandbox_id = p[0]
+
+        def resize(limit: int) -> None:
+            runtime.UpdatePodSandboxResources(
+                api_pb2.UpdatePodSandboxResourcesRequest(
+                    pod_sandbox_id=sandbox_id,
+                    resources=api_pb2.LinuxContainerResources(memory_limit_in_bytes=limit),
+                    overhead=api_pb2.LinuxContainerResources(cpu_shares=64),
+                ),
+                timeout=30,
+            )
+
+        resize(2 * LIMIT)
+        wait_until(lambda: "PostUpdatePodSandbox" in plugin.methods)
+        asked = plugin.calls[plugin.methods.index("UpdatePodSandbox")][1]
+        assert isinstance(asked, nri.UpdatePodSandboxRequest)
+        assert asked.pod.id == sandbox_id
+        assert asked.linux_resources.memory.limit.value == 2 * LIMIT
+        assert asked.overhead_linux_resources.cpu.shares.value == 64
+        told = plugin.calls[plugin.methods.index("PostUpdatePodSandbox")][1]
+        assert isinstance(told, nri.PostUpdatePodSandboxRequest)
+        assert told.pod.id == sandbox_id
+
+        with pytest.raises(grpc.RpcError) as err:
+            resize(8 * LIMIT)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "pod too big for this node" in err.value.details()
+        # Refused: not recorded, and no PostUpdatePodSandbox for it.
+        verbose = runtime.PodSandboxStatus(
+            api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True), timeout=30
+        )
+        recorded = json.loads(verbose.info["info"])["resources"]
+        assert int(recorded["resources"]["memory_limit_in_bytes"]) == 2 * LIMIT
+        assert plugin.methods.count("PostUpdatePodSandbox") == 1
 
 
 def test_a_retry_answered_from_the_cache_is_no_second_creation_for_plugins(
