@@ -19,7 +19,7 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
 from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
-from cri_shim.runtime.stats import writable_layer_usage
+from cri_shim.runtime.stats import CgroupStats, LayerUsage, writable_layer_usage
 from cri_shim.server import listing
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
@@ -46,11 +46,22 @@ async def _container_stats(
         annotations=container.config.annotations,
     )
     stats = api_pb2.ContainerStats(attributes=attributes)
-    if container.state == "running":
-        try:
-            cg = services.containers.backend_of(container).cgroup_stats(container.id)
-        except CriError:
-            cg = None
+    backend = services.containers.backend_of(container)
+    running = container.state == "running"
+
+    def read_host() -> tuple[CgroupStats | None, LayerUsage]:
+        # The runtime's state and the cgroup's files, then a walk of the writable layer
+        # that costs with its number of files: all off the event loop, in one go.
+        cg = None
+        if running:
+            try:
+                cg = backend.cgroup_stats(container.id)
+            except CriError:
+                cg = None
+        return cg, writable_layer_usage(container.bundle_dir / "upper")
+
+    cg, usage = await asyncio.to_thread(read_host)
+    if running:
         if cg is not None:
             stats.cpu.CopyFrom(
                 api_pb2.CpuUsage(
@@ -73,8 +84,6 @@ async def _container_stats(
                     major_page_faults=_u64(cg.major_page_faults),
                 )
             )
-    # The walk costs with the number of files, so it runs off the event loop.
-    usage = await asyncio.to_thread(writable_layer_usage, container.bundle_dir / "upper")
     stats.writable_layer.CopyFrom(
         api_pb2.FilesystemUsage(
             # kubelet dates the figures by it: without one they would read as of 1970.
