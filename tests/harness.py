@@ -8,6 +8,7 @@ anything left behind.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,21 @@ class CniTestNetwork:
     def count_file(self) -> Path:
         return self.control_dir / "count"
 
+    @property
+    def hold_file(self) -> Path:
+        return self.control_dir / "hold"
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Every ADD of the slow plugin waits until the block ends (or the test does):
+        the network step lasts exactly as long as the test needs, whatever the machine's
+        speed."""
+        self.hold_file.touch()
+        try:
+            yield
+        finally:
+            self.hold_file.unlink(missing_ok=True)
+
     def adds(self) -> int:
         if not self.count_file.exists():
             return 0
@@ -139,6 +155,7 @@ def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNe
                 "delayFile": str(control / "delay"),
                 "failFile": str(control / "fail"),
                 "countFile": str(control / "count"),
+                "holdFile": str(control / "hold"),
             }
         )
     conflist = {"cniVersion": "1.0.0", "name": "crishim-test", "plugins": plugins}
@@ -277,6 +294,18 @@ class Daemon:
         self.stop()
         self.start()
 
+    def status_info(self) -> dict[str, Any]:
+        """The daemon's account of itself in Status verbose: its creations' counters and
+        what is in flight, its event loop's lag."""
+        status = self.runtime().Status(api_pb2.StatusRequest(verbose=True), timeout=30)
+        info: dict[str, Any] = json.loads(status.info["info"])
+        return info
+
+    def creations(self, kind: str = "sandbox") -> dict[str, Any]:
+        """Status verbose's `creation` figures of `kind` (sandbox or container)."""
+        figures: dict[str, Any] = self.status_info()["creation"][kind]
+        return figures
+
     def rows(self, table: str, where: str = "1") -> list[sqlite3.Row]:
         conn = sqlite3.connect(self.root / "state.db")
         conn.row_factory = sqlite3.Row
@@ -366,6 +395,24 @@ def identical_requests(call: Callable[[], str], times: int) -> list[str | grpc.S
             except grpc.RpcError as exc:
                 results.append(exc.code())
     return results
+
+
+def refused_as_reserved(call: Callable[[], object], tries: int = 10) -> tuple[grpc.RpcError, int]:
+    """The `name is reserved` a duplicate request gets at its deadline while the creation
+    it waits on is held, and how many tries that took. The daemon answers a little before
+    the client's deadline; on a busy machine the client's own deadline can fire first,
+    and then, as kubelet does, the request is simply sent again."""
+    for attempt in range(1, tries + 1):
+        try:
+            call()
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return exc, attempt
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        else:
+            raise AssertionError("a duplicate was answered while its creation was held")
+    raise AssertionError(f"no `name is reserved` in {tries} tries")
 
 
 def assert_one_created(results: list[str | grpc.StatusCode]) -> None:

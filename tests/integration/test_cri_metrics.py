@@ -136,7 +136,7 @@ def test_metrics_move_with_cpu_memory_processes_and_traffic(
                 )
                 >= received + 3
             ),
-            timeout=5,
+            timeout=30,
         )
 
 

@@ -142,8 +142,10 @@ def test_a_pod_whose_pause_process_dies_is_not_ready(
         def state() -> int:
             return (
                 daemon.runtime()
-                .PodSandboxStatus(api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id))
+                .PodSandboxStatus(
+                    api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id), timeout=10
+                )
                 .status.state
             )
 
-        wait_until(lambda: state() == api_pb2.SANDBOX_NOTREADY, timeout=5)
+        wait_until(lambda: state() == api_pb2.SANDBOX_NOTREADY, timeout=30)

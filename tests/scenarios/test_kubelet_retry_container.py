@@ -1,13 +1,15 @@
 """kubelet's retry pattern for CreateContainer, with an OCI runtime slower than the deadline.
 
 The pod runs under a runtime handler whose binary is a test wrapper around runc that
-sleeps in `create` and counts its calls (tests/fixtures/runtime/slow-runc).
+sleeps in `create`, or holds it until the test lets it go, and counts its calls
+(tests/fixtures/runtime/slow-runc).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,7 @@ from tests.harness import (
     identical_requests,
     import_image,
     pod_config,
+    refused_as_reserved,
     wait_until,
 )
 
@@ -36,9 +39,10 @@ def slow_pod(
     make_daemon: Callable[..., Daemon],
     short_tmp: Path,
     busybox_layout: Path,
-) -> tuple[Daemon, str, api_pb2.PodSandboxConfig, Path, Path]:
+) -> Iterator[tuple[Daemon, str, api_pb2.PodSandboxConfig, Path, Path]]:
     """A daemon with a pod on the slow handler; parametrize it indirectly with a
-    `[creation]` table to change the creation settings."""
+    `[creation]` table to change the creation settings. `runc create` waits while the
+    hold file (beside the delay file) exists."""
     delay, count = short_tmp / "runc-delay", short_tmp / "runc-count"
     creation: dict[str, object] = getattr(request, "param", {})
     daemon = make_daemon(
@@ -46,7 +50,11 @@ def slow_pod(
             "runtime": {"handlers": {"slow": {"path": str(SLOW_RUNC)}}},
             "creation": creation,
         },
-        env={"SLOW_RUNC_DELAY_FILE": str(delay), "SLOW_RUNC_COUNT_FILE": str(count)},
+        env={
+            "SLOW_RUNC_DELAY_FILE": str(delay),
+            "SLOW_RUNC_HOLD_FILE": str(hold_file(delay)),
+            "SLOW_RUNC_COUNT_FILE": str(count),
+        },
     )
     daemon.start()
     import_image(daemon, busybox_layout)
@@ -58,7 +66,28 @@ def slow_pod(
         )
         .pod_sandbox_id
     )
-    return daemon, sandbox_id, config, delay, count
+    yield daemon, sandbox_id, config, delay, count
+    hold_file(delay).unlink(missing_ok=True)
+
+
+def hold_file(delay: Path) -> Path:
+    return delay.with_name("runc-hold")
+
+
+@contextlib.contextmanager
+def held(delay: Path) -> Iterator[None]:
+    """`runc create` waits until the block ends: the runtime step lasts exactly as long as
+    the test needs, whatever the machine's speed."""
+    hold_file(delay).touch()
+    try:
+        yield
+    finally:
+        hold_file(delay).unlink(missing_ok=True)
+
+
+def waiting_on(daemon: Daemon) -> int:
+    """How many duplicate requests wait on the container creations in flight."""
+    return sum(c["watchers"] for c in daemon.creations("container")["in_flight"])
 
 
 def create(
@@ -103,21 +132,22 @@ def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
 
 def test_timeout_then_the_waiting_retry_gets_the_container(slow_pod) -> None:  # type: ignore[no-untyped-def]
     daemon, sandbox_id, config, delay, count = slow_pod
-    delay.write_text("3")
-    with pytest.raises(grpc.RpcError) as first:
-        create(daemon, sandbox_id, config, timeout=1.5)
-    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert listed(daemon) == []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with held(delay):
+            with pytest.raises(grpc.RpcError) as first:
+                create(daemon, sandbox_id, config, timeout=1.5)
+            assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert listed(daemon) == []
 
-    # The retry waits on the creation and is handed the container when it finishes.
-    t0 = time.monotonic()
-    container_id = create(daemon, sandbox_id, config, timeout=10)
-    waited = time.monotonic() - t0
-    assert waited < 6, f"the waiting retry got the container only after {waited:.1f}s"
+            retry = pool.submit(create, daemon, sandbox_id, config, 60)
+            wait_until(lambda: waiting_on(daemon) == 1, timeout=30)
+        # Let go, the creation finishes and the waiting retry is handed the container.
+        container_id = retry.result(timeout=90)
+    assert daemon.creations("container")["counters"]["handed_off"] == 1
     assert listed(daemon) == [container_id]
     assert creates(count) == 1
     # a third request (the response to the second was lost) gets the same container
-    assert create(daemon, sandbox_id, config, timeout=5) == container_id
+    assert create(daemon, sandbox_id, config, timeout=30) == container_id
     assert creates(count) == 1
     daemon.runtime().StartContainer(
         api_pb2.StartContainerRequest(container_id=container_id), timeout=30
@@ -130,22 +160,22 @@ def test_timeout_then_the_waiting_retry_gets_the_container(slow_pod) -> None:  #
 def test_without_hand_off_the_waiting_retry_is_refused_and_the_next_one_claims(slow_pod) -> None:  # type: ignore[no-untyped-def]
     """CRI-O's answer, kept behind `[creation] hand_off = false` for comparison."""
     daemon, sandbox_id, config, delay, count = slow_pod
-    delay.write_text("3")
-    with pytest.raises(grpc.RpcError) as first:
-        create(daemon, sandbox_id, config, timeout=1.5)
-    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with held(delay):
+            with pytest.raises(grpc.RpcError) as first:
+                create(daemon, sandbox_id, config, timeout=1.5)
+            assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
-    # Refused once the creation finishes, although its deadline is far off.
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as second:
-        create(daemon, sandbox_id, config, timeout=10)
-    waited = time.monotonic() - t0
-    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "is reserved for" in second.value.details()
-    assert waited < 6, f"the refusal came only after {waited:.1f}s"
+            second = pool.submit(create, daemon, sandbox_id, config, 60)
+            wait_until(lambda: waiting_on(daemon) == 1, timeout=30)
+        # Refused once the creation finishes, although its deadline is a minute away.
+        with pytest.raises(grpc.RpcError) as refused:
+            second.result(timeout=90)
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "is reserved for" in refused.value.details()
     assert listed(daemon) == []  # cached, invisible until claimed
 
-    container_id = create(daemon, sandbox_id, config, timeout=5)
+    container_id = create(daemon, sandbox_id, config, timeout=30)
     assert listed(daemon) == [container_id]
     assert creates(count) == 1
     remove_pod(daemon, sandbox_id)
@@ -156,23 +186,21 @@ def test_a_retry_whose_deadline_passes_first_is_told_the_stage_then_the_next_cla
     slow_pod,
 ) -> None:
     daemon, sandbox_id, config, delay, count = slow_pod
-    delay.write_text("4")
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as first:
-        create(daemon, sandbox_id, config, timeout=1.5)
-    assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert listed(daemon) == []
+    with held(delay):
+        with pytest.raises(grpc.RpcError) as first:
+            create(daemon, sandbox_id, config, timeout=1.5)
+        assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert listed(daemon) == []
 
-    # Its deadline (~3s) passes before the creation finishes (~4s): `name is reserved`.
-    with pytest.raises(grpc.RpcError) as second:
-        create(daemon, sandbox_id, config, timeout=1.5)
-    assert second.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "stage: container runtime creation" in second.value.details()
+        # Its deadline passes while `runc create` is held.
+        wait_until(lambda: creates(count) == 1, timeout=30)
+        second, _ = refused_as_reserved(lambda: create(daemon, sandbox_id, config, timeout=1.5))
+        assert "stage: container runtime creation" in second.details()
 
-    wait_until(lambda: time.monotonic() - started > 4.5, timeout=10)
-    t0 = time.monotonic()
-    container_id = create(daemon, sandbox_id, config, timeout=10)
-    assert time.monotonic() - t0 < 1.0
+    # Let go, the creation finishes in the background into the cache; the next claims it.
+    wait_until(lambda: daemon.creations("container")["cached"] == 1, timeout=30)
+    container_id = create(daemon, sandbox_id, config, timeout=30)
+    assert daemon.creations("container")["counters"]["claimed"] == 1
     assert listed(daemon) == [container_id]
     assert creates(count) == 1
     daemon.runtime().StartContainer(
@@ -180,7 +208,7 @@ def test_a_retry_whose_deadline_passes_first_is_told_the_stage_then_the_next_cla
     )
     state = (
         daemon.runtime()
-        .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id), timeout=5)
+        .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id), timeout=10)
         .status.state
     )
     assert state == api_pb2.CONTAINER_RUNNING

@@ -49,7 +49,8 @@ def test_a_callback_that_holds_the_loop_is_a_stall() -> None:
     assert monitor.samples >= 3
     # The sample due during the hold ran at least 0.2 s less one interval late.
     assert monitor.longest >= 0.19
-    assert monitor.stalls_over(0.1) == 1
+    # One stall, not one per sample it held back (40); a busy host may add one of its own.
+    assert 1 <= monitor.stalls_over(0.1) <= 3
     # Sleeping holds the loop without the CPU: a lag, but not a busy one.
     assert monitor.stalls_over(0.1, busy=True) == 0
 

@@ -43,33 +43,6 @@ def memory_kib(pid: int, field: str) -> int:
     raise AssertionError(field)
 
 
-class Stalls:
-    """Version RPCs in a loop beside the test: the longest one is how long the daemon's
-    event loop was blocked."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon, self.worst, self._stop = daemon, 0.0, threading.Event()
-        self._probing = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self.daemon.runtime().Version(api_pb2.VersionRequest(), timeout=120)
-            self.worst = max(self.worst, time.monotonic() - started)
-            self._probing.set()
-            time.sleep(0.01)  # the probes' pace, not a wait for anything
-
-    def __enter__(self) -> Stalls:
-        self._thread.start()
-        assert self._probing.wait(30), "the daemon answers no Version call"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def reset_peak(pid: int) -> int:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := current RSS
     return memory_kib(pid, "VmHWM")
@@ -128,16 +101,22 @@ def test_a_huge_passwd_neither_blocks_the_daemon_nor_fills_its_memory(
     )
     with running_pod(daemon, "passwd", short_tmp / "logs") as pod:
         before = reset_peak(pid)
-        with Stalls(daemon) as stalls:
-            code, details = code_of(
-                lambda: daemon.runtime().CreateContainer(create_request(pod, config), timeout=60)
-            )
+        # The daemon's own account of its event loop's lag (loop_monitor.py), which a
+        # client's latency on a busy machine is not.
+        loop_before = daemon.status_info()["eventLoop"]
+        code, details = code_of(
+            lambda: daemon.runtime().CreateContainer(create_request(pod, config), timeout=60)
+        )
+        loop_after = daemon.status_info()["eventLoop"]
         growth = memory_kib(pid, "VmHWM") - before
-    print(f"peak RSS growth {growth} KiB, longest Version RPC {stalls.worst:.3f}s")
+    print(f"peak RSS growth {growth} KiB, event loop {loop_before} -> {loop_after}")
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert "/etc/passwd is larger than 1MiB" in details
     assert growth < 32 << 10, growth
-    assert stalls.worst < 1.0, stalls.worst
+    assert loop_after["samples"] > loop_before["samples"], (loop_before, loop_after)
+    # Never held for a second, as reading the file whole on the loop would.
+    stalls = [report["stallsOverMs"]["1000"] for report in (loop_before, loop_after)]
+    assert stalls[0] == stalls[1], (loop_before, loop_after)
 
 
 @pytest.fixture
@@ -184,9 +163,12 @@ def test_a_trickling_registry_holds_up_no_other_pull(
     )
     assert daemon.images().PullImage(request, timeout=60).image_ref
     blocked = time.monotonic() - started
+    # Done while the trickled pull still went on (for its rate window, 2 s, at least):
+    # not after it, in a slot it gave back.
+    trickled_on = "result" not in outcome
     thread.join(120)
     print(f"the other pull took {blocked:.2f}s; the trickled one ended after", outcome["seconds"])
-    assert blocked < 5, blocked
+    assert trickled_on, outcome
     code, details = outcome["result"]  # type: ignore[misc]
     assert code == grpc.StatusCode.UNAVAILABLE, details
     assert "images.download_min_rate" in details and trickling.host in details

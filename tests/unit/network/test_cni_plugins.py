@@ -225,7 +225,7 @@ async def test_timeout_kills_the_plugin_and_its_children(fake_cni: FakeCni) -> N
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match=r"CNI plugin slow .* killed"):
         await network(fake_cni).add(request(), timeout=1.0)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # not waited on for its 60 s
 
     calls = fake_cni.calls()
     plugin_pid = calls[0]["pid"]
@@ -240,7 +240,7 @@ async def test_plugin_timeout_caps_each_call(fake_cni: FakeCni) -> None:
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         await network(fake_cni, plugin_timeout=0.5).add(request(), timeout=300)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # not waited on for its 60 s
 
 
 async def test_cancelled_add_kills_the_plugin(fake_cni: FakeCni) -> None:

@@ -114,7 +114,8 @@ async def test_create_timeout_kills_the_monitor_and_cleans_up(
 ) -> None:
     # A "conmon" that never reports: the create budget must end it.
     slow = tmp_path / "slow-conmon"
-    slow.write_text("#!/bin/sh\nsleep 30 &\necho $! > /dev/null\nexec sleep 30\n")
+    monitor = tmp_path / "monitor.pid"
+    slow.write_text(f"#!/bin/sh\nsleep 30 &\necho $$ > {monitor}\nexec sleep 30\n")
     slow.chmod(0o755)
     backend = RuntimeBackend(
         "slow",
@@ -127,8 +128,10 @@ async def test_create_timeout_kills_the_monitor_and_cleans_up(
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match=r"longer than 0\.5s"):
         await create(backend, tmp_path, "true")
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10  # not waited on for its 30 s
     assert list((tmp_path / "s2" / "containers").iterdir()) == []
+    if monitor.exists():  # it may have been killed before the shell got that far
+        assert not alive(int(monitor.read_text()))
 
 
 async def test_stop_escalates_to_sigkill(stub_backend: RuntimeBackend, tmp_path: Path) -> None:
@@ -141,7 +144,7 @@ async def test_stop_escalates_to_sigkill(stub_backend: RuntimeBackend, tmp_path:
     started = time.monotonic()
     await stub_backend.stop("c1", 0.5, signal.SIGTERM)
     elapsed = time.monotonic() - started
-    assert 0.5 <= elapsed < 3
+    assert 0.5 <= elapsed < 10  # the grace was waited out, the loop was not
     assert stub_backend.exit_status("c1")[0] == 137  # type: ignore[index]
     assert not alive(pid)
     # Idempotent: stopping again, or stopping something unknown, is fine.
@@ -155,8 +158,8 @@ async def test_stop_with_a_signal_the_process_honours(
     await create(stub_backend, tmp_path, "exec sleep 30")
     await stub_backend.start("c1")
     started = time.monotonic()
-    await stub_backend.stop("c1", 10, signal.SIGTERM)
-    assert time.monotonic() - started < 2
+    await stub_backend.stop("c1", 60, signal.SIGTERM)
+    assert time.monotonic() - started < 10  # the grace was not waited out
     assert stub_backend.exit_status("c1")[0] == 128 + signal.SIGTERM  # type: ignore[index]
 
 
@@ -192,7 +195,7 @@ async def test_wait_exit_times_out(stub_backend: RuntimeBackend, tmp_path: Path)
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         await stub_backend.wait_exit("c1", 0.3)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # not waited on for its 30 s
 
 
 async def test_wait_exit_reports_a_monitor_that_vanished(
@@ -251,7 +254,7 @@ async def test_exec_sync_timeout_returns_promptly_and_kills_the_process(
     )
     elapsed = time.monotonic() - started
     assert result.timed_out and result.exit_code == -1
-    assert 0.5 <= elapsed < 2
+    assert 0.5 <= elapsed < 10  # not waited on for its 30 s
     assert result.stdout == b"partial\n"
     assert b"timed out" in result.stderr
     assert not alive(int(marker.read_text()))

@@ -105,7 +105,7 @@ async def test_every_call_has_a_budget(tmp_path: Path) -> None:
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match=r"state c1 did not finish within 0\.3s"):
         await runtime.state("c1", timeout=0.3)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 10  # not waited on for its 30 s
     with pytest.raises(ProcessLookupError):  # the hung runtime was killed, not abandoned
         os.kill(int(marker.read_text()), 0)
 

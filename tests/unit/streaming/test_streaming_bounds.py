@@ -63,7 +63,6 @@ async def test_a_client_trickling_its_request_head_is_dropped() -> None:
     try:
         reader, writer = await _connect(server)
         writer.write(b"GET /exec/token HTTP/1.1\r\n")
-        started = time.monotonic()
 
         async def trickle() -> None:
             while True:  # one byte of a never-ending header, well inside any read timeout
@@ -73,10 +72,10 @@ async def test_a_client_trickling_its_request_head_is_dropped() -> None:
 
         trickling = asyncio.create_task(trickle())
         try:
-            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+            # Closed by the server; the trickle itself would go on for ever.
+            assert await asyncio.wait_for(reader.read(), 10) == b""
         finally:
             trickling.cancel()
-        assert time.monotonic() - started < 3
         writer.close()
     finally:
         await server.stop()
@@ -198,14 +197,15 @@ async def test_a_websocket_stops_reading_while_its_messages_are_not_consumed() -
     connection = WebSocketConnection(server, reader, _Writer())  # type: ignore[arg-type]
     running = asyncio.create_task(connection.run())
     try:
+        await _settle(lambda: connection._messages.buffered >= MAX_BUFFERED)
+        # Timed on purpose: that it reads no further is checked over a while.
         await asyncio.sleep(0.3)
-        assert MAX_BUFFERED <= connection._messages.buffered <= MAX_BUFFERED + len(message)
+        assert connection._messages.buffered <= MAX_BUFFERED + len(message)
         assert len(reader._buffer) > 0  # type: ignore[attr-defined]  # left unread
         # Consuming lets it read on.
         for _ in range(8):
-            assert await asyncio.wait_for(connection.recv(), 5) == message
-        await asyncio.sleep(0.1)
-        assert connection._messages.buffered >= MAX_BUFFERED
+            assert await asyncio.wait_for(connection.recv(), 10) == message
+        await _settle(lambda: connection._messages.buffered >= MAX_BUFFERED)
     finally:
         running.cancel()
 
