@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 
 from tests.imagebuild import BuiltImage, digest_of
+from tests.waiting import wait_until
 
 REGISTRY_BINARY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -383,9 +384,19 @@ class RegistryServer:
         return result
 
     def mark(self) -> None:
-        """Count from here on (after pushes)."""
-        time.sleep(0.05)  # let the registry finish logging the requests before the mark
-        self._log_mark = len(self.log_path.read_text(errors="replace").splitlines())
+        """Count from here on (after pushes): from the log line of a request of the mark's
+        own, which the registry writes once it has logged the requests answered before."""
+        uri = f"/v2/?mark={secrets.token_hex(8)}"
+        httpx.get(f"{self.url}{uri}", timeout=30)
+
+        def marked() -> int:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+            for number, line in enumerate(lines, 1):
+                if uri in line and "response completed" in line:
+                    return number
+            return 0
+
+        self._log_mark = wait_until(marked, timeout=30)
 
     def blob_gets(self, digest: str | None = None) -> list[str]:
         """Blob bodies served (GET 200) since the mark: their digests."""
