@@ -115,11 +115,14 @@ def test_metrics_follow_the_three_request_protocol(
         assert (
             get(stalled, "cri_shim_creation_stalled", kind="sandbox", stage="sandbox network") == 1
         )
-        assert event(stalled, "timed_out") == 1
+        # The daemon answers a little before a client's deadline; on a busy machine the
+        # client's can come first, and the daemon then sees the request cancelled.
+        assert event(stalled, "timed_out") + event(stalled, "client_gone") == 1
 
         _, tries = refused_as_reserved(lambda: run_pod(daemon, "metered", timeout=1.5))
         reserved = scrape(port)
-        assert event(reserved, "name_reserved") == tries
+        refused = event(reserved, "name_reserved")  # the tries the daemon answered itself
+        assert 1 <= refused <= tries
         assert get(reserved, "cri_shim_creation_objects", kind="sandbox", phase="in_flight") == 1
     wait_until(lambda: event(scrape(port), "cached") == 1, timeout=30)
     sandbox_id = run_pod(daemon, "metered", timeout=30)
@@ -127,17 +130,16 @@ def test_metrics_follow_the_three_request_protocol(
     after = scrape(port)
     for name, count in [
         ("reserved", 1),
-        ("timed_out", 1),
-        ("waiting", tries),
-        ("name_reserved", tries),
+        ("name_reserved", refused),
         ("cached", 1),
         ("claimed", 1),
         ("expired", 0),
         ("failed", 0),
     ]:
         assert event(after, name) == count, name
-    assert rpcs(after, "DEADLINE_EXCEEDED") == 1
-    assert rpcs(after, "ALREADY_EXISTS") == tries
+    assert refused <= event(after, "waiting") <= tries
+    assert rpcs(after, "ALREADY_EXISTS") == refused
+    assert rpcs(after, "DEADLINE_EXCEEDED") + rpcs(after, "CANCELLED") == 1 + tries - refused
     assert rpcs(after, "OK") == 1
     assert get(after, "cri_shim_sandboxes", state="ready") == 1
     assert get(after, "cri_shim_creation_objects", kind="sandbox", phase="visible") == 1

@@ -138,7 +138,7 @@ async def test_a_plugin_that_stalls_is_dropped_within_its_budget(adaptation: Ada
         api_pb2.StopPodSandboxRequest(pod=POD),
         api_pb2.StopPodSandboxResponse,
     )
-    assert loop.time() - started < 2.5  # the stalled plugin's 1s, not its 30s
+    assert loop.time() - started < 10  # the stalled plugin's 1s budget, not its 30s
     assert [p.name for p, _ in answers] == ["fast"]
     assert [p.name for p in adaptation.plugins] == ["fast"]
     assert "StopPodSandbox" in fast.methods
