@@ -114,8 +114,9 @@ def test_a_huge_passwd_neither_blocks_the_daemon_nor_fills_its_memory(
     assert "/etc/passwd is larger than 1MiB" in details
     assert growth < 32 << 10, growth
     assert loop_after["samples"] > loop_before["samples"], (loop_before, loop_after)
-    # Never held for a second, as reading the file whole on the loop would.
-    stalls = [report["stallsOverMs"]["1000"] for report in (loop_before, loop_after)]
+    # No work on the loop held it for 100 ms, as reading the file whole there would (its
+    # busy lag: a machine too loaded to run the daemon stretches the plain lag).
+    stalls = [report["busyStallsOverMs"]["100"] for report in (loop_before, loop_after)]
     assert stalls[0] == stalls[1], (loop_before, loop_after)
 
 
