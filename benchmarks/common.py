@@ -44,10 +44,22 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def percentiles(samples: list[float]) -> tuple[float, float]:
+def cpu_seconds(pid: int) -> float:
+    """The CPU time all of the process's threads have run (the scheduler's, in ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended while we looked
+    return total / 1e9
+
+
+def percentiles(samples: list[float], high: float = 0.95) -> tuple[float, float]:
+    """The median and the `high` quantile (nearest rank) of `samples`."""
     ordered = sorted(samples)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return statistics.median(ordered), p95
+    upper = ordered[min(len(ordered) - 1, round(high * (len(ordered) - 1)))]
+    return statistics.median(ordered), upper
 
 
 def row(name: str, samples: list[float]) -> str:

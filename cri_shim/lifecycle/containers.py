@@ -677,12 +677,23 @@ class ContainerLifecycle:
             raise FailedPrecondition(f"container {container.id} is not running ({container.state})")
         return container
 
+    def _refresh_all(self, containers: list[ContainerRecord]) -> list[ContainerRecord]:
+        """refresh() for many: each backend's exit files are listed once, and only the
+        containers that have one are looked at. A file looked for per running container
+        was a quarter of what a listing cost."""
+        exited: set[str] = set().union(*(b.recorded_exits() for b in self.backends.values()))
+        return [self.refresh(c) if c.state == RUNNING and c.id in exited else c for c in containers]
+
     def list(self, sandbox_id: str | None = None) -> list[ContainerRecord]:
         if sandbox_id is None:
             containers = self.rows.list_visible()
         else:
             containers = self.rows.list_visible_in(sandbox_id)
-        return [self.refresh(c) for c in containers]
+        return self._refresh_all(containers)
+
+    def ids(self) -> set[str]:
+        """Every container with a row, whatever its phase."""
+        return self.rows.ids()
 
     # ---- restore -------------------------------------------------------------------
 

@@ -425,6 +425,10 @@ class SandboxLifecycle:
     def list(self) -> list[SandboxRecord]:
         return self.pods.list()
 
+    def ids(self) -> set[str]:
+        """Every sandbox with a row, whatever its phase."""
+        return self.pods.rows.ids()
+
     # ---- restore -------------------------------------------------------------------
 
     async def restore(self) -> None:

@@ -401,6 +401,14 @@ class RuntimeBackend:
 
     # ---- exit and state -------------------------------------------------------------
 
+    def recorded_exits(self) -> set[str]:
+        """The containers conmon has written an exit file for (maybe not all of it yet:
+        exit_status() reads it)."""
+        try:
+            return set(os.listdir(self._exits))
+        except FileNotFoundError:
+            return set()
+
     def exit_status(self, container_id: str) -> tuple[int, int] | None:
         """(exit code, finished_at in ns since the epoch) once conmon recorded the exit.
         The finish time is the exit file's mtime: conmon writes it when the process ends,

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,25 +20,69 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
 from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
-from cri_shim.runtime.stats import CgroupStats, LayerUsage, writable_layer_usage
+from cri_shim.runtime.stats import writable_layer_usage
 from cri_shim.server import listing
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
+    from cri_shim.runtime.conmon import RuntimeBackend
+    from cri_shim.runtime.stats import CgroupStats, LayerUsage
     from cri_shim.server.components import Components
 
 log = logging.getLogger("cri_shim.stats")
 
 # The interface kubelet reports as the pod's network (its summary API's `network.name`).
 DEFAULT_INTERFACE = "eth0"
+# Containers whose stats one worker thread reads at a time: a stream sends the first
+# batch before it reads the next.
+_STATS_BATCH = 64
 
 
 def _u64(value: int | None) -> api_pb2.UInt64Value | None:
     return api_pb2.UInt64Value(value=value) if value is not None else None
 
 
-async def _container_stats(
-    services: Components, container: ContainerRecord
+@dataclass(frozen=True)
+class _Usage:
+    """What a container's stats read from the host: its cgroup's counters (a running
+    container's only) and its writable layer."""
+
+    cgroup: CgroupStats | None
+    layer: LayerUsage
+
+
+def _read_usage(backend: RuntimeBackend | None, container: ContainerRecord) -> _Usage:
+    """In a worker thread: cgroup files and the walk of the layer are the host's I/O."""
+    cgroup = None
+    if backend is not None:
+        try:
+            cgroup = backend.cgroup_stats(container.id)
+        except CriError:
+            pass
+    return _Usage(cgroup, writable_layer_usage(container.bundle_dir / "upper"))
+
+
+def _backend_if_running(services: Components, container: ContainerRecord) -> RuntimeBackend | None:
+    if container.state != "running":
+        return None
+    try:
+        return services.containers.backend_of(container)
+    except CriError:
+        return None
+
+
+async def _read_usages(services: Components, containers: list[ContainerRecord]) -> list[_Usage]:
+    """The usage of each of `containers`, all read in one worker thread: the hop to a
+    thread and back costs more than one container's files, so one hop each would make
+    a node's listing mostly hops."""
+    backends = [_backend_if_running(services, c) for c in containers]
+    return await asyncio.to_thread(
+        lambda: [_read_usage(b, c) for b, c in zip(backends, containers, strict=True)]
+    )
+
+
+def _container_stats(
+    services: Components, container: ContainerRecord, usage: _Usage
 ) -> api_pb2.ContainerStats:
     attributes = api_pb2.ContainerAttributes(
         id=container.id,
@@ -46,74 +91,70 @@ async def _container_stats(
         annotations=container.config.annotations,
     )
     stats = api_pb2.ContainerStats(attributes=attributes)
-    backend = services.containers.backend_of(container)
-    running = container.state == "running"
-
-    def read_host() -> tuple[CgroupStats | None, LayerUsage]:
-        # The runtime's state and the cgroup's files, then a walk of the writable layer
-        # that costs with its number of files: all off the event loop, in one go.
-        cg = None
-        if running:
-            try:
-                cg = backend.cgroup_stats(container.id)
-            except CriError:
-                cg = None
-        return cg, writable_layer_usage(container.bundle_dir / "upper")
-
-    cg, usage = await asyncio.to_thread(read_host)
-    if running:
-        if cg is not None:
-            stats.cpu.CopyFrom(
-                api_pb2.CpuUsage(
-                    timestamp=cg.timestamp_ns,
-                    usage_core_nano_seconds=_u64(cg.cpu_usage_ns),
-                    usage_nano_cores=_u64(
-                        services.cpu_rates.rate(container.id, cg.timestamp_ns, cg.cpu_usage_ns)
-                        if cg.cpu_usage_ns is not None
-                        else None
-                    ),
-                )
+    if (cg := usage.cgroup) is not None:
+        stats.cpu.CopyFrom(
+            api_pb2.CpuUsage(
+                timestamp=cg.timestamp_ns,
+                usage_core_nano_seconds=_u64(cg.cpu_usage_ns),
+                usage_nano_cores=_u64(
+                    services.cpu_rates.rate(container.id, cg.timestamp_ns, cg.cpu_usage_ns)
+                    if cg.cpu_usage_ns is not None
+                    else None
+                ),
             )
-            stats.memory.CopyFrom(
-                api_pb2.MemoryUsage(
-                    timestamp=cg.timestamp_ns,
-                    working_set_bytes=_u64(cg.memory_working_set_bytes),
-                    usage_bytes=_u64(cg.memory_usage_bytes),
-                    rss_bytes=_u64(cg.memory_rss_bytes),
-                    page_faults=_u64(cg.page_faults),
-                    major_page_faults=_u64(cg.major_page_faults),
-                )
+        )
+        stats.memory.CopyFrom(
+            api_pb2.MemoryUsage(
+                timestamp=cg.timestamp_ns,
+                working_set_bytes=_u64(cg.memory_working_set_bytes),
+                usage_bytes=_u64(cg.memory_usage_bytes),
+                rss_bytes=_u64(cg.memory_rss_bytes),
+                page_faults=_u64(cg.page_faults),
+                major_page_faults=_u64(cg.major_page_faults),
             )
+        )
     stats.writable_layer.CopyFrom(
         api_pb2.FilesystemUsage(
             # kubelet dates the figures by it: without one they would read as of 1970.
             timestamp=time.time_ns(),
             fs_id=api_pb2.FilesystemIdentifier(mountpoint=str(services.config.root)),
-            used_bytes=_u64(usage.used_bytes),
-            inodes_used=_u64(usage.inodes_used),
+            used_bytes=_u64(usage.layer.used_bytes),
+            inodes_used=_u64(usage.layer.inodes_used),
         )
     )
     return stats
+
+
+async def _containers_stats(
+    services: Components, containers: list[ContainerRecord]
+) -> list[api_pb2.ContainerStats]:
+    usages = await _read_usages(services, containers)
+    return [_container_stats(services, c, u) for c, u in zip(containers, usages, strict=True)]
 
 
 async def container_stats(
     services: Components, request: api_pb2.ContainerStatsRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ContainerStatsResponse:
     container = services.containers.get(request.container_id)
-    return api_pb2.ContainerStatsResponse(stats=await _container_stats(services, container))
+    [stats] = await _containers_stats(services, [container])
+    return api_pb2.ContainerStatsResponse(stats=stats)
 
 
 async def container_stats_listed(
     services: Components, f: api_pb2.ContainerStatsFilter
 ) -> AsyncIterator[api_pb2.ContainerStats]:
-    """The stats of the containers `f` selects, each read when it is its turn:
-    ListContainerStats and StreamContainerStats. Then the CPU samples of removed
-    objects are dropped."""
-    for c in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
-        if (not f.id or c.id.startswith(f.id)) and all(
-            c.config.labels.get(k) == v for k, v in f.label_selector.items()
-        ):
-            yield await _container_stats(services, c)
+    """The stats of the containers `f` selects, read a batch at a time when it is the
+    batch's turn: ListContainerStats and StreamContainerStats. Then the CPU samples of
+    removed objects are dropped."""
+    selected = [
+        c
+        for c in services.containers.list(sandbox_id=f.pod_sandbox_id or None)
+        if (not f.id or c.id.startswith(f.id))
+        and all(c.config.labels.get(k) == v for k, v in f.label_selector.items())
+    ]
+    for start in range(0, len(selected), _STATS_BATCH):
+        for stats in await _containers_stats(services, selected[start : start + _STATS_BATCH]):
+            yield stats
     _forget_removed(services)
 
 
@@ -145,9 +186,7 @@ async def stream_container_stats(
 
 async def _sandbox_stats(services: Components, sandbox_id: str) -> api_pb2.PodSandboxStats:
     sandbox = services.sandboxes.get(sandbox_id)
-    containers = [
-        await _container_stats(services, c) for c in services.containers.list(sandbox_id=sandbox.id)
-    ]
+    containers = await _containers_stats(services, services.containers.list(sandbox_id=sandbox.id))
     cpu = sum(c.cpu.usage_core_nano_seconds.value for c in containers)
     memory = sum(c.memory.working_set_bytes.value for c in containers)
     timestamp = max((c.cpu.timestamp for c in containers), default=0)
@@ -200,8 +239,7 @@ def _interface_usage(name: str, counters: InterfaceCounters) -> api_pb2.NetworkI
 
 def _forget_removed(services: Components) -> None:
     """Drop the CPU samples of pods and containers that are gone."""
-    live = {s.id for s in services.sandboxes.list()} | {c.id for c in services.containers.list()}
-    services.cpu_rates.retain(live)
+    services.cpu_rates.retain(services.sandboxes.ids() | services.containers.ids())
 
 
 async def pod_sandbox_stats(

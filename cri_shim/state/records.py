@@ -103,13 +103,24 @@ class ContainerRecord:
     image_ref: str  # the image as the user named it (a tag, or a digest reference)
     config: api_pb2.ContainerConfig
     log_path: str
-    bundle_dir: Path
-    rootfs: Path
+    # The directories as stored; `bundle_dir` and `rootfs` make the paths when asked:
+    # Path() costs more than the rest of a row, and a listing reads every row and
+    # looks at neither.
+    bundle_dir_raw: str
+    rootfs_raw: str
     pid: int
     repo_digest: str = ""  # `name@sha256:…`, or "" for an image with no repository digest
     # The OCI spec's process.user as JSON; "" until the runtime has made the container
     # (and for containers made before the daemon recorded it).
     process_user: str = ""
+
+    @property
+    def bundle_dir(self) -> Path:
+        return Path(self.bundle_dir_raw)
+
+    @property
+    def rootfs(self) -> Path:
+        return Path(self.rootfs_raw)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> ContainerRecord:
@@ -133,8 +144,8 @@ class ContainerRecord:
             repo_digest=row["repo_digest"],
             config=config,
             log_path=row["log_path"],
-            bundle_dir=Path(row["bundle_dir"]),
-            rootfs=Path(row["rootfs"]),
+            bundle_dir_raw=row["bundle_dir"],
+            rootfs_raw=row["rootfs"],
             pid=int(row["pid"]),
             process_user=row["process_user"],
         )

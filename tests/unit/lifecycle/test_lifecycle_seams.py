@@ -204,6 +204,9 @@ class FakeBackend:
     def exit_status(self, container_id: str) -> tuple[int, int] | None:
         return self.exits.get(container_id)
 
+    def recorded_exits(self) -> set[str]:
+        return set(self.exits)
+
     def oom_killed(self, container_id: str) -> bool:
         return False
 

@@ -70,6 +70,7 @@ async def test_lifecycle_exit_code_and_log(stub_backend: RuntimeBackend, tmp_pat
     assert int((tmp_path / "bundles" / "c1" / "pidfile").read_text()) == pid
     assert await stub_backend.state("c1") == "created"
     assert stub_backend.exit_status("c1") is None
+    assert stub_backend.recorded_exits() == set()
 
     before = time.time_ns()
     await stub_backend.start("c1")
@@ -77,6 +78,7 @@ async def test_lifecycle_exit_code_and_log(stub_backend: RuntimeBackend, tmp_pat
     assert code == 3
     assert before <= finished <= time.time_ns()
     assert stub_backend.exit_status("c1") == (3, finished)
+    assert stub_backend.recorded_exits() == {"c1"}
     assert await stub_backend.state("c1") == "stopped"
     assert lines(tmp_path / "logs" / "c1.log") == [
         (Stream.STDOUT, b"hello"),

@@ -49,8 +49,8 @@ def record(index: int, annotation_bytes: int = 0) -> ContainerRecord:
             annotations={"blob": "x" * annotation_bytes} if annotation_bytes else {},
         ),
         log_path="",
-        bundle_dir=Path("/nonexistent"),
-        rootfs=Path("/nonexistent"),
+        bundle_dir_raw="/nonexistent",
+        rootfs_raw="/nonexistent",
         pid=0,
     )
 
