@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from cri_shim.host.libc import check, last_errno, libc
@@ -62,6 +63,8 @@ def unmount(target: Path) -> None:
 def unescape_mountinfo(field: str) -> str:
     """A path as mountinfo writes it, with space, tab, newline and backslash as \\ooo
     octal, turned back into the path."""
+    if "\\" not in field:
+        return field  # nearly every line: mountinfo is read whole for each question
     out, i = [], 0
     while i < len(field):
         code = field[i + 1 : i + 4]
@@ -84,8 +87,16 @@ def mount_points() -> list[Path]:
     return [Path(unescape_mountinfo(fields[4])) for fields in _mountinfo()]
 
 
+def mounted(targets: Iterable[Path]) -> set[Path]:
+    """Those of `targets` that are mount points, as given or with symlinks resolved.
+    mountinfo is read once for all of them: a node's restore asks of every pod, and
+    mountinfo lists a few mounts per pod, so one read per question grew with the square."""
+    points = {unescape_mountinfo(fields[4]) for fields in _mountinfo()}
+    return {t for t in targets if str(t) in points or os.path.realpath(t) in points}
+
+
 def is_mounted(target: Path) -> bool:
-    return Path(os.path.realpath(target)) in mount_points() or target in mount_points()
+    return bool(mounted([target]))
 
 
 def propagation(path: Path) -> str | None:

@@ -104,12 +104,10 @@ async def reconcile_host(
                 containers.mark_lost(container)
             found += 1
 
-    for sandbox in sandboxes.list():
-        if (
-            sandbox.ready
-            and sandbox.netns_path is not None
-            and not mounts.is_mounted(sandbox.netns_path)
-        ):
+    ready = [s for s in sandboxes.list() if s.ready and s.netns_path is not None]
+    pinned = mounts.mounted(s.netns_path for s in ready if s.netns_path is not None)
+    for sandbox in ready:
+        if sandbox.netns_path not in pinned:
             log.warning(
                 "sandbox %s (%s): its network namespace is gone; marking it not ready",
                 sandbox.id,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cri_shim.host.mounts import is_mounted, mount_points, propagation, unescape_mountinfo
+from cri_shim.host.mounts import (
+    is_mounted,
+    mount_points,
+    mounted,
+    propagation,
+    unescape_mountinfo,
+)
 
 
 def test_mountinfo_escapes_are_decoded() -> None:
@@ -20,3 +26,9 @@ def test_the_root_is_a_mount_point_and_a_fresh_directory_is_not(tmp_path: Path) 
     assert not is_mounted(tmp_path)
     assert propagation(tmp_path) is None
     assert propagation(Path("/")) is not None
+
+
+def test_mounted_answers_for_many_paths_at_once(tmp_path: Path) -> None:
+    (tmp_path / "root").symlink_to("/")
+    asked = [Path("/"), tmp_path, tmp_path / "root", tmp_path / "missing"]
+    assert mounted(asked) == {Path("/"), tmp_path / "root"}
