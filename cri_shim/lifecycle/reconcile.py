@@ -69,19 +69,25 @@ async def reconcile_host(
 
     # A pod sharing its PID namespace has a runc container of its own (its pause process).
     known_containers = container_ids | sandbox_ids
+    # What runc says of each container, by handler, from one listing: the orphans among
+    # them, and what the rows are checked against below.
+    listed: dict[str, dict[str, str]] = {}
     for backend in containers.backends.values():
-        for state in await backend.oci.list():
-            if state.id not in known_containers:
-                log.warning("orphan %s container %s: deleting it", backend.handler_name, state.id)
-                await backend.delete(state.id)
+        listed[backend.handler_name] = await backend.states()
+        for container_id in listed[backend.handler_name]:
+            if container_id not in known_containers:
+                log.warning(
+                    "orphan %s container %s: deleting it", backend.handler_name, container_id
+                )
+                await backend.delete(container_id)
                 found += 1
 
     for container in containers.list():
         backend = containers.backend_of(container)
-        if container.state == CREATED and await backend.state(container.id) in (
-            "running",
-            "stopped",
-        ):
+        state = listed.get(backend.handler_name, {}).get(container.id)
+        if state is None:
+            state = backend.unlisted_state(container.id)
+        if container.state == CREATED and state in ("running", "stopped"):
             # Started just before a crash, before the row said so.
             log.warning(
                 "container %s (%s) was started before the restart",
@@ -95,10 +101,7 @@ async def reconcile_host(
             continue
         if container.state != RUNNING:
             continue
-        if backend.exit_status(container.id) is None and await backend.state(container.id) in (
-            "stopped",
-            "unknown",
-        ):
+        if backend.exit_status(container.id) is None and state in ("stopped", "unknown"):
             # Gone without an exit record (the node rebooted): report it exited, unknown code.
             with object_bound("container", container.id, container.name):
                 containers.mark_lost(container)

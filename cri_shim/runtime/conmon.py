@@ -72,6 +72,17 @@ class _Meta:
     conmon_start_time: int = 0
 
 
+# runc's statuses as state() reports them.
+_STATES = {
+    "creating": "created",
+    "created": "created",
+    "running": "running",
+    "pausing": "running",
+    "paused": "running",
+    "stopped": "stopped",
+}
+
+
 class RuntimeBackend:
     """Create, start, stop, delete and inspect containers of one runtime handler."""
 
@@ -470,15 +481,17 @@ class RuntimeBackend:
         try:
             current = await self.oci.state(container_id)
         except NotFound:
-            return "stopped" if self.exit_status(container_id) is not None else "unknown"
-        return {
-            "creating": "created",
-            "created": "created",
-            "running": "running",
-            "pausing": "running",
-            "paused": "running",
-            "stopped": "stopped",
-        }.get(current.status, "unknown")
+            return self.unlisted_state(container_id)
+        return _STATES.get(current.status, "unknown")
+
+    async def states(self) -> dict[str, str]:
+        """state() of every container runc knows, by ID, from one `runc list`: one
+        `runc state` each made a node's start wait for a process per container."""
+        return {s.id: _STATES.get(s.status, "unknown") for s in await self.oci.list()}
+
+    def unlisted_state(self, container_id: str) -> str:
+        """state() of a container runc does not know."""
+        return "stopped" if self.exit_status(container_id) is not None else "unknown"
 
     def oom_killed(self, container_id: str) -> bool:
         """Whether the kernel's OOM killer killed a process of this container. Ask before
