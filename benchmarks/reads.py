@@ -11,16 +11,13 @@ sampled every 5 ms): how long any request could have waited for it.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import os
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from common import bench_daemon, percentiles, pod_with_container
+from common import bench_daemon, cpu_seconds, percentiles, pod_with_container
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from tests.harness import Daemon, import_image, pod_config
@@ -79,17 +76,6 @@ def measure(
     return [latency for result in results for latency in result], cpu / ((calls + 20) * parallel)
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def event_loop(daemon: Daemon) -> dict[str, Any]:
-    status = daemon.runtime().Status(api_pb2.StatusRequest(verbose=True), timeout=30)
-    report: dict[str, Any] = json.loads(status.info["info"])["eventLoop"]
-    return report
-
-
 def churn(daemon: Daemon, stop: threading.Event, made: list[str]) -> None:
     """Pods created and removed one after another until `stop`: the writes beside."""
     runtime = daemon.runtime()
@@ -132,7 +118,7 @@ def main() -> None:
             stop = threading.Event()
             made: list[str] = []
             writer = threading.Thread(target=churn, args=(daemon, stop, made))
-            before = event_loop(daemon)
+            before = daemon.status_info()["eventLoop"]
             if beside == "creations":
                 writer.start()
             for rpc in RPCS:
@@ -148,7 +134,7 @@ def main() -> None:
             stop.set()
             if beside == "creations":
                 writer.join()
-            after = event_loop(daemon)
+            after = daemon.status_info()["eventLoop"]
             over = {
                 bound: after["stallsOverMs"][bound] - before["stallsOverMs"][bound]
                 for bound in after["stallsOverMs"]

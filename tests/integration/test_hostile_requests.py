@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -375,12 +374,6 @@ def test_a_damaged_state_database_stops_the_start_with_one_line(make_daemon: typ
     assert not daemon.socket.exists()
 
 
-def _event_loop(daemon: Daemon) -> dict[str, Any]:
-    status = daemon.runtime().Status(api_pb2.StatusRequest(verbose=True), timeout=30)
-    report: dict[str, Any] = json.loads(status.info["info"])["eventLoop"]
-    return report
-
-
 def test_a_huge_request_does_not_stall_the_rpcs_served_beside_it(make_daemon: type) -> None:
     # About 12 MiB of arguments and environment: a second of parsing and checking, and
     # the event loop must keep serving meanwhile. The daemon samples its own loop every
@@ -409,11 +402,11 @@ def test_a_huge_request_does_not_stall_the_rpcs_served_beside_it(make_daemon: ty
     beside.start()
     try:
         time.sleep(0.2)
-        before = _event_loop(daemon)
+        before = daemon.status_info()["eventLoop"]
         started = time.monotonic()
         code, details = code_of(lambda: daemon.runtime().CreateContainer(request, timeout=60))
         ended = time.monotonic()
-        after = _event_loop(daemon)
+        after = daemon.status_info()["eventLoop"]
     finally:
         done.set()
         beside.join()
