@@ -55,9 +55,8 @@ def detach(target: Path) -> bool:
 
 def unmount(target: Path) -> None:
     """Detach whatever is mounted at `target` (all stacked mounts); nothing mounted is fine."""
-    while is_mounted(target):
-        if not detach(target):
-            return
+    while detach(target):
+        pass
 
 
 def unescape_mountinfo(field: str) -> str:
@@ -111,8 +110,15 @@ def propagation(path: Path) -> str | None:
 
 
 def unmount_below(root: Path) -> None:
-    """Unmount everything at or below `root`, deepest first."""
-    root = Path(os.path.realpath(root))
-    below = [p for p in mount_points() if p == root or root in p.parents]
-    for point in sorted(set(below), key=lambda p: len(p.parts), reverse=True):
-        unmount(point)
+    """Unmount everything at or below `root`, deepest first. mountinfo is read once and
+    compared as strings: on a node with hundreds of pods it has thousands of lines, and
+    every container and pod removal asks."""
+    top = os.path.realpath(root)
+    inside = top.rstrip("/") + "/"
+    below = {
+        point
+        for point in (unescape_mountinfo(fields[4]) for fields in _mountinfo())
+        if point == top or point.startswith(inside)
+    }
+    for point in sorted(below, key=lambda p: p.count("/"), reverse=True):
+        unmount(Path(point))

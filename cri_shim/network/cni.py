@@ -9,14 +9,11 @@ up, and its own error message (stdout JSON and stderr) goes into the raised erro
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
 import ipaddress
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +26,7 @@ from cri_shim.errors import (
     InvalidArgument,
     Unavailable,
 )
+from cri_shim.host import spawn
 from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
@@ -40,8 +38,6 @@ CONFIG_SUFFIXES = (".conflist", ".conf", ".json")
 IFNAME = "eth0"
 # The reason string kubelet itself uses for this condition.
 NOT_READY_REASON = "NetworkPluginNotReady"
-# How long a killed plugin gets to be reaped before we stop waiting for it.
-_REAP_GRACE = 5.0
 # Plugin stderr can be a whole Go panic; a message a person reads needs its start only.
 _STDERR_LIMIT = 2000
 
@@ -516,40 +512,34 @@ class CniNetwork:
 
         stdin = json.dumps(plugin_stdin(conf, plugin, req, prev_result)).encode()
         started = time.monotonic()
+        ok = False
         try:
-            proc = await asyncio.create_subprocess_exec(
-                str(binary),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+            # Its own session (spawn's default), so that a kill on timeout also takes the
+            # helpers it started (iptables, ...) that would otherwise hold its pipes open.
+            # Cancelled, the plugin is killed: it must not outlive the request.
+            done = await spawn.run(
+                [str(binary)],
+                input=stdin,
+                timeout=limit,
                 env=self._environment(command, req),
                 cwd="/",
-                # Its own process group, so that a kill on timeout also takes the helpers
-                # it started (iptables, ...) that would otherwise hold its pipes open.
-                start_new_session=True,
             )
-        except OSError as exc:
-            raise Internal(f"{what}: cannot start {binary}: {exc}") from exc
-        try:
-            stdout, stderr = await asyncio.wait_for(proc.communicate(stdin), limit)
-        except TimeoutError:
-            await _kill(proc)
+            ok = done.returncode == 0
+        except spawn.TimedOut:
             raise DeadlineExceeded(
                 f"{what}: no answer within {limit:.1f}s; the plugin was killed"
             ) from None
-        except BaseException:
-            # Cancelled: the plugin must not outlive the request that started it.
-            await _kill(proc)
-            raise
+        except OSError as exc:
+            raise Internal(f"{what}: cannot start {binary}: {exc}") from exc
         finally:
             # Latency and result per plugin and command, timeouts included (metrics).
-            ok = proc.returncode == 0
             observe_call("cni", f"{command} {kind}", time.monotonic() - started, ok)
+        stdout, stderr = done.stdout, done.stderr
         elapsed = (time.monotonic() - started) * 1000
-        log.debug("%s: exit %s in %.1f ms", what, proc.returncode, elapsed)
+        log.debug("%s: exit %s in %.1f ms", what, done.returncode, elapsed)
 
-        if proc.returncode != 0:
-            raise Internal(f"{what} failed: {_describe_failure(proc.returncode, stdout, stderr)}")
+        if done.returncode != 0:
+            raise Internal(f"{what} failed: {_describe_failure(done.returncode, stdout, stderr)}")
         if command != "ADD":
             return None
         try:
@@ -565,14 +555,6 @@ def _validate_request(req: PodNetworkRequest) -> None:
     # Fail on bad input before any plugin runs, not half-way through the list.
     cni_args(req)
     normalize_port_mappings(req.port_mappings)
-
-
-async def _kill(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    # Reaping is quick after SIGKILL; the bound only guards against a stuck D-state process.
-    with contextlib.suppress(TimeoutError):
-        await asyncio.shield(asyncio.wait_for(proc.wait(), _REAP_GRACE))
 
 
 def _snippet(data: bytes, limit: int = _STDERR_LIMIT) -> str:

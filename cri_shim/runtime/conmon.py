@@ -36,6 +36,7 @@ from typing import Any
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+from cri_shim.host import spawn
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
@@ -242,44 +243,38 @@ class RuntimeBackend:
         deadline = time.monotonic() + self.create_timeout
         sync_read, sync_write = os.pipe()
         diagnostics = os.open(cdir / "conmon.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        # conmon finds the sync pipe by the fd number in _OCI_SYNCPIPE. Its stdout and
+        # stderr go to a file, never a pipe to us: conmon outlives the daemon, and a write
+        # to a pipe whose reader died would kill it with SIGPIPE. It forks its monitor and
+        # the first process exits at once; killed on timeout or cancellation.
+        launch = spawn.run(
+            args,
+            timeout=_remaining(deadline),
+            stdout=diagnostics,
+            stderr=diagnostics,
+            pass_fds=(sync_write,),
+            env={**os.environ, "_OCI_SYNCPIPE": str(sync_write)},
+            # conmon writes some files (an `oom` marker) relative to its working dir.
+            cwd=cdir,
+            new_session=False,
+        )
         try:
-            # conmon finds the sync pipe by the fd number in _OCI_SYNCPIPE. Its stdout and
-            # stderr go to a file, never a pipe to us: conmon outlives the daemon, and a
-            # write to a pipe whose reader died would kill it with SIGPIPE.
-            proc = await asyncio.create_subprocess_exec(
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=diagnostics,
-                stderr=diagnostics,
-                pass_fds=(sync_write,),
-                env={**os.environ, "_OCI_SYNCPIPE": str(sync_write)},
-                # conmon writes some files (an `oom` marker) relative to its working dir.
-                cwd=cdir,
-            )
-        except BaseException:
-            os.close(sync_read)
-            raise
-        finally:
-            os.close(sync_write)
-            os.close(diagnostics)
-        try:
-            # conmon forks its monitor and the first process exits at once.
-            await asyncio.wait_for(proc.wait(), _remaining(deadline))
-            if proc.returncode != 0:
+            try:
+                done = await launch
+            finally:
+                os.close(sync_write)
+                os.close(diagnostics)
+            if done.returncode != 0:
                 raise Internal(
-                    f"conmon for {container_id} failed (exit status {proc.returncode}): "
+                    f"conmon for {container_id} failed (exit status {done.returncode}): "
                     f"{_tail(cdir / 'conmon.log')}"
                 )
             report = await _read_sync_line(sync_read, _remaining(deadline))
-        except TimeoutError:
+        except (TimeoutError, spawn.TimedOut):
             raise DeadlineExceeded(
                 f"creating container {container_id} took longer than {self.create_timeout:g}s"
             ) from None
         finally:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
             with contextlib.suppress(OSError):
                 os.close(sync_read)
         return report

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+from cri_shim.host import spawn
 from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
@@ -261,42 +262,33 @@ class OciRuntime:
         log_name = self._new_log_file(args[0])
         started = time.monotonic()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                str(self.path),
-                *self._global_args(log_name),
-                *args,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
+            ok = False
             try:
-                out, err = await asyncio.wait_for(proc.communicate(stdin), budget)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+                done = await spawn.run(
+                    [str(self.path), *self._global_args(log_name), *args],
+                    input=stdin,
+                    timeout=budget,
+                )
+                ok = done.returncode == 0
+            except spawn.TimedOut:
                 raise DeadlineExceeded(
                     f"{self.path.name} {' '.join(args)} did not finish within {budget:g}s"
                 ) from None
             finally:
-                if proc.returncode is None:  # cancelled by the caller: leave no runc behind
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                ok = proc.returncode == 0
                 observe_call(self.path.name, args[0], time.monotonic() - started, ok)
+            returncode, out, err = done.returncode, done.stdout, done.stderr
             log.debug(
                 "%s %s: rc=%s in %.1f ms",
                 self.path.name,
                 args[0],
-                proc.returncode,
+                returncode,
                 (time.monotonic() - started) * 1000,
             )
-            if proc.returncode != 0:
+            if returncode != 0:
                 message = (
                     runtime_error_message(_read_text(log_name))
                     or runtime_error_message(err.decode(errors="replace"))
-                    or f"exit status {proc.returncode}"
+                    or f"exit status {returncode}"
                 )
                 raise _classify(f"{self.path.name} {args[0]}", container_id, message)
             return out

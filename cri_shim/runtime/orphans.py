@@ -7,10 +7,11 @@ container process whose conmon died. Such a zombie is not just a table entry: wh
 in a container's PID namespace, that namespace cannot finish dying, and `runc delete`
 fails with "container init still running" until someone reaps it.
 
-The daemon's own subprocesses must not be reaped here, or asyncio would lose their exit
-status. asyncio's watcher reaps a child as soon as it exits (a thread blocked in
-waitpid() per child on Python 3.11), so a zombie child still there at the next scan,
-with the same start time, has nobody else to reap it.
+The daemon's own subprocesses must not be reaped here, or their waiters would lose their
+exit status. asyncio's watcher reaps a child as soon as it exits (a thread blocked in
+waitpid() per child on Python 3.11), and host/spawn.py names the processes its threads
+wait for, so a zombie child still there at the next scan, with the same start time and
+not spawn's, has nobody else to reap it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import asyncio
 import contextlib
 import logging
 import os
+
+from cri_shim.host import spawn
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,10 @@ class OrphanReaper:
         current = set(_zombie_children())
         reaped = []
         # The start time is part of the key: a reused pid is a different process.
+        waited_for = spawn.owned()
         for pid, _start_time in current & self._seen:
+            if pid in waited_for:
+                continue
             with contextlib.suppress(ChildProcessError):
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done == pid:

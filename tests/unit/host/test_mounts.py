@@ -1,15 +1,19 @@
-"""What the mount helpers read from mountinfo (no root needed)."""
+"""What the mount helpers read from mountinfo, and unmounting a tree (root)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cri_shim.host.mounts import (
     is_mounted,
     mount_points,
+    mount_tmpfs,
     mounted,
     propagation,
     unescape_mountinfo,
+    unmount_below,
 )
 
 
@@ -32,3 +36,25 @@ def test_mounted_answers_for_many_paths_at_once(tmp_path: Path) -> None:
     (tmp_path / "root").symlink_to("/")
     asked = [Path("/"), tmp_path, tmp_path / "root", tmp_path / "missing"]
     assert mounted(asked) == {Path("/"), tmp_path / "root"}
+
+
+@pytest.mark.root
+def test_unmount_below_takes_every_mount_under_a_directory_and_nothing_beside_it(
+    tmp_path: Path,
+) -> None:
+    root, sibling = tmp_path / "pod", tmp_path / "pod-other"
+    nested, spaced = root / "a" / "b", root / "with space"
+    for path in (root, nested, spaced, sibling):
+        path.mkdir(parents=True, exist_ok=True)
+    mount_tmpfs(root, size=1 << 20)
+    for path in (nested, nested, spaced, sibling):  # `nested` twice: stacked mounts
+        path.mkdir(parents=True, exist_ok=True)
+        mount_tmpfs(path, size=1 << 20)
+    try:
+        assert mounted([root, nested, spaced, sibling]) == {root, nested, spaced, sibling}
+        unmount_below(root)
+        assert mounted([root, nested, spaced, sibling]) == {sibling}
+        unmount_below(root)  # nothing left there: nothing to do
+    finally:
+        unmount_below(tmp_path)
+    assert not mounted([sibling])

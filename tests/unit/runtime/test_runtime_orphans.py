@@ -66,3 +66,35 @@ def test_orphans_are_reaped_and_asyncio_children_keep_their_status() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+SPAWNED = textwrap.dedent(
+    """
+    import asyncio, ctypes
+    from cri_shim.host import spawn
+    from cri_shim.runtime.orphans import OrphanReaper
+
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+    async def main():
+        # The shell exits at once, but the sleep it left behind holds its stdout: the
+        # thread waiting for it reads until that closes, so the shell stays a zombie
+        # across two scans.
+        run = asyncio.create_task(spawn.run(["sh", "-c", "sleep 1 & exit 7"], timeout=10))
+        reaper = OrphanReaper()
+        while not run.done():
+            reaper.scan()
+            await asyncio.sleep(0.1)
+        print(run.result().returncode)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_spawned_process_keeps_its_exit_status_while_it_waits_for_its_output() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SPAWNED], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "7"

@@ -1,0 +1,63 @@
+"""Helper processes run on worker threads: their output and exit status, and a timeout or
+a cancelled caller killing the whole session and reaping it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cri_shim.host import spawn
+from tests.waiting import until
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_exit_status_output_and_input() -> None:
+    done = await spawn.run(
+        ["sh", "-c", "read line; echo out:$line; echo err >&2; exit 3"],
+        input=b"hello\n",
+        timeout=10,
+    )
+    assert done == spawn.Finished(3, b"out:hello\n", b"err\n")
+    assert spawn.owned() == frozenset()
+
+
+async def test_a_timeout_kills_the_whole_session_and_keeps_what_it_wrote(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    script = f"echo started; sleep 60 & echo $! > {pids}; echo $$ >> {pids}; wait"
+    with pytest.raises(spawn.TimedOut) as raised:
+        await spawn.run(["sh", "-c", script], timeout=0.5)
+    assert raised.value.finished.stdout == b"started\n"
+    assert raised.value.finished.returncode == -9
+    background, shell = (int(line) for line in pids.read_text().split())
+    await until(lambda: not _alive(background))  # the shell's child went with it
+    assert not _alive(shell)
+    assert spawn.owned() == frozenset()
+
+
+async def test_a_cancelled_caller_leaves_no_process(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    task = asyncio.create_task(
+        spawn.run(["sh", "-c", f"echo $$ > {pid_file}; exec sleep 60"], timeout=None)
+    )
+    await until(lambda: pid_file.exists() and pid_file.read_text().strip() != "")
+    pid = int(pid_file.read_text())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Killed and reaped by the time the cancellation reaches the caller.
+    assert not _alive(pid)
+    assert spawn.owned() == frozenset()
+
+
+async def test_a_missing_program_raises_oserror() -> None:
+    with pytest.raises(FileNotFoundError):
+        await spawn.run(["/nonexistent/program"], timeout=5)
