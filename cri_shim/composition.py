@@ -13,8 +13,8 @@ from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import BUNDLED_CNI_DIR, Config
 from cri_shim.images.on_demand import PullerOnDemand
+from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.store import ImageStore
-from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.events import ContainerEvent, EventBus
 from cri_shim.lifecycle.pause import PauseProcesses

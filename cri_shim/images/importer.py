@@ -45,9 +45,10 @@ from cri_shim.images.manifest import (
     platform_matches,
     select_platform,
 )
+from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.reference import parse_named, parse_reference
 from cri_shim.images.store import ImageStore
-from cri_shim.images.unpack import BoundedTarInfo, UnpackPolicy, sniff_compression
+from cri_shim.images.unpack import BoundedTarInfo, sniff_compression
 from cri_shim.state.records import ImageRecord
 
 log = logging.getLogger(__name__)

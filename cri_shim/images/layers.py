@@ -22,9 +22,9 @@ from pathlib import Path
 
 from cri_shim.errors import FailedPrecondition, Internal, InvalidArgument
 from cri_shim.images.content import ContentStore, DigestMismatch
+from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.reference import validate_digest
 from cri_shim.images.scratch import remove_leftovers, temp_name, trash
-from cri_shim.images.unpack import UnpackPolicy, unpack_layer
 from cri_shim.state.db import Database
 from cri_shim.state.images import LayerRows
 
@@ -97,6 +97,9 @@ class LayerStore:
             raise FailedPrecondition(
                 f"layer blob {blob.digest} is not in the image store; put_blob it first"
             ) from None
+        # tarfile and zstd (~1 MiB) are imported by the first pull, not by every daemon.
+        from cri_shim.images.unpack import unpack_layer
+
         temp = self.layers_dir / temp_name()
         try:
             with stream:

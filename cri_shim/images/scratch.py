@@ -9,7 +9,6 @@ from those of a live one (`cri-shim images import` runs beside the daemon).
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from pathlib import Path
 
@@ -18,12 +17,12 @@ TRASH_PREFIX = ".trash-"
 
 
 def temp_name() -> str:
-    return f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    return f"{TMP_PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
 
 
 def trash(path: Path) -> None:
     """Rename `path` aside, then delete it; a missing `path` is no error."""
-    aside = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
+    aside = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.urandom(4).hex()}")
     try:
         os.rename(path, aside)
     except FileNotFoundError:

@@ -39,8 +39,8 @@ from cri_shim.images.catalog import (
 )
 from cri_shim.images.content import ContentStore
 from cri_shim.images.layers import InUseHook, LayerBlob, LayerStore, chain_ids
+from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.reference import validate_digest
-from cri_shim.images.unpack import UnpackPolicy
 from cri_shim.state.db import Database
 from cri_shim.state.records import ImageRecord
 

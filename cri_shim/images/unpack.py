@@ -43,8 +43,9 @@ from typing import IO, Any, BinaryIO
 
 import zstandard
 
-from cri_shim.config import ImagesConfig, format_size
+from cri_shim.config import format_size
 from cri_shim.errors import InvalidArgument
+from cri_shim.images.policy import UnpackPolicy
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_WHITEOUT = ".wh..wh..opq"
@@ -111,19 +112,6 @@ class UnpackResult:
 
 class LayerError(InvalidArgument):
     """The layer archive is malformed or tries to write where it must not."""
-
-
-@dataclass(frozen=True)
-class UnpackPolicy:
-    """What a layer may contain; the defaults are `[images]`'s."""
-
-    max_bytes: int = ImagesConfig.max_layer_bytes
-    max_entries: int = ImagesConfig.max_layer_entries
-    allow_device_nodes: bool = ImagesConfig.allow_device_nodes
-
-    @classmethod
-    def from_config(cls, images: ImagesConfig) -> UnpackPolicy:
-        return cls(images.max_layer_bytes, images.max_layer_entries, images.allow_device_nodes)
 
 
 class _TooLarge(LayerError):

@@ -329,3 +329,34 @@ def test_install_into_a_temporary_prefix(tmp_path: Path) -> None:
     assert sorted(p.name for p in cni.iterdir()) == ["05-calico.conflist"]
     assert read_unit(unit)["Service"]["ExecStart"] == service["ExecStart"]
     assert f"kept {config}" in out
+
+
+# What a daemon that has only started and answered a call has no use for, with what each
+# costs resident (measured in the project's venv): imported by the code path that needs it.
+_NOT_AT_IDLE = {
+    "zstandard": "layer decompression, ~0.5 MiB with tarfile",
+    "tarfile": "layer unpacking",
+    "httpx": "the registry client, ~4 MiB",
+    "prometheus_client": "the metrics exporter, ~2 MiB",
+    "h11": "the streaming server",
+    "websockets": "the streaming server",
+    "pyroute2": "netlink, ~11 MiB (not used at all)",
+    "secrets": "hmac and random along with it",
+}
+
+
+@pytest.mark.root
+def test_an_idle_daemon_imports_only_what_serving_needs(make_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = make_daemon()
+    d.env = {"PYTHONPROFILEIMPORTTIME": "1"}  # each import, to stderr (the daemon's log)
+    d.start()
+    d.runtime().Version(api_pb2.VersionRequest(), timeout=10)
+    d.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10)
+    imported = {
+        line.split("|")[2].strip()
+        for line in d.log_path.read_text().splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+    assert "cri_shim.daemon" in imported  # the log does list the daemon's imports
+    loaded = {name: why for name, why in _NOT_AT_IDLE.items() if name in imported}
+    assert loaded == {}

@@ -16,7 +16,7 @@ from cri_shim.config import (
     format_size,
     parse_size,
 )
-from cri_shim.images.unpack import UnpackPolicy
+from cri_shim.images.policy import UnpackPolicy
 
 
 def test_defaults() -> None:

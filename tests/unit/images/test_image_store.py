@@ -455,7 +455,7 @@ def test_a_failed_unpack_leaves_no_directory(
         (dest / "partial").mkdir(parents=True)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("cri_shim.images.layers.unpack_layer", disk_full)
+    monkeypatch.setattr("cri_shim.images.unpack.unpack_layer", disk_full)
     with pytest.raises(Internal, match="No space left"):
         add(store, [BASE])
     assert list(store.layers_dir.iterdir()) == []

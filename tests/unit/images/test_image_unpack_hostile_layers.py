@@ -16,8 +16,9 @@ import pytest
 from cri_shim.config import parse_size
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.layers import LayerBlob
+from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.store import ImageStore
-from cri_shim.images.unpack import OPAQUE_XATTR, LayerError, UnpackPolicy, unpack_layer
+from cri_shim.images.unpack import OPAQUE_XATTR, LayerError, unpack_layer
 from cri_shim.state.db import Database
 from tests.hostile_layers import HOSTILE_CASES, HostileCase, Tar, image_of_layers, store_leftovers
 
