@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import selectors
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,9 @@ KILL_GRACE = 2.0
 
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
+
+# Kills a process started here (and what it started), in place of SIGKILL to its session.
+Killer = Callable[["subprocess.Popen[bytes]"], None]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -101,17 +106,22 @@ async def run(
 class _Job:
     """One process, between the thread that waits for it and the loop that may cancel it."""
 
-    def __init__(self, new_session: bool) -> None:
+    def __init__(self, new_session: bool, kill: Killer | None = None) -> None:
         self.new_session = new_session
+        self.kill_hook = kill
         self.proc: subprocess.Popen[bytes] | None = None
         self.cancelled = False
+        self.killed = False
 
     def cancel(self) -> None:
         # Set before looking at proc, as run() sets proc before looking at cancelled:
         # whichever comes second sees the other's write and kills.
         self.cancelled = True
         if self.proc is not None:
-            self._kill(self.proc)
+            if self.kill_hook is None:
+                self._kill(self.proc)
+            else:  # the hook may wait (for runc to reap what it killed): not on the loop
+                _executor().submit(self._kill, self.proc)
 
     def run(
         self,
@@ -146,9 +156,40 @@ class _Job:
         finally:
             _owned.discard(proc.pid)
 
+    def run_capped(
+        self, argv: list[str], timeout: float | None, limit: int, drain: float
+    ) -> Captured:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        proc = subprocess.Popen(
+            argv, stdin=DEVNULL, stdout=PIPE, stderr=PIPE, close_fds=True, start_new_session=True
+        )
+        _owned.add(proc.pid)
+        try:
+            self.proc = proc
+            if self.cancelled:
+                self._kill(proc)
+            try:
+                out, err, timed_out = _read_capped(
+                    proc, deadline, limit, drain, lambda: self._kill(proc)
+                )
+            except BaseException:
+                self._kill(proc)
+                raise
+            finally:
+                if proc.poll() is None:
+                    self._kill(proc)
+                proc.wait()
+            return Captured(None if timed_out else proc.returncode, out, err, timed_out)
+        finally:
+            _owned.discard(proc.pid)
+
     def _kill(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.returncode is not None:
-            return  # reaped: its pid may belong to another process by now
+        if proc.returncode is not None or self.killed:
+            return  # reaped (its pid may belong to another process by now), or done
+        self.killed = True
+        if self.kill_hook is not None:
+            self.kill_hook(proc)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if self.new_session:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -168,6 +209,98 @@ class _Job:
             proc.wait()
             return b"", b""
         return out or b"", err or b""
+
+
+@dataclass(frozen=True)
+class Captured:
+    returncode: int | None  # None: killed at its timeout (still reaped)
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+
+
+async def run_capped(
+    argv: Sequence[str],
+    *,
+    timeout: float | None,
+    limit: int,
+    drain: float,
+    kill: Killer,
+) -> Captured:
+    """Run `argv` (stdin /dev/null, a session of its own) and keep at most `limit` bytes of
+    each of its stdout and stderr, reading on so that it never blocks on a full pipe.
+    Once it has exited, output still held open (a background child) is read for `drain`
+    seconds more. At `timeout` (None: none) or when the caller is cancelled, `kill(proc)`
+    is called; it must leave the process exited or about to be."""
+    job = _Job(True, kill)
+    loop = asyncio.get_running_loop()
+    done = loop.run_in_executor(_executor(), job.run_capped, list(argv), timeout, limit, drain)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        job.cancel()
+        await asyncio.wait([done], timeout=KILL_GRACE * 2)
+        raise
+
+
+def _read_capped(
+    proc: subprocess.Popen[bytes],
+    deadline: float | None,
+    limit: int,
+    drain: float,
+    on_timeout: Callable[[], None],
+) -> tuple[bytes, bytes, bool]:
+    """Until the process has exited and both pipes are at EOF (or `drain` has passed since
+    the exit), keeping at most `limit` bytes of each. A process that closed its output
+    and runs on is waited for: only its timeout ends it."""
+    assert proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    kept = {out_fd: bytearray(), err_fd: bytearray()}
+    timed_out = False
+    exited_at: float | None = None
+    # Readable once the process has exited (not reaped: the pid stays ours till then).
+    exit_fd = os.pidfd_open(proc.pid)
+    try:
+        with selectors.DefaultSelector() as selector:
+            for fd in (out_fd, err_fd, exit_fd):
+                os.set_blocking(fd, False)
+                selector.register(fd, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                if exited_at is not None:
+                    held = out_fd in selector.get_map() or err_fd in selector.get_map()
+                    if not held or now - exited_at >= drain:
+                        break
+                if not timed_out and deadline is not None and now >= deadline:
+                    timed_out = True
+                    on_timeout()
+                waits = []
+                if exited_at is not None:
+                    waits.append(drain - (now - exited_at))
+                if deadline is not None and not timed_out:
+                    waits.append(deadline - now)
+                wait = max(0.0, min(waits)) if waits else None
+                for key, _ in selector.select(wait):
+                    if key.fd == exit_fd:
+                        exited_at = time.monotonic()
+                        selector.unregister(exit_fd)
+                        continue
+                    try:
+                        chunk = os.read(key.fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        continue
+                    into = kept[key.fd]
+                    room = limit - len(into)
+                    if room > 0:
+                        into += chunk[:room]
+    finally:
+        os.close(exit_fd)
+    proc.stdout.close()
+    proc.stderr.close()
+    return bytes(kept[out_fd]), bytes(kept[err_fd]), timed_out
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -7,7 +7,6 @@ per-call file (not stderr) because during `runc exec` stderr is the exec'd proce
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import contextlib
 import json
@@ -15,6 +14,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -191,41 +191,19 @@ class OciRuntime:
             *cmd,
         ]
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                # Its own session, so that killing runc cannot hit the daemon's group.
-                start_new_session=True,
+            done = await spawn.run_capped(
+                args,
+                timeout=timeout or None,
+                limit=MAX_EXEC_OUTPUT,
+                # Output may still be in flight, or held open by a background child.
+                drain=EXEC_OUTPUT_DRAIN,
+                kill=_exec_killer(pid_file),
             )
-            assert proc.stdout is not None and proc.stderr is not None
-            stdout, stderr = bytearray(), bytearray()
-            readers = [
-                asyncio.create_task(_read_capped(proc.stdout, stdout)),
-                asyncio.create_task(_read_capped(proc.stderr, stderr)),
-            ]
-            waiter = asyncio.create_task(proc.wait())
-            limit = timeout if timeout else None
-            try:
-                done, _ = await asyncio.wait({waiter}, timeout=limit)
-                timed_out = not done
-                if timed_out:
-                    await _kill_exec(proc, pid_file)
-                    await waiter
-                else:
-                    # Output may still be in flight, or held open by a background child.
-                    await asyncio.wait(readers, timeout=EXEC_OUTPUT_DRAIN)
-            finally:
-                for task in (*readers, waiter):
-                    task.cancel()
-                await asyncio.gather(*readers, waiter, return_exceptions=True)
-                if proc.returncode is None:
-                    await _kill_exec(proc, pid_file)
+            stdout, stderr, timed_out = done.stdout, done.stderr, done.timed_out
             if timed_out:
                 note = f"\ncommand timed out after {timeout:g}s and was killed\n".encode()
                 return ExecResult(bytes(stdout), bytes(stderr) + note, -1, True)
-            code = proc.returncode
+            code = done.returncode
             assert code is not None
             runc_error = runtime_error_message(_read_text(log_name))
             if code != 0 and runc_error:
@@ -329,16 +307,7 @@ def _read_text(path: str) -> str:
         return ""
 
 
-async def _read_capped(stream: asyncio.StreamReader, into: bytearray) -> None:
-    """Read to EOF; keep at most MAX_EXEC_OUTPUT bytes, but keep draining so the writer
-    never blocks on a full pipe."""
-    while chunk := await stream.read(65536):
-        room = MAX_EXEC_OUTPUT - len(into)
-        if room > 0:
-            into += chunk[:room]
-
-
-async def _kill_exec(proc: asyncio.subprocess.Process, pid_file: Path) -> None:
+def _exec_killer(pid_file: Path) -> spawn.Killer:
     """Kill the exec'd process and everything in its process group at once, then let runc
     reap it. runc makes the exec'd process a session leader, so its group is separate
     from runc's and must be killed by its own id.
@@ -348,13 +317,17 @@ async def _kill_exec(proc: asyncio.subprocess.Process, pid_file: Path) -> None:
     The price: a grandchild whose parent died with it is re-parented to the container's
     init, which may never reap it (the zombie goes when the container does).
     """
-    exec_pid = _read_pid(pid_file)  # 0: runc had not started it yet; killing runc is enough
-    if exec_pid > 0:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(exec_pid, signal.SIGKILL)
-    # runc reaps the exec'd process and exits by itself; give it a moment, then force it.
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(proc.wait()), 1.0)
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    def kill(runc: subprocess.Popen[bytes]) -> None:
+        exec_pid = _read_pid(pid_file)  # 0: runc had not started it yet; killing runc is enough
+        if exec_pid > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(exec_pid, signal.SIGKILL)
+        # runc reaps the exec'd process and exits by itself; give it a moment, then force it.
+        try:
+            runc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(runc.pid, signal.SIGKILL)
+
+    return kill

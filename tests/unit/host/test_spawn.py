@@ -4,6 +4,9 @@ a cancelled caller killing the whole session and reaping it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,3 +64,38 @@ async def test_a_cancelled_caller_leaves_no_process(tmp_path: Path) -> None:
 async def test_a_missing_program_raises_oserror() -> None:
     with pytest.raises(FileNotFoundError):
         await spawn.run(["/nonexistent/program"], timeout=5)
+
+
+async def test_capped_output_is_read_on_and_a_held_pipe_is_left_after_the_drain() -> None:
+    # 1 MiB written, 1 KiB kept; then a background sleep holds stdout open past the exit.
+    script = "head -c 1048576 /dev/zero; (sleep 30 &); exit 4"
+    done = await spawn.run_capped(
+        ["sh", "-c", script], timeout=20, limit=1024, drain=0.3, kill=lambda proc: None
+    )
+    assert (done.returncode, len(done.stdout), done.timed_out) == (4, 1024, False)
+    assert spawn.owned() == frozenset()
+
+
+async def test_capped_run_calls_its_killer_at_the_timeout(tmp_path: Path) -> None:
+    killed: list[int] = []
+
+    def kill(proc: subprocess.Popen[bytes]) -> None:
+        killed.append(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    done = await spawn.run_capped(
+        ["sh", "-c", "echo partial; exec sleep 60"], timeout=0.3, limit=1024, drain=1, kill=kill
+    )
+    assert done == spawn.Captured(None, b"partial\n", b"", True)
+    assert len(killed) == 1 and not _alive(killed[0])
+
+
+async def test_a_capped_run_waits_for_a_process_that_closed_its_output() -> None:
+    done = await spawn.run_capped(
+        ["sh", "-c", "exec >&- 2>&-; sleep 0.5; exit 6"],
+        timeout=20,
+        limit=1024,
+        drain=0.1,
+        kill=lambda proc: None,
+    )
+    assert (done.returncode, done.timed_out) == (6, False)
