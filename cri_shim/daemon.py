@@ -127,6 +127,9 @@ class Daemon:
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
+        # The WAL is copied into the database off the loop (state/db.py), not by a commit.
+        checkpoints = services.db.checkpoint_periodically()
+        self._background.add(asyncio.create_task(checkpoints, name="db-checkpoint"))
         if services.loop_monitor is not None:
             monitor = services.loop_monitor.run()
             self._background.add(asyncio.create_task(monitor, name="loop-monitor"))

@@ -4,6 +4,11 @@ Rows are written before the side effect they describe, so that a crash leaves a 
 everything that may need undoing. The connection is used from the event loop thread; each
 statement is short, and WAL lets `cri-shim images import` write from another process.
 
+Commits do not checkpoint (copy the WAL into the database and fsync it): on a busy disk
+that takes tens of milliseconds, which every call the event loop serves would wait. The
+daemon runs checkpoint() on a worker thread instead, through a connection of its own, which
+a passive checkpoint lets the loop's writes go on beside.
+
 The file is 0600 (SQLite gives its -wal and -shm files the same mode): rows hold
 container environments, which carry secrets. A damaged file stops the start with one
 line that says which file and what to do (`DamagedDatabase`), rather than a traceback
@@ -12,6 +17,8 @@ that a service manager would restart for ever.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sqlite3
 import threading
@@ -21,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from cri_shim.state.schema import MIGRATIONS
+
+# Once a checkpoint has copied it all, the WAL starts over and is cut back to this.
+WAL_SIZE_LIMIT = 4 << 20
+CHECKPOINT_INTERVAL = 1.0
 
 
 class DamagedDatabase(Exception):
@@ -38,11 +49,16 @@ class Database:
         )
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
+        self._checkpointer: sqlite3.Connection | None = None
+        self._checkpoint_lock = threading.Lock()
+        self._checkpointed_changes = -1
         try:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._conn.execute("PRAGMA busy_timeout=30000")
+            self._conn.execute("PRAGMA wal_autocheckpoint=0")
+            self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             problems = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
             if problems != ["ok"]:
                 raise sqlite3.DatabaseError("; ".join(problems[:3]))
@@ -109,6 +125,35 @@ class Database:
             row: sqlite3.Row | None = self._conn.execute(sql, params).fetchone()
             return row
 
+    def checkpoint(self) -> None:
+        """Copy what the WAL holds into the database (a passive checkpoint: writers go on
+        meanwhile). Blocking: call it off the event loop, as checkpoint_periodically()
+        does."""
+        with self._checkpoint_lock:
+            if self._checkpointer is None:
+                self._checkpointer = sqlite3.connect(
+                    str(self.path), isolation_level=None, check_same_thread=False
+                )
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+    async def checkpoint_periodically(self, interval: float = CHECKPOINT_INTERVAL) -> None:
+        """checkpoint() on a worker thread every `interval` seconds in which something was
+        written; cancel to stop. Own it in the daemon's task group."""
+        while True:
+            await asyncio.sleep(interval)
+            changes = self._conn.total_changes
+            if changes != self._checkpointed_changes:
+                self._checkpointed_changes = changes
+                await asyncio.to_thread(self.checkpoint)
+
     def close(self) -> None:
+        """Checkpoint what is left (a process that only imported images has no periodic
+        checkpoint) and close."""
+        with self._checkpoint_lock:
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+                self._checkpointer = None
         with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             self._conn.close()

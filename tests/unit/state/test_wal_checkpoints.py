@@ -1,0 +1,59 @@
+"""The WAL is copied into the database by checkpoint() on a worker thread, never by a commit
+on the event loop, and starts over once a checkpoint has copied it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from cri_shim.state.db import WAL_SIZE_LIMIT, Database
+
+
+def _wal(db: Database) -> int:
+    return os.stat(f"{db.path}-wal").st_size
+
+
+def _write(db: Database, rows: int) -> None:
+    for _ in range(rows):
+        with db.transaction() as conn:
+            conn.execute("INSERT INTO scratch (v) VALUES (?)", (os.urandom(2000),))
+
+
+def test_commits_leave_the_wal_to_the_checkpointer(tmp_path: Path) -> None:
+    db = Database(tmp_path / "state.db")
+    try:
+        db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
+        # 3,000 rows of 2 KB: SQLite's own checkpoint, at every 1,000 pages, would have
+        # held the WAL near 4 MiB.
+        _write(db, 3000)
+        assert _wal(db) > 1.5 * WAL_SIZE_LIMIT
+        db.checkpoint()
+        _write(db, 1)  # the first commit after a complete checkpoint starts the WAL over
+        assert _wal(db) <= WAL_SIZE_LIMIT
+        assert db.query_one("SELECT count(*) AS n FROM scratch")["n"] == 3001
+    finally:
+        db.close()
+
+
+async def test_the_periodic_checkpoint_runs_only_after_writes(tmp_path: Path) -> None:
+    db = Database(tmp_path / "state.db")
+    calls: list[int] = []
+    real = db.checkpoint
+
+    def counted() -> None:
+        calls.append(1)
+        real()
+
+    db.checkpoint = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(db.checkpoint_periodically(interval=0.05))
+    try:
+        db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
+        await asyncio.sleep(0.3)
+        after_write = len(calls)
+        await asyncio.sleep(0.3)  # nothing written meanwhile
+        assert after_write == 1 and len(calls) == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        db.close()
