@@ -44,6 +44,18 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def rss_split_mib(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB. The file-backed part is shared libraries'
+    pages, and with the kernel's fault-around it grows with what the page cache holds
+    of them: it moves by half a MiB between runs that the daemon cannot tell apart."""
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            found[key] = int(value.split()[0]) / 1024
+    return found.get("RssAnon", 0.0), found.get("RssFile", 0.0)
+
+
 def cpu_seconds(pid: int) -> float:
     """The CPU time all of the process's threads have run (the scheduler's, in ns)."""
     total = 0

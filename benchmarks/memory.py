@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import bench_daemon, pod_with_container, rss_mib
+from common import bench_daemon, pod_with_container, rss_mib, rss_split_mib
 
 from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, import_image
@@ -38,6 +38,7 @@ def main() -> None:
         pid = daemon.proc.pid
         time.sleep(1.0)
         idle = rss_mib(pid)
+        idle_anon, idle_file = rss_split_mib(pid)
         import_image(daemon, cached_oci_layout(Path(scratch)))
         held = [pod_with_container(daemon, f"held-{i}") for i in range(args.held)]
         with_held = rss_mib(pid)
@@ -52,7 +53,10 @@ def main() -> None:
                 samples.append((cycle - args.warmup, rss_mib(pid)))
         took = time.perf_counter() - started
         leaks = daemon.leaks()
-    print(f"{'daemon RSS idle':<34} {idle:6.1f} MiB")
+    print(
+        f"{'daemon RSS idle':<34} {idle:6.1f} MiB"
+        f"   (anonymous {idle_anon:.1f}, shared-library pages {idle_file:.1f})"
+    )
     print(f"{f'with {args.held} pods (1 container each)':<34} {with_held:6.1f} MiB")
     print(f"{'after removing them':<34} {after_held:6.1f} MiB")
     print(f"pod cycles (after {args.warmup} warm-up cycles), {took:.0f} s in all:")

@@ -49,9 +49,7 @@ class Database:
         )
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.RLock()
-        self._checkpointer: sqlite3.Connection | None = None
         self._checkpoint_lock = threading.Lock()
-        self._checkpointed_changes = -1
         try:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -128,32 +126,33 @@ class Database:
     def checkpoint(self) -> None:
         """Copy what the WAL holds into the database (a passive checkpoint: writers go on
         meanwhile). Blocking: call it off the event loop, as checkpoint_periodically()
-        does."""
+        does. Through a connection opened for it and closed after, which an idle daemon
+        does not keep (it costs half a MiB)."""
         with self._checkpoint_lock:
-            if self._checkpointer is None:
-                self._checkpointer = sqlite3.connect(
-                    str(self.path), isolation_level=None, check_same_thread=False
-                )
-            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            checkpointer = sqlite3.connect(str(self.path), isolation_level=None)
+            try:
+                checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            finally:
+                checkpointer.close()
 
     async def checkpoint_periodically(self, interval: float = CHECKPOINT_INTERVAL) -> None:
         """checkpoint() on a worker thread every `interval` seconds in which something was
         written; cancel to stop. Own it in the daemon's task group."""
+        # From the writes after it starts: the start's own (migrations, restore) wait for
+        # the first of those, so that a daemon that serves and writes nothing never opens
+        # a second connection.
+        checkpointed = self._conn.total_changes
         while True:
             await asyncio.sleep(interval)
             changes = self._conn.total_changes
-            if changes != self._checkpointed_changes:
-                self._checkpointed_changes = changes
+            if changes != checkpointed:
+                checkpointed = changes
                 await asyncio.to_thread(self.checkpoint)
 
     def close(self) -> None:
         """Checkpoint what is left (a process that only imported images has no periodic
         checkpoint) and close."""
-        with self._checkpoint_lock:
-            if self._checkpointer is not None:
-                self._checkpointer.close()
-                self._checkpointer = None
-        with self._lock:
+        with self._checkpoint_lock, self._lock:
             with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             self._conn.close()

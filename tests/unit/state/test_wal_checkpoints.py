@@ -46,9 +46,13 @@ async def test_the_periodic_checkpoint_runs_only_after_writes(tmp_path: Path) ->
         real()
 
     db.checkpoint = counted  # type: ignore[method-assign]
+    db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
+    _write(db, 1)  # before it starts: left for the first write after
     task = asyncio.create_task(db.checkpoint_periodically(interval=0.05))
     try:
-        db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
+        await asyncio.sleep(0.3)
+        assert calls == []
+        _write(db, 1)
         await asyncio.sleep(0.3)
         after_write = len(calls)
         await asyncio.sleep(0.3)  # nothing written meanwhile
