@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,15 +85,14 @@ async def run(
     cannot reach the daemon's group. Raises TimedOut after `timeout` seconds (None: no
     limit), OSError when it cannot be started."""
     job = _Job(new_session)
-    loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(
-        _executor(),
-        job.run,
-        list(argv),
-        input,
-        timeout,
-        {"stdout": stdout, "stderr": stderr, "env": env, "cwd": cwd, "pass_fds": tuple(pass_fds)},
-    )
+    options = {"stdout": stdout, "stderr": stderr, "env": env, "cwd": cwd, "pass_fds": pass_fds}
+    finished: Finished = await _on_thread(job, job.run, list(argv), input, timeout, options)
+    return finished
+
+
+async def _on_thread(job: _Job, work: Callable[..., Any], *args: Any) -> Any:
+    """work(*args) on a spawn thread, for a caller that may be cancelled meanwhile."""
+    done = asyncio.get_running_loop().run_in_executor(_executor(), work, *args)
     try:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
@@ -123,6 +122,19 @@ class _Job:
             else:  # the hook may wait (for runc to reap what it killed): not on the loop
                 _executor().submit(self._kill, self.proc)
 
+    @contextlib.contextmanager
+    def _started(self, argv: list[str], **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
+        """The process, known to cancel() and to the orphan reaper until it is reaped."""
+        proc = subprocess.Popen(argv, close_fds=True, start_new_session=self.new_session, **popen)
+        _owned.add(proc.pid)
+        try:
+            self.proc = proc
+            if self.cancelled:
+                self._kill(proc)
+            yield proc
+        finally:
+            _owned.discard(proc.pid)
+
     def run(
         self,
         argv: list[str],
@@ -130,18 +142,7 @@ class _Job:
         timeout: float | None,
         options: dict[str, Any],
     ) -> Finished:
-        proc = subprocess.Popen(
-            argv,
-            stdin=PIPE if input is not None else DEVNULL,
-            close_fds=True,
-            start_new_session=self.new_session,
-            **options,
-        )
-        _owned.add(proc.pid)
-        try:
-            self.proc = proc
-            if self.cancelled:
-                self._kill(proc)
+        with self._started(argv, stdin=PIPE if input is not None else DEVNULL, **options) as proc:
             try:
                 out, err = proc.communicate(input, timeout)
             except subprocess.TimeoutExpired:
@@ -153,21 +154,12 @@ class _Job:
                 self._drain(proc)
                 raise
             return Finished(proc.returncode, out or b"", err or b"")
-        finally:
-            _owned.discard(proc.pid)
 
     def run_capped(
         self, argv: list[str], timeout: float | None, limit: int, drain: float
     ) -> Captured:
         deadline = None if timeout is None else time.monotonic() + timeout
-        proc = subprocess.Popen(
-            argv, stdin=DEVNULL, stdout=PIPE, stderr=PIPE, close_fds=True, start_new_session=True
-        )
-        _owned.add(proc.pid)
-        try:
-            self.proc = proc
-            if self.cancelled:
-                self._kill(proc)
+        with self._started(argv, stdin=DEVNULL, stdout=PIPE, stderr=PIPE) as proc:
             try:
                 out, err, timed_out = _read_capped(
                     proc, deadline, limit, drain, lambda: self._kill(proc)
@@ -180,8 +172,6 @@ class _Job:
                     self._kill(proc)
                 proc.wait()
             return Captured(None if timed_out else proc.returncode, out, err, timed_out)
-        finally:
-            _owned.discard(proc.pid)
 
     def _kill(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.returncode is not None or self.killed:
@@ -233,14 +223,8 @@ async def run_capped(
     seconds more. At `timeout` (None: none) or when the caller is cancelled, `kill(proc)`
     is called; it must leave the process exited or about to be."""
     job = _Job(True, kill)
-    loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(_executor(), job.run_capped, list(argv), timeout, limit, drain)
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
-        job.cancel()
-        await asyncio.wait([done], timeout=KILL_GRACE * 2)
-        raise
+    captured: Captured = await _on_thread(job, job.run_capped, list(argv), timeout, limit, drain)
+    return captured
 
 
 def _read_capped(

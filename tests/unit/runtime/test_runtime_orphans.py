@@ -60,12 +60,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_orphans_are_reaped_and_asyncio_children_keep_their_status() -> None:
+def _run(script: str) -> str:
+    """`script` in a fresh interpreter; what it printed."""
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=30
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    return result.stdout.strip()
+
+
+def test_orphans_are_reaped_and_asyncio_children_keep_their_status() -> None:
+    assert _run(SCRIPT) == "ok"
 
 
 SPAWNED = textwrap.dedent(
@@ -93,8 +98,4 @@ SPAWNED = textwrap.dedent(
 
 
 def test_a_spawned_process_keeps_its_exit_status_while_it_waits_for_its_output() -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", SPAWNED], cwd=ROOT, capture_output=True, text=True, timeout=30
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "7"
+    assert _run(SPAWNED) == "7"
