@@ -1,5 +1,5 @@
-"""Short-lived helper processes (runc's verbs, CNI plugins, conmon's launcher), started and
-waited for on worker threads rather than on the event loop.
+"""Helper processes (runc's verbs and ExecSync's `runc exec`, CNI plugins, conmon's
+launcher), started and waited for on worker threads rather than on the event loop.
 
 asyncio forks on the event loop: with vfork the calling thread stays suspended until the
 child has exec'd, and on a node whose CPUs are busy (pods starting, runc and CNI plugins
