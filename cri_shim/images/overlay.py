@@ -134,4 +134,4 @@ def unmount(target: Path) -> None:
                 return  # not a mount point (any more), or gone
         except OSError as exc:
             raise Internal(f"unmount {target}: {os.strerror(exc.errno or 0)}") from exc
-    raise Internal(f"unmount {target}: still mounted after 8 unmounts (mounts stacked there?)")
+    raise Internal(f"unmount {target}: still mounted after 9 unmounts (mounts stacked there?)")
