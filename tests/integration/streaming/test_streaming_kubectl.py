@@ -64,10 +64,13 @@ async def test_kubectl_exec_streams_and_exit_code(
     api.target = server.get_exec_url(
         api_pb2.ExecRequest(
             container_id="c1",
+            # kubectl's WebSocket client reads before it has made its streams and drops
+            # what comes for one it has not made yet ("Unknown stream id 1, discarding
+            # message"): the command waits for it, as the tty case below does.
             cmd=[
                 "sh",
                 "-c",
-                "echo out; echo err >&2; head -c 300000 /dev/zero | tr '\\0' x; exit 3",
+                "sleep 0.3; echo out; echo err >&2; head -c 300000 /dev/zero | tr '\\0' x; exit 3",
             ],
             stdout=True,
             stderr=True,
