@@ -124,6 +124,21 @@ class CniTestNetwork:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
 
 
+def _free_subnet(octet: int, third: int) -> str:
+    """10.<octet>.<third>.0/24, or the next octet whose subnet no route on the host uses: a
+    bridge left by a test run that was killed keeps its route, and a pod on a new bridge
+    with the same subnet would be unreachable ("no route to host")."""
+    routes = subprocess.run(
+        ["ip", "-o", "-4", "route", "show"], capture_output=True, text=True, check=False
+    ).stdout
+    taken = {line.split()[0] for line in routes.splitlines() if line}
+    for step in range(100):
+        subnet = f"10.{100 + (octet - 100 + step) % 100}.{third}.0/24"
+        if subnet not in taken:
+            return subnet
+    return f"10.{octet}.{third}.0/24"
+
+
 def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNetwork:
     config_dir = base / "net.d"
     control = base / "cni-control"
@@ -131,8 +146,7 @@ def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNe
     for d in (config_dir, control, ipam_dir):
         d.mkdir(parents=True, exist_ok=True)
     bridge = f"crist{os.getpid() % 10000}{index}"[:15]
-    octet = 100 + (os.getpid() + index) % 100
-    subnet = f"10.{octet}.{index % 250}.0/24"
+    subnet = _free_subnet(100 + (os.getpid() + index) % 100, index % 250)
     plugins: list[dict[str, Any]] = [
         {
             "type": "bridge",
