@@ -37,23 +37,26 @@ def bench_daemon(settings: dict[str, Any] | None = None, slow_cni: bool = True) 
         shutil.rmtree(base, ignore_errors=True)
 
 
-def rss_mib(pid: int) -> float:
+def _status_mib(pid: int, *keys: str) -> list[float]:
+    """Those /proc/PID/status fields (kB) in MiB, 0 for one that is missing."""
+    found = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        key, _, value = line.partition(":")
+        if key in keys:
+            found[key] = int(value.split()[0]) / 1024
+    return [found.get(key, 0.0) for key in keys]
+
+
+def rss_mib(pid: int) -> float:
+    return _status_mib(pid, "VmRSS")[0]
 
 
 def rss_split_mib(pid: int) -> tuple[float, float]:
     """(anonymous, file-backed) resident MiB. The file-backed part is shared libraries'
     pages, and with the kernel's fault-around it grows with what the page cache holds
     of them: it moves by half a MiB between runs that the daemon cannot tell apart."""
-    found = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("RssAnon", "RssFile"):
-            found[key] = int(value.split()[0]) / 1024
-    return found.get("RssAnon", 0.0), found.get("RssFile", 0.0)
+    anon, file = _status_mib(pid, "RssAnon", "RssFile")
+    return anon, file
 
 
 def cpu_seconds(pid: int) -> float:
