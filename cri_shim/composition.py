@@ -38,6 +38,7 @@ from cri_shim.state.ledger import Ledger
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
+from cri_shim.tracing import build_tracer
 
 
 def build_components(config: Config) -> Components:
@@ -107,6 +108,7 @@ def build_components(config: Config) -> Components:
         else None
     )
     nri = NriHooks(journal, adaptation)
+    tracer = build_tracer(config.tracing)
     containers = ContainerLifecycle(
         config,
         container_rows,
@@ -117,6 +119,7 @@ def build_components(config: Config) -> Components:
         events=events,
         pause=pause,
         nri=nri,
+        tracer=tracer,
     )
     sandboxes = SandboxLifecycle(
         config,
@@ -130,6 +133,7 @@ def build_components(config: Config) -> Components:
         handler_features=containers.features_of,
         pause=pause,
         nri=nri,
+        tracer=tracer,
     )
 
     def creations_in_flight() -> int:
@@ -159,6 +163,7 @@ def build_components(config: Config) -> Components:
         metrics=Metrics() if config.metrics.listen else None,
         nri=nri,
         loop_monitor=LoopMonitor(interval) if interval else None,
+        tracer=tracer,
     )
     return components
 

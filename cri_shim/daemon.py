@@ -214,8 +214,14 @@ class Daemon:
             await self.services.puller.aclose()
             await self.services.sandboxes.coordinator.aclose()
             await self.services.containers.coordinator.aclose()
+            # What the spans queue still holds, exported within a bounded wait.
+            await asyncio.to_thread(self.services.tracer.shutdown, TRACE_FLUSH_TIMEOUT)
             self.services.db.close()
         log.info("stopped")
+
+
+# How long a stopping daemon waits for its last spans to reach the collector.
+TRACE_FLUSH_TIMEOUT = 2.0
 
 
 def reload_network(daemon: Daemon) -> None:

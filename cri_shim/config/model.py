@@ -142,6 +142,18 @@ class NriConfig:
 
 
 @dataclass
+class TracingConfig:
+    # Off while empty: nothing of OpenTelemetry is imported.
+    endpoint: str = ""
+    sampling_ratio: float = 1.0
+    service_name: str = "cri-shim"
+    # Spans waiting for export; beyond it the oldest are dropped (a dead collector costs
+    # this much memory at most).
+    max_queued_spans: int = 2048
+    export_timeout: float = 5.0
+
+
+@dataclass
 class Config:
     listen: str = "unix:///run/cri-shim/cri-shim.sock"
     root: Path = Path("/var/lib/cri-shim")
@@ -162,6 +174,7 @@ class Config:
     requests: RequestsConfig = field(default_factory=RequestsConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
     nri: NriConfig = field(default_factory=NriConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     @property
     def socket_path(self) -> Path:

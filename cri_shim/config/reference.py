@@ -131,6 +131,17 @@ KEY_DOCS: dict[str, str] = {
     "one that exits is logged, not restarted",
     "nri.plugin_config_path": "directory of pre-installed plugins' configuration: "
     "`NN-name.conf`, else `name.conf`, is sent to the plugin when it is configured",
+    "tracing.endpoint": "OTLP/HTTP base URL of an OpenTelemetry collector (Jaeger, Tempo, the "
+    "OpenTelemetry Collector), e.g. `http://127.0.0.1:4318`; spans are POSTed as protobuf to "
+    '`<endpoint>/v1/traces`; `""` is off (nothing of OpenTelemetry is loaded)',
+    "tracing.sampling_ratio": "share of new traces recorded (0 to 1); a call whose "
+    "`traceparent` says sampled or not is followed, and a creation is recorded with the "
+    "request that started it",
+    "tracing.service_name": "`service.name` of the exported spans",
+    "tracing.max_queued_spans": "spans waiting for export; beyond it the oldest are dropped, "
+    "so an unreachable collector costs at most this much memory",
+    "tracing.export_timeout": "how long one export to the collector may take before it fails "
+    "(counted in Status verbose as `tracing.failed`)",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

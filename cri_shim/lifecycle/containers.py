@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
@@ -92,6 +93,7 @@ class ContainerLifecycle:
         events: EventBus,
         pause: PauseProcesses | None = None,
         nri: NriHooks | None = None,
+        tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:
         self.rows = rows
         self._nri = nri
@@ -122,6 +124,7 @@ class ContainerLifecycle:
             keep_on_timeout=config.creation.keep_on_timeout,
             hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
+            tracer=tracer,
         )
         journal.register("runtime_delete", self._undo_runtime)
         journal.register("rootfs_unmount", self._undo_rootfs)

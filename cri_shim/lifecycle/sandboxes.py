@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
@@ -120,6 +121,7 @@ class SandboxLifecycle:
         handler_features: Callable[[str], HandlerFeatures],
         pause: PauseProcesses | None = None,
         nri: NriHooks | None = None,
+        tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:
         self.pods = pods
         self._nri = nri
@@ -152,6 +154,7 @@ class SandboxLifecycle:
             keep_on_timeout=config.creation.keep_on_timeout,
             hand_off=config.creation.hand_off,
             cleanup_timeout=config.creation.cleanup_timeout,
+            tracer=tracer,
         )
         journal.register("cni_del", self._undo_cni)
         journal.register("unpin", self._undo_unpin)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.errors import (
     CriError,
     DeadlineExceeded,
@@ -517,13 +518,18 @@ class CniNetwork:
             # Its own session (spawn's default), so that a kill on timeout also takes the
             # helpers it started (iptables, ...) that would otherwise hold its pipes open.
             # Cancelled, the plugin is killed: it must not outlive the request.
-            done = await spawn.run(
-                [str(binary)],
-                input=stdin,
-                timeout=limit,
-                env=self._environment(command, req),
-                cwd="/",
-            )
+            with tracing.span(
+                f"CNI {command} {kind}",
+                **{"cni.plugin": kind, "cni.command": command, "cni.network": conf.name},
+            ) as span:
+                done = await spawn.run(
+                    [str(binary)],
+                    input=stdin,
+                    timeout=limit,
+                    env=self._environment(command, req),
+                    cwd="/",
+                )
+                span.set_attribute("process.exit.code", done.returncode)
             ok = done.returncode == 0
         except spawn.TimedOut:
             raise DeadlineExceeded(

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
@@ -260,7 +261,8 @@ class RuntimeBackend:
         )
         try:
             try:
-                done = await launch
+                with tracing.span("conmon", **{"cri.container_id": container_id}):
+                    done = await launch
             finally:
                 os.close(sync_write)
                 os.close(diagnostics)
@@ -537,7 +539,10 @@ class RuntimeBackend:
         timeout: float | None,
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
-        return await self.oci.exec_sync(container_id, cmd, timeout, env)
+        with tracing.span("exec", **{"cri.container_id": container_id}) as span:
+            result = await self.oci.exec_sync(container_id, cmd, timeout, env)
+            span.set_attribute("process.exit.code", result.exit_code)
+            return result
 
     async def reopen_log(self, container_id: str) -> None:
         """Ask conmon to reopen the log file (kubelet renamed it to rotate), and return

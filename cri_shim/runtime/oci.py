@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
 from cri_shim.metrics import observe_call
@@ -242,11 +243,16 @@ class OciRuntime:
         try:
             ok = False
             try:
-                done = await spawn.run(
-                    [str(self.path), *self._global_args(log_name), *args],
-                    input=stdin,
-                    timeout=budget,
-                )
+                with tracing.span(
+                    f"{self.path.name} {args[0]}",
+                    **{"oci.runtime": self.path.name, "oci.command": args[0]},
+                ) as span:
+                    done = await spawn.run(
+                        [str(self.path), *self._global_args(log_name), *args],
+                        input=stdin,
+                        timeout=budget,
+                    )
+                    span.set_attribute("process.exit.code", done.returncode)
                 ok = done.returncode == 0
             except spawn.TimedOut:
                 raise DeadlineExceeded(

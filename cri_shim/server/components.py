@@ -24,6 +24,7 @@ from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
 from cri_shim.streaming.on_demand import StreamingOnDemand
+from cri_shim.tracing import NO_TRACER, Tracer
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Components:
     nri: NriHooks | None = None  # None in tests that build components by hand
     # None with `[metrics] event_loop_sample_interval = 0`; the daemon runs it.
     loop_monitor: LoopMonitor | None = None
+    tracer: Tracer = NO_TRACER
 
     def creation_stats(self) -> dict[str, Any]:
         return {

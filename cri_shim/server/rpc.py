@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cri_shim import errors, logcontext
+from cri_shim import errors, logcontext, tracing
 from cri_shim.server.limits import admitted
 from cri_shim.server.wire import LargeRequest
 
@@ -96,16 +96,23 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             raise AssertionError("abort returns by raising")
         started = time.perf_counter()
         code = grpc.StatusCode.OK
-        with logcontext.scope():  # what the request binds ends with it
+        with (
+            logcontext.scope(),  # what the request binds ends with it
+            tracing.serving(
+                services.tracer, name, _metadata(context), _span_attributes(request)
+            ) as span,
+        ):
             try:
                 large = isinstance(request, LargeRequest)
                 if large:
                     request = await _parse_off_loop(name, request)
                 bind_request_objects(services, request)
                 # Validated and admitted first (issue 9): a bad or surplus call does nothing.
-                return await admitted(
+                response = await admitted(
                     handler, services, request, context, request_deadline(context), large
                 )
+                _note_response(span, response)
+                return response
             except errors.CriError as exc:
                 code = status_code(exc)
                 log.info("%s: %s: %s", name, code.name, exc)
@@ -120,11 +127,48 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 log.exception("%s failed unexpectedly", name)
                 await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
             finally:
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                if code is not grpc.StatusCode.OK:
+                    span.fail(code.name)
                 if services.metrics is not None:
                     services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 
     method.__name__ = name
     return method
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's metadata as text (where a caller's `traceparent` is)."""
+    return {
+        key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)
+    }
+
+
+def _span_attributes(request: Any) -> dict[str, str]:
+    """What a call's span says it is about: the IDs and names the request carries."""
+    attributes: dict[str, str] = {}
+    for field, kind in _OBJECT_FIELDS:
+        value = getattr(request, field, "")
+        if isinstance(value, str) and value:
+            attributes[f"cri.{kind}_id"] = value
+    config = getattr(request, "config", None)
+    metadata: Any = getattr(config, "metadata", None)
+    name = getattr(metadata, "name", None)
+    if isinstance(name, str) and name:
+        kind = "sandbox" if hasattr(metadata, "namespace") else "container"
+        attributes[f"cri.{kind}_name"] = name
+        if kind == "sandbox":
+            attributes["k8s.namespace.name"] = metadata.namespace
+            attributes["k8s.pod.uid"] = metadata.uid
+    return attributes
+
+
+def _note_response(span: tracing.Span, response: Any) -> None:
+    """The ID a creation answered with (RunPodSandbox, CreateContainer)."""
+    for field, kind in _OBJECT_FIELDS:
+        value = getattr(response, field, "")
+        if isinstance(value, str) and value:
+            span.set_attribute(f"cri.{kind}_id", value)
 
 
 async def _parse_off_loop(name: str, request: LargeRequest) -> Any:

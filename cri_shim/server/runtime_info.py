@@ -80,6 +80,8 @@ async def status(
         }
         if services.loop_monitor is not None:
             info["eventLoop"] = services.loop_monitor.report()
+        if tracing := services.tracer.figures():
+            info["tracing"] = tracing
         response.info["info"] = json.dumps(info, sort_keys=True)
     return response
 
