@@ -21,6 +21,16 @@ from tests.unit.creation.creation_fakes import FakeHooks
 NAME = "k8s_POD_nginx_default_uid-1_0"
 
 
+class CachedHooks(FakeHooks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.was_cached = asyncio.Event()
+
+    def cached(self, object_id: str, expires_at: float) -> None:
+        super().cached(object_id, expires_at)
+        self.was_cached.set()
+
+
 def exported(tracer: OtelTracer, memory: InMemorySpanExporter) -> list[ReadableSpan]:
     tracer.shutdown(5.0)  # exports what is queued
     return list(memory.get_finished_spans())
@@ -29,7 +39,8 @@ def exported(tracer: OtelTracer, memory: InMemorySpanExporter) -> list[ReadableS
 async def test_a_claimed_cached_object_is_one_creation_serving_its_retry() -> None:
     memory = InMemorySpanExporter()
     tracer = OtelTracer(TracingConfig(endpoint="http://unused"), exporter=memory)
-    coordinator = CreationCoordinator("sandbox", FakeHooks(), tracer=tracer)
+    hooks = CachedHooks()
+    coordinator = CreationCoordinator("sandbox", hooks, tracer=tracer)
     release = asyncio.Event()
 
     async def creator(object_id: str, stage: Stage) -> None:
@@ -43,8 +54,7 @@ async def test_a_claimed_cached_object_is_one_creation_serving_its_retry() -> No
         with pytest.raises(DeadlineExceeded):
             await coordinator.create(NAME, loop.time() + 0.05, creator)
     release.set()
-    while coordinator.lookup(NAME).phase != "cached":  # type: ignore[union-attr]
-        await asyncio.sleep(0.01)
+    await hooks.was_cached.wait()
     with tracing.serving(tracer, "RunPodSandbox", {}, {}) as second:
         object_id = await coordinator.create(NAME, loop.time() + 60, creator)
     await asyncio.sleep(0.05)  # the name's coroutine sees the claim and ends the root
