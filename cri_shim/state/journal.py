@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.faults import fault_point
 from cri_shim.state.db import Database
 
@@ -132,7 +133,10 @@ class Journal:
             if (wanted is not None and step.action not in wanted) or step.action in skipped:
                 continue
             fault_point(f"undo:{step.action}")
-            error = await self._run_with_retries(step, deadline)
+            with tracing.span(f"undo {step.action}", **{"cri.undo.action": step.action}) as span:
+                error = await self._run_with_retries(step, deadline)
+                if error is not None:
+                    span.fail(error)
             if error is not None:
                 failures.append((step, error))
                 self._queue_for_gc(step, error)

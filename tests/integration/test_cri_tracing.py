@@ -22,6 +22,8 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
+from tests.imagebuild import build_image
+from tests.registry import start_registry
 
 pytest.importorskip("opentelemetry.proto", reason="needs opentelemetry-proto (test extras)")
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -200,12 +202,29 @@ def test_a_retried_creation_is_one_trace_linked_from_each_request(
             log = daemon.log_path.read_text()
             assert f"trace_id={first_trace.hex()}" in log
             assert f"trace_id={root.trace_id.hex()}" in log
+            # Teardown: each undo step a span under the call that ran it.
+            stop_parent, stop_trace, _ = traceparent()
             daemon.runtime().StopPodSandbox(
-                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                timeout=30,
+                metadata=(("traceparent", stop_parent),),
             )
+            remove_parent, remove_trace, _ = traceparent()
             daemon.runtime().RemovePodSandbox(
-                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
+                timeout=30,
+                metadata=(("traceparent", remove_parent),),
             )
+
+            def undone(trace_id: bytes) -> set[str]:
+                return {
+                    s.name
+                    for s in receiver.spans
+                    if s.trace_id == trace_id and s.name.startswith("undo ")
+                }
+
+            wait_until(lambda: "undo cni_del" in undone(stop_trace), timeout=30)
+            wait_until(lambda: "undo remove_dir" in undone(remove_trace), timeout=30)
         finally:
             daemon.stop()
 
@@ -284,3 +303,40 @@ def test_a_dead_collector_costs_a_bounded_queue_and_a_counter(short_tmp: Any) ->
         finally:
             # A stop waits for the stuck export a bounded time, then exits cleanly.
             assert daemon.stop() == 0
+
+
+def test_a_pull_traces_its_layer_downloads_and_unpacks(short_tmp: Any) -> None:
+    registry = start_registry(short_tmp / "registry")
+    try:
+        image = build_image(extra_files={"etc/which": b"traced"})
+        registry.push("team/traced", image, "v1")
+        with otlp_receiver() as receiver:
+            daemon = Daemon(
+                short_tmp,
+                None,
+                settings={
+                    "tracing": {"endpoint": receiver.url},
+                    "images": {"insecure_registries": [registry.host]},
+                },
+            )
+            daemon.start()
+            try:
+                daemon.images().PullImage(
+                    api_pb2.PullImageRequest(
+                        image=api_pb2.ImageSpec(image=f"{registry.host}/team/traced:v1")
+                    ),
+                    timeout=120,
+                )
+                wait_until(lambda: receiver.named("runtime.v1.PullImage"), timeout=30)
+                (pull,) = receiver.named("runtime.v1.PullImage")
+                under = [s for s in receiver.spans if s.trace_id == pull.trace_id]
+                downloads = [s for s in under if s.name == "layer download"]
+                unpacks = [s for s in under if s.name == "layer unpack"]
+                assert len(downloads) == len(image.layers) == len(unpacks)
+                assert {attributes(s)["oci.layer.digest"] for s in downloads} == {
+                    layer.digest for layer in image.layers
+                }
+            finally:
+                daemon.stop()
+    finally:
+        registry.stop()
