@@ -82,6 +82,13 @@ def process_cgroup(daemon: Daemon, container: str, controller: str) -> str:
     raise AssertionError(f"container {container} (pid {pid}) has no {controller} cgroup")
 
 
+def memory_limit(cgroup: str) -> int:
+    v1 = Path("/sys/fs/cgroup/memory") / cgroup.lstrip("/") / "memory.limit_in_bytes"
+    if v1.exists():
+        return int(v1.read_text())
+    return int((Path("/sys/fs/cgroup") / cgroup.lstrip("/") / "memory.max").read_text())
+
+
 # ---- the scenario -----------------------------------------------------------------
 
 
@@ -148,7 +155,20 @@ def test_kubelet_runs_static_pods(
         return {**action, "periodSeconds": 1, "timeoutSeconds": 5, **more}
 
     data = [{"name": "data", "mountPath": "/data"}]
-    kubelet.write_pod("web", [{"name": "main", "image": image, "command": ["sh", "-c", LOOP]}])
+    # Limits equal to requests: a Guaranteed pod, whose cgroup kubelet puts right under
+    # kubepods (the others are BestEffort, under kubepods/besteffort).
+    limits = {"cpu": "100m", "memory": "64Mi"}
+    kubelet.write_pod(
+        "web",
+        [
+            {
+                "name": "main",
+                "image": image,
+                "command": ["sh", "-c", LOOP],
+                "resources": {"limits": limits, "requests": limits},
+            }
+        ],
+    )
     kubelet.write_pod(
         "shared",
         [
@@ -231,14 +251,18 @@ def test_kubelet_runs_static_pods(
         assert len(running) == count
     # kubelet's cgroups per QoS class: each pod's containers run in the pod's cgroup,
     # where kubelet's pod limits and its node-allocatable bound apply.
-    for name in ("web", "shared", "hostnet"):
+    for name, qos in (("web", "Guaranteed"), ("shared", "BestEffort"), ("hostnet", "BestEffort")):
         pod = pods[name]
-        assert pod["status"]["qosClass"] == "BestEffort"
-        pod_cgroup = f"kubepods/besteffort/pod{pod['metadata']['uid']}"
+        assert pod["status"]["qosClass"] == qos
+        within = "" if qos == "Guaranteed" else f"{qos.lower()}/"
+        pod_cgroup = f"kubepods/{within}pod{pod['metadata']['uid']}"
         assert pod_cgroup in kubelet.pod_cgroups()
         for status in containers_of(pod).values():
             memory_cgroup = process_cgroup(daemon, container_id(status), "memory")
             assert memory_cgroup.startswith(f"{kubelet.cgroup_root}/{pod_cgroup}/"), memory_cgroup
+    # The container's own limit is applied in its cgroup below the pod's.
+    (main,) = containers_of(pods["web"]).values()
+    assert memory_limit(process_cgroup(daemon, container_id(main), "memory")) == 64 << 20
     (hostnet,) = sandboxes_of(daemon, f"hostnet-{kubelet.node}")
     sandbox_status = daemon.runtime().PodSandboxStatus(
         api_pb2.PodSandboxStatusRequest(pod_sandbox_id=hostnet.id), timeout=10
