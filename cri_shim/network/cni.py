@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,12 +337,12 @@ class CniNetwork:
         *,
         plugin_timeout: float | None = None,
         cleanup_timeout: float = 120.0,
-        routes: Callable[[], list[Route]] = host_routes,
+        routes: Callable[[Collection[int]], list[Route]] = host_routes,
     ) -> None:
         """`plugin_timeout` caps a single plugin call within the budget of an operation
         (None: the whole remaining budget). `cleanup_timeout` is the budget of the DEL that
         undoes a failed ADD, whose own budget may be spent by then. `routes` reads the
-        host's routes (a fake in unit tests).
+        host's routes of the IP versions given (a fake in unit tests).
         """
         self.config_dir = Path(config_dir)
         self.bin_dirs = [Path(d) for d in bin_dirs]
@@ -395,7 +395,8 @@ class CniNetwork:
         return True, ""
 
     def _subnet_conflict(self, conf: NetworkConfigList) -> str:
-        conflict = subnet_conflict(conf, self._routes()) if bridge_subnets(conf) else ""
+        versions = {subnet.version for _, subnet in bridge_subnets(conf)}
+        conflict = subnet_conflict(conf, self._routes(versions)) if versions else ""
         # Said once when it appears or changes, not at every Status call.
         if conflict and conflict != self._conflict_logged:
             log.warning("CNI network not ready: %s", conflict)

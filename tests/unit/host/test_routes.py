@@ -25,6 +25,10 @@ down0\t0000590A\t00000000\t0000\t0\t0\t0\t0000FFFF\t0\t0\t0
 IPV6_TABLE = """\
 fd000000000000000000000000000000 40 00000000000000000000000000000000 00 \
 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0
+fe800000000000000000000000000000 40 00000000000000000000000000000000 00 \
+00000000000000000000000000000000 00000100 00000001 00000000 00000001 veth1234
+ff000000000000000000000000000000 08 00000000000000000000000000000000 00 \
+00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0
 00000000000000000000000000000000 00 00000000000000000000000000000000 00 \
 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo
 """
@@ -34,18 +38,20 @@ fd000000000000000000000000000000 40 00000000000000000000000000000000 00 \
 def test_tables_are_parsed_into_networks_and_interfaces(tmp_path: Path) -> None:
     (tmp_path / "route").write_text(IPV4_TABLE)
     (tmp_path / "ipv6_route").write_text(IPV6_TABLE)
-    assert host_routes(tmp_path) == [
+    assert host_routes(proc_net=tmp_path) == [
         Route(ipaddress.ip_network("0.0.0.0/0"), "eth0"),
         Route(ipaddress.ip_network("10.88.0.0/16"), "cni0"),
         Route(ipaddress.ip_network("192.0.2.0/24"), "eth0"),
-        # down0's route is not up; lo's IPv6 route rejects.
+        # down0's route is not up; link-local, multicast and lo's rejecting route are out.
         Route(ipaddress.ip_network("fd00::/64"), "eth0"),
     ]
+    assert [r.network.version for r in host_routes({4}, tmp_path)] == [4, 4, 4]
+    assert host_routes({6}, tmp_path) == [Route(ipaddress.ip_network("fd00::/64"), "eth0")]
 
 
 def test_a_missing_table_contributes_nothing(tmp_path: Path) -> None:
     (tmp_path / "route").write_text(IPV4_TABLE.splitlines()[0] + "\n")
-    assert host_routes(tmp_path) == []
+    assert host_routes(proc_net=tmp_path) == []
 
 
 @pytest.fixture
@@ -76,7 +82,7 @@ def test_routes_are_read_from_the_kernel(namespace: int) -> None:
     ip("link", "set", "taken0", "up")
     ip("route", "add", "10.89.4.0/24", "dev", "taken0")
     ip("-6", "addr", "add", "fd12:3456::1/64", "dev", "taken0", "nodad")
-    routes = host_routes(Path(f"/proc/{namespace}/net"))
+    routes = host_routes(proc_net=Path(f"/proc/{namespace}/net"))
     assert Route(ipaddress.ip_network("10.88.0.0/16"), "taken0") in routes
     assert Route(ipaddress.ip_network("10.89.4.0/24"), "taken0") in routes
     assert Route(ipaddress.ip_network("fd12:3456::/64"), "taken0") in routes

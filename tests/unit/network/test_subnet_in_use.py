@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ class Routes:
     def __init__(self, *routes: Route) -> None:
         self.table = list(routes)
 
-    def __call__(self) -> list[Route]:
-        return list(self.table)
+    def __call__(self, versions: Collection[int]) -> list[Route]:
+        return [r for r in self.table if r.network.version in versions]
 
 
 HOST = (route("0.0.0.0/0", "eth0"), route("192.0.2.0/24", "eth0"))
