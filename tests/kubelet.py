@@ -55,6 +55,8 @@ class Kubelet:
     read_only_port: int = 0
     starts: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # PIDs of the other kubelets seen running on this machine while this one ran.
+    others_seen: set[int] = field(default_factory=set)
 
     @property
     def root(self) -> Path:
@@ -138,6 +140,15 @@ class Kubelet:
                 self.proc.wait()
         self.proc = None
 
+    def cleanup(self) -> list[str]:
+        """Everything this kubelet left on the host, once its pods are gone: the process,
+        its root's mounts, its pods' logs and its cgroups. Returns the cgroups that could
+        not be removed (something still runs in them)."""
+        self.stop()
+        self.unmount()
+        self.remove_logs()
+        return self.remove_cgroups()
+
     def unmount(self) -> None:
         """kubelet bind-mounts its root directory onto itself, once per start."""
         for _ in range(self.starts + 1):
@@ -205,6 +216,7 @@ class Kubelet:
 
     def pods(self) -> dict[str, dict[str, Any]]:
         """kubelet's pods by name (without the node suffix of static pods)."""
+        self.others_seen |= other_kubelets(self.proc.pid if self.proc is not None else None)
         suffix = f"-{self.node}"
         return {
             p["metadata"]["name"].removesuffix(suffix): p for p in self.get("/pods")["items"] or []
@@ -230,6 +242,23 @@ class Kubelet:
             subprocess.run(["rm", "-rf", str(directory)], check=False)
         for link in CONTAINER_LOGS.glob(f"*-{self.node}_default_*"):
             link.unlink(missing_ok=True)
+
+
+def other_kubelets(mine: int | None) -> set[int]:
+    """The kubelet processes on this machine other than `mine`. Each removes the
+    /var/log/pods directories of every pod it does not know (its log garbage collection),
+    those of this kubelet's pods too."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == mine:
+            continue
+        try:
+            program = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if Path(program.decode(errors="replace")).name == "kubelet":
+            found.add(int(entry.name))
+    return found
 
 
 # ---- kubelet's view, read ---------------------------------------------------------

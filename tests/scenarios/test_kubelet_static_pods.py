@@ -127,10 +127,7 @@ def kubelet(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Kubelet
         gates.append("EventedPLEG=true")
     kubelet = Kubelet(short_tmp, "", node, extra_args=[f"--feature-gates={','.join(gates)}"])
     yield kubelet
-    kubelet.stop()
-    kubelet.unmount()
-    kubelet.remove_logs()
-    kubelet.remove_cgroups()
+    kubelet.cleanup()
 
 
 # kubelet relists every second (generic PLEG), or follows GetContainerEvents (evented).
@@ -410,10 +407,16 @@ def test_kubelet_runs_static_pods(
     assert daemon.leaks() == {}, daemon.log()
     timings.phase("kubelet stopped, its root unmounted; nothing leaked")
     # No runtime failure reached kubelet (a probe meeting a stopped container is not one).
+    # Another kubelet running on this machine meanwhile removes this run's pod log
+    # directories (kubelet's log garbage collection takes every pod it does not know), and
+    # a log whose directory is gone cannot be reopened: that failure is forgiven then only.
+    gone = "conmon did not reopen" if kubelet.others_seen else None
     errors = [
         line
         for line in kubelet.log(tail=None).splitlines()
-        if ("code = Internal" in line or "code = Unknown" in line) and "/data/run" not in line
+        if ("code = Internal" in line or "code = Unknown" in line)
+        and "/data/run" not in line
+        and (gone is None or gone not in line)
     ]
     assert not errors, "\n".join(errors[:5])
     print(timings.report())
