@@ -121,6 +121,9 @@ class Daemon:
                 handler_features(b.runtime_path) for b in services.containers.backends.values()
             ]
         )
+        # The CNI configuration read now: a network that cannot be used (a broken file, a
+        # subnet the host routes elsewhere) is logged at start, not at the first Status.
+        services.sandboxes.network_status()
         if services.nri is not None and services.nri.adaptation is not None:
             # After restore, so that a plugin is synchronized with the whole state.
             await services.nri.adaptation.start()

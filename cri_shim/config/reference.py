@@ -55,7 +55,8 @@ KEY_DOCS: dict[str, str] = {
     "run_root": "runtime files: namespace pins, conmon sockets, runtime state",
     "log_level": "`debug`, `info`, `warning` or `error` (the `--log-level` flag wins)",
     "log_format": "`logfmt` (key=value), `json` (one object per line) or `text` (for humans)",
-    "cgroup_manager": "`cgroupfs` or `systemd`; must match kubelet's `--cgroup-driver`",
+    "cgroup_manager": "`cgroupfs`, the only driver supported (`systemd` is refused at "
+    "start); run kubelet with `--cgroup-driver=cgroupfs`",
     "max_message_bytes": "largest gRPC request accepted; a bigger one is refused with "
     "RESOURCE_EXHAUSTED before any handler reads it",
     "socket_group": "group (name or number) that owns the 0660 socket and so may connect; "

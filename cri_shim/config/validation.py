@@ -32,7 +32,9 @@ from cri_shim.config.units import parse_duration, parse_size
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("logfmt", "json", "text")
-_CGROUP_MANAGERS = ("cgroupfs", "systemd")
+# Only cgroupfs: the systemd driver (pods in .slice units, runc --systemd-cgroup) is not
+# implemented, and accepting it would report to kubelet a driver its pods cannot run with.
+_CGROUP_MANAGERS = ("cgroupfs",)
 
 
 def _expect(value: object, kind: type | tuple[type, ...], key: str, what: str) -> Any:
@@ -349,6 +351,11 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if "log_format" in data:
         cfg.log_format = _check_choice(data["log_format"], _LOG_FORMATS, "log_format")
     if "cgroup_manager" in data:
+        if isinstance(data["cgroup_manager"], str) and data["cgroup_manager"].lower() == "systemd":
+            raise ConfigError(
+                'cgroup_manager: the systemd cgroup driver is not supported; use "cgroupfs" '
+                "(the default) and run kubelet with --cgroup-driver=cgroupfs"
+            )
         cfg.cgroup_manager = _check_choice(
             data["cgroup_manager"], _CGROUP_MANAGERS, "cgroup_manager"
         )
