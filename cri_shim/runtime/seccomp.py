@@ -17,14 +17,13 @@ library falls back to `clone`.
 from __future__ import annotations
 
 import json
-import os
 import platform
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from cri_shim.errors import InvalidArgument
+from cri_shim.host.files import read_small_file
 
 EPERM = 1
 ENOSYS = 38
@@ -161,22 +160,9 @@ def _clone_rules(machine: str) -> list[dict[str, Any]]:
     return rules
 
 
-# Real profiles are tens of KiB; the path comes from a request, so it may name anything.
+# Real profiles are tens of KiB; the path comes from a request, so it may name anything
+# (a FIFO, /dev/zero): only a regular file of at most this size is read.
 MAX_PROFILE_BYTES = 1 << 20
-
-
-def _read_profile(path: str) -> bytes:
-    """The file's bytes, if it is a regular file of a sane size: a request naming
-    /dev/zero or a FIFO must not make the daemon read forever or block."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as stream:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        data = stream.read(MAX_PROFILE_BYTES + 1)
-    if len(data) > MAX_PROFILE_BYTES:
-        raise ValueError(f"larger than {MAX_PROFILE_BYTES} bytes")
-    return data
 
 
 def load_localhost_profile(path: str, capabilities: Iterable[str]) -> dict[str, Any]:
@@ -187,7 +173,7 @@ def load_localhost_profile(path: str, capabilities: Iterable[str]) -> dict[str, 
     if not path or not Path(path).is_absolute():
         raise InvalidArgument(f"{field}: the profile path must be absolute, got {path!r}")
     try:
-        raw = json.loads(_read_profile(path))
+        raw = json.loads(read_small_file(path, MAX_PROFILE_BYTES))
     except FileNotFoundError:
         raise InvalidArgument(f"{field}: seccomp profile {path} does not exist") from None
     except (OSError, ValueError) as err:
