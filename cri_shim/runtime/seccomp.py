@@ -178,10 +178,21 @@ def load_localhost_profile(path: str, capabilities: Iterable[str]) -> dict[str, 
         raise InvalidArgument(f"{field}: seccomp profile {path} does not exist") from None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"{field}: cannot load seccomp profile {path}: {err}") from None
+    except RecursionError:
+        raise InvalidArgument(f"{field}: seccomp profile {path} is nested too deep") from None
     if not isinstance(raw, dict) or "defaultAction" not in raw:
         raise InvalidArgument(f"{field}: {path} is not a seccomp profile (no defaultAction)")
+    try:
+        return _converted(raw, set(capabilities))
+    except (KeyError, TypeError, AttributeError) as err:
+        # The file is the node's, not ours: a malformed entry is the request's problem.
+        raise InvalidArgument(
+            f"{field}: {path} is not a seccomp profile runc takes: {type(err).__name__}: {err}"
+        ) from None
 
-    held = set(capabilities)
+
+def _converted(raw: dict[str, Any], held: set[str]) -> dict[str, Any]:
+    """A profile in Docker's or the OCI format as the OCI spec takes it."""
     profile: dict[str, Any] = {"defaultAction": raw["defaultAction"]}
     for key in ("defaultErrnoRet", "flags", "listenerPath", "listenerMetadata"):
         if key in raw:

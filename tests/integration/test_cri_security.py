@@ -173,20 +173,31 @@ def test_runtime_default_refuses_io_uring(
     assert not any("Operation not permitted" in line for line in unconfined), unconfined
 
 
-def test_a_missing_localhost_profile_is_refused_by_name(
-    daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,  # missing
+        "[" * 100_000 + "]" * 100_000,  # too deep for the decoder
+        '{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["kill"]}]}',  # no action
+    ],
+    ids=["missing", "deep", "no-action"],
+)
+def test_a_missing_or_malformed_localhost_profile_is_refused_by_name(
+    daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path, content: str | None
 ) -> None:
-    missing = short_tmp / "missing.json"
+    profile = short_tmp / "profile.json"
+    if content is not None:
+        profile.write_text(content)
     with pytest.raises(grpc.RpcError) as failure:
         create(
             daemon,
             p,
             container_config(
-                "missing", "true", linux=_seccomp(api_pb2.SecurityProfile.Localhost, str(missing))
+                "refused", "true", linux=_seccomp(api_pb2.SecurityProfile.Localhost, str(profile))
             ),
         )
-    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert str(missing) in failure.value.details()
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+    assert str(profile) in failure.value.details()
 
 
 # ---- AppArmor --------------------------------------------------------------------------

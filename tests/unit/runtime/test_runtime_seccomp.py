@@ -26,6 +26,24 @@ def test_only_a_regular_file_of_sane_size_is_read(tmp_path: Path, kind: str) -> 
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+        ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["kill"]}]}', "KeyError"),
+        ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": ["kill"]}', "AttributeError"),
+        ('{"defaultAction": "SCMP_ACT_ALLOW", "archMap": 5}', "TypeError"),
+    ],
+)
+def test_a_malformed_profile_is_refused_naming_the_file(
+    tmp_path: Path, content: str, problem: str
+) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    with pytest.raises(InvalidArgument, match=f"localhost_ref: .*{path}.*{problem}"):
+        load_localhost_profile(str(path), [])
+
+
 def test_a_real_profile_still_loads(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     path.write_text('{"defaultAction": "SCMP_ACT_ALLOW"}')
