@@ -103,6 +103,11 @@ class RequestsConfig:
     max_queued: int = 256
     # Calls answered from memory and the database (list, status, stats, version).
     max_reads_in_flight: int = 1024
+    # Streaming lists (StreamContainers, ...) open at once: apart from the reads, as a
+    # client that does not read holds its stream open.
+    max_streams_in_flight: int = 64
+    # How long one message of such a stream may wait for the client to read.
+    stream_write_timeout: float = 30.0
 
 
 @dataclass
@@ -197,6 +202,7 @@ DURATION_KEYS = {
     ("images", "download_rate_window"),
     ("nri", "plugin_registration_timeout"),
     ("nri", "plugin_request_timeout"),
+    ("requests", "stream_write_timeout"),
 }
 SIZE_KEYS = {
     ("", "max_message_bytes"),

@@ -106,6 +106,13 @@ KEY_DOCS: dict[str, str] = {
     "with RESOURCE_EXHAUSTED",
     "requests.max_reads_in_flight": "calls answered from the state (list, status, stats, "
     "version) running at once; more are refused with RESOURCE_EXHAUSTED",
+    "requests.max_streams_in_flight": "streaming lists (`StreamPodSandboxes`, "
+    "`StreamContainers`, `StreamContainerStats`, ...) open at once, counted apart from the "
+    "reads so that streams a client leaves unread never hold up Version, Status or a list; "
+    "more are refused with RESOURCE_EXHAUSTED",
+    "requests.stream_write_timeout": "how long one message of a streaming list may wait for "
+    "the client to read it; a stream whose client reads nothing for this long ends with "
+    "DEADLINE_EXCEEDED naming this key",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
     "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled, shown "
     "in Status (verbose) as `eventLoop` and exported as `cri_shim_event_loop_lag_seconds`; a "

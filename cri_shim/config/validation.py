@@ -179,9 +179,17 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
     keys = {f.name for f in dataclasses.fields(RequestsConfig)}
     _unknown(table, keys, "requests.")
     requests = RequestsConfig()
-    for key in sorted(keys):
+    for key in sorted(keys - {"stream_write_timeout"}):
         if key in table:
             setattr(requests, key, _positive_int(table[key], f"requests.{key}"))
+    if "stream_write_timeout" in table:
+        timeout = parse_duration(table["stream_write_timeout"], "requests.stream_write_timeout")
+        if timeout <= 0:
+            raise ConfigError(
+                f"requests.stream_write_timeout: must be more than 0, got "
+                f"{table['stream_write_timeout']!r}"
+            )
+        requests.stream_write_timeout = timeout
     return requests
 
 

@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from cri_shim import errors, logcontext, tracing
 from cri_shim.server.limits import admitted
+from cri_shim.server.listing import StreamStalled
 from cri_shim.server.wire import LargeRequest
 
 if TYPE_CHECKING:
@@ -117,8 +118,10 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 code = status_code(exc)
                 log.info("%s: %s: %s", name, code.name, exc)
                 await context.abort(code, str(exc))
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+            except asyncio.CancelledError as exc:
+                # The client went away, or a stream's client stopped reading (logged).
+                stalled = isinstance(exc, StreamStalled)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if stalled else grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
