@@ -22,6 +22,7 @@ from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.listing import MAX_REPLY_BYTES
 from cri_shim.server.services import RuntimeService
 from cri_shim.state.records import ContainerRecord
+from cri_shim.tracing import NO_TRACER
 
 N = 2000
 
@@ -90,6 +91,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
             metrics=Metrics(),
             limiter=RequestLimiter(config.requests),
             containers=containers,
+            tracer=NO_TRACER,
         )
         services.creation_stats = dict
         servicer = RuntimeService()
