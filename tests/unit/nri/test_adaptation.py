@@ -5,6 +5,7 @@ leave."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,10 +14,14 @@ import pytest
 
 from cri_shim.errors import NotFound
 from cri_shim.nri.adaptation import (
+    MAX_CONFIG,
     Adaptation,
     NriSettings,
+    PluginConfigRefused,
+    PluginRejected,
     plugin_config,
     pre_installed_plugins,
+    synchronize_requests,
 )
 from cri_shim.nri.api import api_pb2
 from cri_shim.nri.ttrpc import CallError, Code
@@ -295,3 +300,33 @@ async def test_a_pre_installed_plugin_that_exits_is_logged_not_restarted(
         assert not nri.plugins
     finally:
         await nri.stop()
+
+
+def test_synchronize_is_split_under_the_message_limit_in_order() -> None:
+    pods = [api_pb2.PodSandbox(id=f"p{i}", name="x" * 300) for i in range(10)]
+    containers = [api_pb2.Container(id=f"c{i}", name="y" * 300) for i in range(10)]
+    requests = synchronize_requests(pods, containers, limit=1000)
+    assert len(requests) > 2
+    assert all(r.ByteSize() <= 1000 for r in requests)
+    assert [r.more for r in requests] == [True] * (len(requests) - 1) + [False]
+    assert [p for r in requests for p in r.pods] == pods
+    assert [c for r in requests for c in r.containers] == containers
+    [whole] = synchronize_requests(pods, containers)
+    assert not whole.more and list(whole.pods) == pods
+
+
+def test_an_object_too_big_for_any_message_refuses_the_synchronization() -> None:
+    with pytest.raises(PluginRejected, match=r"pod p1 is described in \d+ bytes, over the"):
+        synchronize_requests([api_pb2.PodSandbox(id="p1", name="x" * 2000)], [], limit=1000)
+
+
+def test_a_plugin_config_is_bounded_and_a_regular_file(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "piped.conf")
+    with pytest.raises(PluginConfigRefused, match=r"piped\.conf is not a regular file"):
+        plugin_config(tmp_path, "10", "piped")
+    (tmp_path / "huge.conf").write_bytes(b"x" * (MAX_CONFIG + 1))
+    with pytest.raises(PluginConfigRefused, match="is larger than"):
+        plugin_config(tmp_path, "10", "huge")
+    (tmp_path / "10-bad.conf").write_bytes(b"\xff\xfe")
+    with pytest.raises(PluginConfigRefused, match="not UTF-8"):
+        plugin_config(tmp_path, "10", "bad")
