@@ -270,8 +270,8 @@ class Adaptation:
             try:
                 plugin = await self._admit(connection, registered, config)
             except (PluginRejected, CallError, ConnectionClosed, TimeoutError) as e:
-                log.warning("NRI: plugin %s refused: %s", connection.name, e)
-                await connection.close(f"refused: {e}")
+                log.warning("NRI: plugin %s refused: %s", connection.name, shown(str(e)))
+                await connection.close(f"refused: {shown(str(e))}")
                 return
             await reading
         finally:

@@ -190,6 +190,9 @@ class MuxedConnection:
         payload = request.SerializeToString()
         try:
             stream_id, data = self._calls.start(service, method, payload, int(timeout * 1e9))
+        except ttrpc.TtrpcError as e:  # no stream ID left: the connection is spent
+            await self.close(str(e))
+            raise ConnectionClosed(f"{self.name}: {e}") from e
         except ttrpc.Oversize:
             raise CallError(
                 Code.RESOURCE_EXHAUSTED,

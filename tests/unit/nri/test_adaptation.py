@@ -24,7 +24,7 @@ from cri_shim.nri.adaptation import (
     synchronize_requests,
 )
 from cri_shim.nri.api import api_pb2
-from cri_shim.nri.ttrpc import CallError, Code
+from cri_shim.nri.ttrpc import MAX_STREAM_ID, CallError, Code
 from tests.nri_plugin import RecordingPlugin, fail_with
 from tests.waiting import until
 
@@ -330,3 +330,32 @@ def test_a_plugin_config_is_bounded_and_a_regular_file(tmp_path: Path) -> None:
     (tmp_path / "10-bad.conf").write_bytes(b"\xff\xfe")
     with pytest.raises(PluginConfigRefused, match="not UTF-8"):
         plugin_config(tmp_path, "10", "bad")
+
+
+async def test_a_plugins_error_text_is_cut_where_the_daemon_repeats_it(
+    adaptation: Adaptation,
+) -> None:
+    await joined(adaptation, RecordingPlugin(responders={"CreateContainer": fail_with("x" * 5000)}))
+    with pytest.raises(CallError) as refused:
+        await adaptation.call_plugins(
+            api_pb2.CREATE_CONTAINER,
+            "CreateContainer",
+            api_pb2.CreateContainerRequest(pod=POD, container=CONTAINER),
+            api_pb2.CreateContainerResponse,
+        )
+    assert refused.value.message.endswith("… (5000 characters)")
+    assert len(refused.value.message) < 1100
+
+
+async def test_a_connection_out_of_stream_ids_drops_its_plugin(adaptation: Adaptation) -> None:
+    await joined(adaptation, RecordingPlugin())
+    [registered] = adaptation.plugins
+    registered.connection._calls._next = MAX_STREAM_ID + 2
+    answers = await adaptation.call_plugins(
+        api_pb2.STOP_POD_SANDBOX,
+        "StopPodSandbox",
+        api_pb2.StopPodSandboxRequest(pod=POD),
+        api_pb2.StopPodSandboxResponse,
+    )
+    assert answers == [] and adaptation.plugins == []
+    assert registered.connection.closed.is_set()
