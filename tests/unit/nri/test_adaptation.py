@@ -359,3 +359,34 @@ async def test_a_connection_out_of_stream_ids_drops_its_plugin(adaptation: Adapt
     )
     assert answers == [] and adaptation.plugins == []
     assert registered.connection.closed.is_set()
+
+
+async def test_a_peer_has_at_most_32_requests_served_at_once() -> None:
+    served: list[int] = []
+    busy = 0
+    gate = asyncio.Event()
+
+    async def slow_update(container_id: str, resources: dict[str, object]) -> None:
+        nonlocal busy
+        busy += 1
+        served.append(busy)
+        await gate.wait()
+        busy -= 1
+
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=1.0)
+        nri = Adaptation(settings, World().snapshot, slow_update)
+        await nri.start()
+        try:
+            plugin = await joined(nri, RecordingPlugin())
+            update = api_pb2.ContainerUpdate(container_id="c1")
+            update.linux.resources.pids.limit = 7
+            asked = [asyncio.ensure_future(plugin.update_containers([update])) for _ in range(100)]
+            await until(lambda: len(served) >= 32)
+            await asyncio.sleep(0.2)  # room for any more to start: none does
+            assert max(served) == 32
+            gate.set()
+            answers = await asyncio.gather(*asked)
+            assert len(answers) == 100 and max(served) == 32
+        finally:
+            await nri.stop()
