@@ -442,8 +442,9 @@ def test_a_plugin_that_stops_reading_is_dropped_and_the_creation_goes_on(
             .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30)
             .pod_sandbox_id
         )
-        assert "NRI: plugin 10-wedged dropped" in nri_daemon.log()
-        assert "RunPodSandbox did not read its request" in nri_daemon.log()
+        # Dropped once its budget (sending included) was spent, whatever the socket's
+        # buffers took of the request.
+        assert "NRI: plugin 10-wedged dropped: DEADLINE_EXCEEDED" in nri_daemon.log()
         # And the next pod is not held behind it.
         with pod(nri_daemon, "next", short_tmp):
             pass
