@@ -348,19 +348,28 @@ class Adaptation:
         """Synchronize, in as many messages as the size limit takes (upstream NRI's split:
         every message but the last says `more`, and is answered with `more` and no
         updates), all within one request budget; the plugin's updates."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.request_timeout
+        budget = self.settings.request_timeout
+        requests = synchronize_requests(pods, containers)
         answer = api_pb2.SynchronizeResponse()
-        for request in synchronize_requests(pods, containers):
-            answer = await plugin.connection.call(
-                PLUGIN_SERVICE,
-                "Synchronize",
-                request,
-                api_pb2.SynchronizeResponse(),
-                max(deadline - loop.time(), 0.0),
-            )
-            if request.more and (answer.update or not answer.more):
-                raise PluginRejected("cannot take a Synchronize split over several messages")
+        try:
+            async with asyncio.timeout(budget):
+                for request in requests:
+                    answer = await plugin.connection.call(
+                        PLUGIN_SERVICE,
+                        "Synchronize",
+                        request,
+                        api_pb2.SynchronizeResponse(),
+                        budget,
+                    )
+                    if request.more and (answer.update or not answer.more):
+                        raise PluginRejected(
+                            "cannot take a Synchronize split over several messages"
+                        )
+        except TimeoutError:
+            raise CallError(
+                Code.DEADLINE_EXCEEDED,
+                f"{plugin.id}: Synchronize in {len(requests)} messages took over {budget:g}s",
+            ) from None
         return list(answer.update)
 
     async def _catch_up(self, plugin: Plugin) -> None:

@@ -390,3 +390,45 @@ async def test_a_peer_has_at_most_32_requests_served_at_once() -> None:
             assert len(answers) == 100 and max(served) == 32
         finally:
             await nri.stop()
+
+
+def big_world() -> World:
+    world = World()
+    world.pods = [api_pb2.PodSandbox(id=f"p{i}", name="x" * (600 << 10)) for i in range(10)]
+    return world
+
+
+async def split_adaptation(tmp: str, world: World) -> Adaptation:
+    settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=1.0)
+    nri = Adaptation(settings, world.snapshot)
+    await nri.start()
+    return nri
+
+
+async def test_a_plugin_that_cannot_take_a_split_synchronize_is_refused() -> None:
+    whole = api_pb2.SynchronizeResponse()  # no `more`: it took the first part as the whole
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        nri = await split_adaptation(tmp, big_world())
+        try:
+            plugin = RecordingPlugin(responders={"Synchronize": lambda _request: whole})
+            await plugin.connect(nri.settings.socket_path)
+            assert plugin.connection is not None
+            await until(plugin.connection.closed.is_set)
+            assert plugin.methods == ["Configure", "Synchronize"] and nri.plugins == []
+        finally:
+            await nri.stop()
+
+
+async def test_a_split_synchronize_has_one_budget_for_all_its_messages() -> None:
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        nri = await split_adaptation(tmp, big_world())
+        try:
+            # Each of its two messages answered in 0.6s: within the budget one by one,
+            # not together.
+            plugin = RecordingPlugin(delays={"Synchronize": 0.6})
+            await plugin.connect(nri.settings.socket_path)
+            assert plugin.connection is not None
+            await until(plugin.connection.closed.is_set)
+            assert "Synchronize" in plugin.methods and nri.plugins == []
+        finally:
+            await nri.stop()
