@@ -130,15 +130,17 @@ KEY_DOCS: dict[str, str] = {
     "nri.socket_path": "unix socket NRI plugins connect to (made 0600)",
     "nri.plugin_registration_timeout": "time a connecting plugin has to register; a plugin "
     "that does not is disconnected",
-    "nri.plugin_request_timeout": "time a plugin has to answer each call (configuration, "
-    "synchronization, every event); a plugin that does not is disconnected and the event "
-    "goes on without it, so it costs a creation at most this once",
+    "nri.plugin_request_timeout": "time a plugin has to read and answer each call "
+    "(configuration, synchronization in all its messages, every event); a plugin that does "
+    "not is disconnected and the event goes on without it, so it costs a creation at most "
+    "this once",
     "nri.plugin_path": "directory of pre-installed plugins: every executable named `NN-name` "
     "(two-digit index, dash, name) is started by the daemon when NRI is enabled, connected "
     "over an inherited socket (its fd in `NRI_PLUGIN_SOCKET`), and stopped with the daemon; "
     "one that exits is logged, not restarted",
     "nri.plugin_config_path": "directory of pre-installed plugins' configuration: "
-    "`NN-name.conf`, else `name.conf`, is sent to the plugin when it is configured",
+    "`NN-name.conf`, else `name.conf` (a regular file of at most 1 MiB of UTF-8; any other "
+    "is logged and that plugin not started), is sent to the plugin when it is configured",
     "tracing.endpoint": "OTLP/HTTP base URL of an OpenTelemetry collector (Jaeger, Tempo, the "
     "OpenTelemetry Collector), e.g. `http://127.0.0.1:4318`; spans are POSTed as protobuf to "
     '`<endpoint>/v1/traces`; `""` is off (nothing of OpenTelemetry is loaded)',
