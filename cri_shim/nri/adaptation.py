@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
 
+from cri_shim import tracing
 from cri_shim.nri import mux, ttrpc
 from cri_shim.nri.adjust import oci_resources, unsupported_resources
 from cri_shim.nri.api import api_pb2
@@ -479,7 +480,8 @@ class Adaptation:
                 else:
                     plugin.backlog.append((method, request, reply))
                 continue
-            answer = await self._ask(plugin, method, request, reply)
+            with tracing.span(f"NRI {method} {plugin.id}", **{"nri.plugin": plugin.id}):
+                answer = await self._ask(plugin, method, request, reply)
             if answer is not None:
                 answers.append((plugin, answer))
         return answers

@@ -23,6 +23,7 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
 from tests.imagebuild import build_image
+from tests.nri_plugin import PluginThread, RecordingPlugin
 from tests.registry import start_registry
 
 pytest.importorskip("opentelemetry.proto", reason="needs opentelemetry-proto (test extras)")
@@ -340,3 +341,36 @@ def test_a_pull_traces_its_layer_downloads_and_unpacks(short_tmp: Any) -> None:
                 daemon.stop()
     finally:
         registry.stop()
+
+
+def test_each_nri_plugin_call_is_a_span_of_the_creation_stage(
+    short_tmp: Any, test_network: CniTestNetwork
+) -> None:
+    with otlp_receiver() as receiver:
+        daemon = Daemon(
+            short_tmp,
+            test_network,
+            settings={
+                "tracing": {"endpoint": receiver.url},
+                "nri": {"enable": True, "socket_path": str(short_tmp / "nri.sock")},
+            },
+        )
+        daemon.start()
+        thread = PluginThread(RecordingPlugin(), short_tmp / "nri.sock")
+        plugin = thread.start()
+        try:
+            wait_until(lambda: "Synchronize" in plugin.methods, timeout=30)
+            sandbox_id = run_pod(daemon, "nri-traced", 60, traceparent()[0])
+            wait_until(lambda: receiver.named("sandbox NRI plugins"), timeout=30)
+            (stage,) = receiver.named("sandbox NRI plugins")
+            calls = [s.name for s in receiver.children(stage)]
+            assert calls == [f"NRI RunPodSandbox {plugin.index}-{plugin.name}"]
+            daemon.runtime().StopPodSandbox(
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+            )
+            daemon.runtime().RemovePodSandbox(
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+            )
+        finally:
+            thread.stop()
+            daemon.stop()
