@@ -38,7 +38,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
-from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
+from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.runtime.stats import CgroupStats, oom_kill_count, read_cgroup_stats
 
@@ -100,6 +100,7 @@ class RuntimeBackend:
         call_timeout: float = 30.0,
         create_timeout: float = CREATE_TIMEOUT,
         conmon_log_level: str = "info",
+        observe_call: CallObserver | None = None,
     ) -> None:
         self.handler_name = handler_name
         self.runtime_path = _executable(runtime_path, "runtime")
@@ -119,6 +120,7 @@ class RuntimeBackend:
             runtime_root,
             log_dir=state_dir / "runc-logs",
             call_timeout=call_timeout,
+            observe_call=observe_call,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
 

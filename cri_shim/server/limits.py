@@ -29,7 +29,7 @@ from cri_shim.errors import DeadlineExceeded, ResourceExhausted
 from cri_shim.server.validation import validate_request
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import EdgeView
 
 READ_RPCS = frozenset(
     {
@@ -145,8 +145,8 @@ class RequestLimiter:
 
 
 async def admitted(
-    handler: Callable[[Components, Any, grpc.aio.ServicerContext], Awaitable[Any]],
-    services: Components,
+    handler: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    services: EdgeView,
     request: Any,
     context: grpc.aio.ServicerContext,
     deadline: float | None,

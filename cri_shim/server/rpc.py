@@ -17,7 +17,7 @@ from cri_shim.server.limits import admitted
 from cri_shim.server.wire import LargeRequest
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import EdgeView, ObjectNames
 
 log = logging.getLogger("cri_shim.server")
 
@@ -55,21 +55,20 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
     return asyncio.get_running_loop().time() + max(0.0, remaining - DEADLINE_MARGIN)
 
 
-Handler = Callable[["Components", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 # The request fields that name an object, and the kind of object each names.
 _OBJECT_FIELDS = (("pod_sandbox_id", "sandbox"), ("container_id", "container"))
 
 
-def bind_request_objects(services: Components, request: Any) -> None:
+def bind_request_objects(names: ObjectNames, request: Any) -> None:
     """Bind the objects the request names by ID to the log context, with their names
     (and full IDs, for an ID prefix) when the daemon knows them."""
     for field, kind in _OBJECT_FIELDS:
         ref = getattr(request, field, "")
         if not isinstance(ref, str) or not ref:
             continue
-        coordinator = (services.sandboxes if kind == "sandbox" else services.containers).coordinator
-        object_id, name = coordinator.identify(ref) or (ref, "")
+        object_id, name = names.identify(kind, ref) or (ref, "")
         logcontext.bind_object(kind, object_id, name)
 
 
@@ -83,14 +82,14 @@ def cri_method_name(name: str) -> str:
 
 
 def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """Wrap a handler(services, request, context) as the servicer method of the same CRI
-    name."""
+    """Wrap a handler(view, request, context) as the servicer method of the same CRI
+    name: `view` is the servicer's (server/views.py)."""
     name = cri_method_name(handler.__name__)
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        services: Components | None = self.services
-        if services is None:
+        view: EdgeView | None = self.services
+        if view is None:
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
             raise AssertionError("abort returns by raising")
@@ -101,10 +100,10 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 large = isinstance(request, LargeRequest)
                 if large:
                     request = await _parse_off_loop(name, request)
-                bind_request_objects(services, request)
+                bind_request_objects(view.names, request)
                 # Validated and admitted first (issue 9): a bad or surplus call does nothing.
                 return await admitted(
-                    handler, services, request, context, request_deadline(context), large
+                    handler, view, request, context, request_deadline(context), large
                 )
             except errors.CriError as exc:
                 code = status_code(exc)
@@ -120,8 +119,8 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 log.exception("%s failed unexpectedly", name)
                 await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
             finally:
-                if services.metrics is not None:
-                    services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
+                if view.rpc_metrics is not None:
+                    view.rpc_metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 
     method.__name__ = name
     return method

@@ -87,11 +87,11 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
         config = Config()
         services = SimpleNamespace(
             config=config,
-            metrics=Metrics(),
+            rpc_metrics=Metrics(),
             limiter=RequestLimiter(config.requests),
+            names=None,  # no list request names an object by ID
             containers=containers,
         )
-        services.creation_stats = dict
         servicer = RuntimeService()
         servicer.services = services  # type: ignore[assignment]
         server = grpc.aio.server()
