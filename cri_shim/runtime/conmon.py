@@ -40,7 +40,7 @@ from cri_shim.host import spawn
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
-from cri_shim.runtime.stats import CgroupStats, oom_kill_count, read_cgroup_stats
+from cri_shim.runtime.stats import oom_kill_count
 
 log = logging.getLogger(__name__)
 
@@ -502,16 +502,6 @@ class RuntimeBackend:
             meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
         )
         return count > 0
-
-    def cgroup_stats(self, container_id: str) -> CgroupStats:
-        meta = self._read_meta(container_id)
-        if meta is None:
-            raise NotFound(
-                f"container {container_id} is not known to runtime handler {self.handler_name}"
-            )
-        return read_cgroup_stats(
-            meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
-        )
 
     def cgroups_path(self, container_id: str) -> str | None:
         """The container's cgroup, relative to each hierarchy's root (as in its spec)."""
