@@ -30,7 +30,6 @@ from cri_shim.errors import (
 )
 from cri_shim.host import spawn
 from cri_shim.host.routes import Route, host_routes
-from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
 
@@ -339,11 +338,13 @@ class CniNetwork:
         plugin_timeout: float | None = None,
         cleanup_timeout: float = 120.0,
         routes: Callable[[Collection[int]], list[Route]] = host_routes,
+        observe_call: Callable[[str, str, float, bool], None] | None = None,
     ) -> None:
         """`plugin_timeout` caps a single plugin call within the budget of an operation
         (None: the whole remaining budget). `cleanup_timeout` is the budget of the DEL that
         undoes a failed ADD, whose own budget may be spent by then. `routes` reads the
-        host's routes of the IP versions given (a fake in unit tests).
+        host's routes of the IP versions given (a fake in unit tests). `observe_call` is
+        told of every plugin call (the daemon's metrics, when it exports them).
         """
         self.config_dir = Path(config_dir)
         self.bin_dirs = [Path(d) for d in bin_dirs]
@@ -351,6 +352,7 @@ class CniNetwork:
         self.plugin_timeout = plugin_timeout
         self.cleanup_timeout = cleanup_timeout
         self._routes = routes
+        self._observe_call = observe_call
         self._conf: NetworkConfigList | None = None
         self._problem = "CNI config not loaded yet"
         self._fingerprint: object = None
@@ -630,7 +632,8 @@ class CniNetwork:
             raise Internal(f"{what}: cannot start {binary}: {exc}") from exc
         finally:
             # Latency and result per plugin and command, timeouts included (metrics).
-            observe_call("cni", f"{command} {kind}", time.monotonic() - started, ok)
+            if self._observe_call is not None:
+                self._observe_call("cni", f"{command} {kind}", time.monotonic() - started, ok)
         stdout, stderr = done.stdout, done.stderr
         elapsed = (time.monotonic() - started) * 1000
         log.debug("%s: exit %s in %.1f ms", what, done.returncode, elapsed)

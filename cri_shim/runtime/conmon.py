@@ -39,9 +39,9 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
-from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
+from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
-from cri_shim.runtime.stats import CgroupStats, oom_kill_count, read_cgroup_stats
+from cri_shim.runtime.stats import oom_kill_count
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class RuntimeBackend:
         call_timeout: float = 30.0,
         create_timeout: float = CREATE_TIMEOUT,
         conmon_log_level: str = "info",
+        observe_call: CallObserver | None = None,
     ) -> None:
         self.handler_name = handler_name
         self.runtime_path = _executable(runtime_path, "runtime")
@@ -120,6 +121,7 @@ class RuntimeBackend:
             runtime_root,
             log_dir=state_dir / "runc-logs",
             call_timeout=call_timeout,
+            observe_call=observe_call,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -502,16 +504,6 @@ class RuntimeBackend:
             meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
         )
         return count > 0
-
-    def cgroup_stats(self, container_id: str) -> CgroupStats:
-        meta = self._read_meta(container_id)
-        if meta is None:
-            raise NotFound(
-                f"container {container_id} is not known to runtime handler {self.handler_name}"
-            )
-        return read_cgroup_stats(
-            meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
-        )
 
     def cgroups_path(self, container_id: str) -> str | None:
         """The container's cgroup, relative to each hierarchy's root (as in its spec)."""

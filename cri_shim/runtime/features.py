@@ -96,13 +96,6 @@ def user_namespaces_allowed(limit_file: Path = Path("/proc/sys/user/max_user_nam
         return False
 
 
-def to_cri(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
-    return api_pb2.RuntimeHandlerFeatures(
-        recursive_read_only_mounts=features.recursive_read_only_mounts,
-        user_namespaces=features.user_namespaces,
-    )
-
-
 def require_pod_features(
     userns: UserNamespaceMappings | None, handler: str, features: HandlerFeatures
 ) -> None:

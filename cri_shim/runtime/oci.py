@@ -17,7 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,6 @@ from typing import Any
 from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
-from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,10 @@ MAX_EXEC_OUTPUT = 16 * 1024 * 1024
 # After an exec'd process exited, how long to keep reading output that a background
 # child of it may still hold open, when the request has no deadline of its own.
 EXEC_OUTPUT_DRAIN = 2.0
+
+
+# Told of every call: the tool, its verb, the seconds it took and whether it succeeded.
+CallObserver = Callable[[str, str, float, bool], None]
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,14 @@ class OciRuntime:
         *,
         log_dir: Path,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        observe_call: CallObserver | None = None,
     ) -> None:
         self.path = path
         self.root = root
         self.log_dir = log_dir
         self.call_timeout = call_timeout
+        # The daemon's metrics, when it exports them.
+        self._observe_call = observe_call
 
     def conmon_runtime_args(self) -> list[str]:
         """Global options for conmon's `--runtime-arg`, so that the create it runs uses the
@@ -259,7 +265,8 @@ class OciRuntime:
                     f"{self.path.name} {' '.join(args)} did not finish within {budget:g}s"
                 ) from None
             finally:
-                observe_call(self.path.name, args[0], time.monotonic() - started, ok)
+                if self._observe_call is not None:
+                    self._observe_call(self.path.name, args[0], time.monotonic() - started, ok)
             returncode, out, err = done.returncode, done.stdout, done.stderr
             log.debug(
                 "%s %s: rc=%s in %.1f ms",

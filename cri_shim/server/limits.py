@@ -35,7 +35,7 @@ from cri_shim.server.listing import StreamContext
 from cri_shim.server.validation import validate_request
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import EdgeView
 
 READ_RPCS = frozenset(
     {
@@ -162,8 +162,8 @@ class RequestLimiter:
 
 
 async def admitted(
-    handler: Callable[[Components, Any, grpc.aio.ServicerContext], Awaitable[Any]],
-    services: Components,
+    handler: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    services: EdgeView,
     request: Any,
     context: grpc.aio.ServicerContext,
     deadline: float | None,

@@ -18,7 +18,7 @@ from cri_shim.server.listing import StreamStalled
 from cri_shim.server.wire import LargeRequest
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import EdgeView, ObjectNames
 
 log = logging.getLogger("cri_shim.server")
 
@@ -56,21 +56,20 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
     return asyncio.get_running_loop().time() + max(0.0, remaining - DEADLINE_MARGIN)
 
 
-Handler = Callable[["Components", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 # The request fields that name an object, and the kind of object each names.
 _OBJECT_FIELDS = (("pod_sandbox_id", "sandbox"), ("container_id", "container"))
 
 
-def bind_request_objects(services: Components, request: Any) -> None:
+def bind_request_objects(names: ObjectNames, request: Any) -> None:
     """Bind the objects the request names by ID to the log context, with their names
     (and full IDs, for an ID prefix) when the daemon knows them."""
     for field, kind in _OBJECT_FIELDS:
         ref = getattr(request, field, "")
         if not isinstance(ref, str) or not ref:
             continue
-        coordinator = (services.sandboxes if kind == "sandbox" else services.containers).coordinator
-        object_id, name = coordinator.identify(ref) or (ref, "")
+        object_id, name = names.identify(kind, ref) or (ref, "")
         logcontext.bind_object(kind, object_id, name)
 
 
@@ -84,14 +83,14 @@ def cri_method_name(name: str) -> str:
 
 
 def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """Wrap a handler(services, request, context) as the servicer method of the same CRI
-    name."""
+    """Wrap a handler(view, request, context) as the servicer method of the same CRI
+    name: `view` is the servicer's (server/views.py)."""
     name = cri_method_name(handler.__name__)
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        services: Components | None = self.services
-        if services is None:
+        view: EdgeView | None = self.services
+        if view is None:
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
             raise AssertionError("abort returns by raising")
@@ -100,17 +99,17 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
         with (
             logcontext.scope(),  # what the request binds ends with it
             tracing.serving(
-                services.tracer, name, _metadata(context), _span_attributes(request)
+                view.tracer, name, _metadata(context), _span_attributes(request)
             ) as span,
         ):
             try:
                 large = isinstance(request, LargeRequest)
                 if large:
                     request = await _parse_off_loop(name, request)
-                bind_request_objects(services, request)
+                bind_request_objects(view.names, request)
                 # Validated and admitted first (issue 9): a bad or surplus call does nothing.
                 response = await admitted(
-                    handler, services, request, context, request_deadline(context), large
+                    handler, view, request, context, request_deadline(context), large
                 )
                 _note_response(span, response)
                 return response
@@ -133,8 +132,8 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 span.set_attribute("rpc.grpc.status_code", code.value[0])
                 if code is not grpc.StatusCode.OK:
                     span.fail(code.name)
-                if services.metrics is not None:
-                    services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
+                if view.rpc_metrics is not None:
+                    view.rpc_metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 
     method.__name__ = name
     return method

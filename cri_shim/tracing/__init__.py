@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from cri_shim import logcontext
-from cri_shim.config import TracingConfig
 
 
 class Span(Protocol):
@@ -270,13 +269,3 @@ def serving(
     finally:
         _current.reset(token)
         server.end()
-
-
-def build_tracer(config: TracingConfig) -> Tracer:
-    """The daemon's tracer: the OpenTelemetry one when an endpoint is set (imported only
-    then), else the no-op one."""
-    if not config.endpoint:
-        return NO_TRACER
-    from cri_shim.tracing.otel import OtelTracer
-
-    return OtelTracer(config)

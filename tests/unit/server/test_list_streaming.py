@@ -88,12 +88,12 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
         config = Config()
         services = SimpleNamespace(
             config=config,
-            metrics=Metrics(),
+            rpc_metrics=Metrics(),
             limiter=RequestLimiter(config.requests),
+            names=None,  # no list request names an object by ID
             containers=containers,
             tracer=NO_TRACER,
         )
-        services.creation_stats = dict
         servicer = RuntimeService()
         servicer.services = services  # type: ignore[assignment]
         server = grpc.aio.server()
