@@ -133,8 +133,8 @@ class Daemon:
         if services.loop_monitor is not None:
             monitor = services.loop_monitor.run()
             self._background.add(asyncio.create_task(monitor, name="loop-monitor"))
-        # Container events (issue 10): exits noticed as conmon writes them, so a stopped
-        # event does not wait for someone to ask.
+        # Exits noticed as conmon writes them, so that GetContainerEvents streams a stopped
+        # event when it happens, not when someone next lists or asks for a status.
 
         def exited(name: str | None) -> None:
             with logcontext.scope():
@@ -152,8 +152,8 @@ class Daemon:
         self.services = services
         self.runtime_service.services = services
         self.image_service.services = services
-        # Metrics (issue 7): collectors read the services at scrape time; the HTTP endpoint
-        # runs only when [metrics] listen is set, and is closed in stop().
+        # Metrics: collectors read the services at scrape time, so nothing is kept twice;
+        # the HTTP endpoint runs only when [metrics] listen is set, and is closed in stop().
         if services.metrics is not None:
             self._metrics = MetricsExporter(services, services.metrics, self.config.metrics.listen)
             await self._metrics.start()
@@ -181,7 +181,8 @@ class Daemon:
             + STREAM_HEADROOM,
         )
         add_to_server(server, self.runtime_service, self.image_service)
-        # Mode 0660, group socket_group, in a directory only root writes (issue 9).
+        # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
+        # the socket can run anything as root on the node.
         bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()
         self._server = server
@@ -219,7 +220,8 @@ class Daemon:
 
 
 def reload_network(daemon: Daemon) -> None:
-    """SIGHUP (`systemctl reload`, issue 7): re-read the CNI configuration in place."""
+    """SIGHUP (`systemctl reload`): re-read the CNI configuration in place, so that the
+    next pods use a network installed or changed since the start without a restart."""
     if daemon.services is None:
         log.info("SIGHUP while restoring: ignored, the configuration is read at start")
         return

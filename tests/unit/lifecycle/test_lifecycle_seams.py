@@ -184,7 +184,7 @@ async def test_remove_takes_the_containers_then_everything_else(tmp_path: Path) 
 async def test_a_published_pod_is_announced_created_then_started(tmp_path: Path) -> None:
     sandboxes, bus = _sandboxes(tmp_path, [])
     _add(sandboxes.rows, "s1", tmp_path)
-    sandboxes._announce("s1")
+    sandboxes._run.announce("s1")
     assert bus.emitted == [("s1", CONTAINER_CREATED), ("s1", CONTAINER_STARTED)]
 
 
@@ -243,7 +243,7 @@ async def test_a_published_container_keeps_its_log_and_is_announced(tmp_path: Pa
     containers, bus, _backend = _containers(tmp_path, calls)
     add_container(containers.rows, "c1", "s1")
     containers._journal.record("c1", "container_log", path="/logs/app.log")
-    containers._announce("c1")
+    containers._create.announce("c1")
     assert bus.emitted == [("c1", CONTAINER_CREATED)]
     # kubelet removes the log of a container it knew of: the journal no longer does.
     await containers._journal.undo("c1")
