@@ -9,6 +9,7 @@ from cri_shim.creation.coordinator import CreationCoordinator
 from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.container_stop import ContainerStop
 from cri_shim.lifecycle.events import CONTAINER_DELETED, EventBus
+from cri_shim.lifecycle.object_locks import ObjectLocks
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.state.containers import ContainerRepository
 
@@ -31,6 +32,8 @@ class ContainerRemove:
         self._coordinator = coordinator
         self._events = events
         self._nri = nri
+        # Two removals of one container at once: the second waits for the first.
+        self._locks = ObjectLocks()
 
     async def remove(self, ref: str) -> None:
         """Hide the container and answer; its teardown (runc delete, unmounts, its
@@ -40,17 +43,22 @@ class ContainerRemove:
         forward by restore, and the name and the row (so the ID) stay held until the
         teardown has ended (DESIGN §4).
         """
-        container = self._containers.find(ref)
-        if container is None:
+        found = self._containers.find(ref)
+        if found is None:
             return
-        await self._stopper.stop_record(container, 0)
-        if self._nri is not None:
-            # Plugins hear of the removal as kubelet does, before the teardown runs on.
-            await self._nri.removed(container.id)
-        self._rows.mark_cleaning(container.id)
-        log.info("container %s (%s) removed; tearing down", container.id, container.name)
-        self._events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
-        self._coordinator.retire(container.name, object_id=container.id)
+        async with self._locks.held(found.id):
+            # A removal that held the lock first has hidden it: it answered for both.
+            container = self._containers.find(found.id)
+            if container is None:
+                return
+            await self._stopper.stop_record(container, 0)
+            if self._nri is not None:
+                # Plugins hear of the removal as kubelet does, before the teardown runs on.
+                await self._nri.removed(container.id)
+            self._rows.mark_cleaning(container.id)
+            log.info("container %s (%s) removed; tearing down", container.id, container.name)
+            self._events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
+            self._coordinator.retire(container.name, object_id=container.id)
 
     async def remove_all_in(self, sandbox_id: str) -> None:
         """Remove the sandbox's containers and wait for every teardown among them, those

@@ -10,6 +10,7 @@ import logging
 
 from cri_shim.config import Config
 from cri_shim.lifecycle.events import CONTAINER_STOPPED, EventBus
+from cri_shim.lifecycle.object_locks import ObjectLocks
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses
 from cri_shim.lifecycle.pods import PodContainers, Pods
 from cri_shim.logcontext import object_fields
@@ -33,7 +34,9 @@ class SandboxStop:
         events: EventBus,
         containers: PodContainers,
         pause: PauseProcesses | None,
+        locks: ObjectLocks,
     ) -> None:
+        self._locks = locks
         self._budget = config.network.teardown_timeout
         self._pods = pods
         self._journal = journal
@@ -42,18 +45,25 @@ class SandboxStop:
         self._pause = pause
 
     async def stop(self, sandbox_ref: str) -> None:
-        sandbox = self._pods.find(sandbox_ref)
-        if sandbox is None:
+        found = self._pods.find(sandbox_ref)
+        if found is None:
             return  # kubelet retries stop for pods it forgot about; unknown is success
-        # The containers first: they run in what the undo steps take away.
-        await self._containers.stop_all_in(sandbox.id)
-        try:
-            await self._journal.undo(sandbox.id, only=STOP_ACTIONS, budget=self._budget)
-        except UndoFailed as exc:
-            # The steps are queued for garbage collection; the pod is stopped all the same.
-            log.error("sandbox %s (%s): stop left work for GC: %s", sandbox.id, sandbox.name, exc)
-        self.mark_not_ready(sandbox.id)
-        log.info("sandbox %s (%s) stopped", sandbox.id, sandbox.name)
+        # One stop or removal of a pod at a time: two would run its undo steps twice.
+        async with self._locks.held(found.id):
+            sandbox = self._pods.find(found.id)
+            if sandbox is None:
+                return  # removed while this call waited
+            # The containers first: they run in what the undo steps take away.
+            await self._containers.stop_all_in(sandbox.id)
+            try:
+                await self._journal.undo(sandbox.id, only=STOP_ACTIONS, budget=self._budget)
+            except UndoFailed as exc:
+                # Queued for garbage collection; the pod is stopped all the same.
+                log.error(
+                    "sandbox %s (%s): stop left work for GC: %s", sandbox.id, sandbox.name, exc
+                )
+            self.mark_not_ready(sandbox.id)
+            log.info("sandbox %s (%s) stopped", sandbox.id, sandbox.name)
 
     def mark_not_ready(self, sandbox_id: str) -> None:
         # One event per transition, whoever noticed it first.

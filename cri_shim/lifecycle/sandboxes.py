@@ -14,6 +14,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.lifecycle.events import EventBus
 from cri_shim.lifecycle.hooks import restore_creations
+from cri_shim.lifecycle.object_locks import ObjectLocks
 from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.pods import PodContainers, Pods
 from cri_shim.lifecycle.sandbox_remove import SandboxRemove
@@ -71,8 +72,12 @@ class SandboxLifecycle:
             nri=nri,
         )
         self.coordinator = self._run.coordinator
-        self._stop = SandboxStop(config, pods, journal, events, containers, pause)
-        self._remove = SandboxRemove(config, pods, journal, events, containers, self.coordinator)
+        # Shared by stop and removal: a pod is stopped or removed by one call at a time.
+        locks = ObjectLocks()
+        self._stop = SandboxStop(config, pods, journal, events, containers, pause, locks)
+        self._remove = SandboxRemove(
+            config, pods, journal, events, containers, self.coordinator, locks
+        )
 
     # ---- operations ------------------------------------------------------------------
 
