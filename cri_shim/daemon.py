@@ -131,8 +131,8 @@ class Daemon:
         if graph.census.loop_monitor is not None:
             monitor = graph.census.loop_monitor.run()
             self._background.add(asyncio.create_task(monitor, name="loop-monitor"))
-        # Container events (issue 10): exits noticed as conmon writes them, so a stopped
-        # event does not wait for someone to ask.
+        # Exits noticed as conmon writes them, so that GetContainerEvents streams a stopped
+        # event when it happens, not when someone next lists or asks for a status.
 
         def exited(name: str | None) -> None:
             with logcontext.scope():
@@ -179,7 +179,8 @@ class Daemon:
             + STREAM_HEADROOM,
         )
         add_to_server(server, self.runtime_service, self.image_service)
-        # Mode 0660, group socket_group, in a directory only root writes (issue 9).
+        # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
+        # the socket can run anything as root on the node.
         bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()
         self._server = server
@@ -222,7 +223,8 @@ TRACE_FLUSH_TIMEOUT = 2.0
 
 
 def reload_network(daemon: Daemon) -> None:
-    """SIGHUP (`systemctl reload`, issue 7): re-read the CNI configuration in place."""
+    """SIGHUP (`systemctl reload`): re-read the CNI configuration in place, so that the
+    next pods use a network installed or changed since the start without a restart."""
     if daemon.graph is None:
         log.info("SIGHUP while restoring: ignored, the configuration is read at start")
         return

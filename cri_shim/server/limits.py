@@ -1,4 +1,4 @@
-"""Admission of CRI calls (issue 9): validation first, then a bounded number in flight.
+"""Admission of CRI calls: validation first, then a bounded number in flight.
 
 A flood must neither crash the daemon nor starve the work already running. Calls are
 split by what they cost:

@@ -107,7 +107,8 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 if large:
                     request = await _parse_off_loop(name, request)
                 bind_request_objects(view.names, request)
-                # Validated and admitted first (issue 9): a bad or surplus call does nothing.
+                # Validated and admitted first: a bad or surplus call does nothing, not even
+                # reserve a name or hold a slot that a good call needs.
                 response = await admitted(
                     handler, view, request, context, request_deadline(context), large
                 )

@@ -1,4 +1,4 @@
-"""Request validation at the gRPC edge (issue 9): every call is checked here before any
+"""Request validation at the gRPC edge: every call is checked here before any
 handler runs, so that a hostile or broken request is refused with INVALID_ARGUMENT naming
 the field, and nothing is reserved, created or written for it.
 

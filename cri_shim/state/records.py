@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.pod_rules import host_network as host_network
-from cri_shim.pod_rules import pod_hostname as pod_hostname
+from cri_shim.pod_rules import host_network, pod_hostname
 
 
 @dataclass
