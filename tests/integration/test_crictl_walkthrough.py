@@ -319,11 +319,25 @@ def test_the_readme_session_with_crictl(
     assert served == INDEX_HTML
     assert forward.poll() is None, "crictl port-forward ended"
 
+    # A MiB written into the container's writable layer (not through crictl: the
+    # session stays the README's) must show in its filesystem use, and the image's
+    # layers below it must not.
+    written = daemon.runtime().ExecSync(
+        api_pb2.ExecSyncRequest(
+            container_id=container_id,
+            cmd=["dd", "if=/dev/urandom", "of=/written", "bs=4096", "count=256"],
+            timeout=30,
+        ),
+        timeout=60,
+    )
+    assert written.exit_code == 0, written
     [stats] = crictl.ok("crictl stats -o json $CTR").json()["stats"]
     assert stats["attributes"]["id"] == container_id
     assert int(stats["memory"]["workingSetBytes"]["value"]) > 0, stats
     assert "usageCoreNanoSeconds" in stats["cpu"], stats
-    assert int(stats["writableLayer"]["usedBytes"]["value"]) >= 0, stats
+    used = int(stats["writableLayer"]["usedBytes"]["value"])
+    assert 1 << 20 <= used < (1 << 20) + int(listed_image["size"]), stats
+    assert int(stats["writableLayer"]["inodesUsed"]["value"]) >= 1, stats
 
     # And all of it away again.
     assert crictl.ok("crictl stop $CTR").stdout.strip() == container_id
