@@ -10,7 +10,7 @@ from pathlib import Path
 
 import cri_shim
 from cri_shim import faults
-from cri_shim.composition import build_components
+from cri_shim.composition import build_graph
 from cri_shim.config import config_from_dict
 
 PACKAGE = Path(cri_shim.__file__).parent
@@ -52,11 +52,11 @@ def test_every_undo_action_of_the_journal_is_a_declared_point(tmp_path: Path) ->
     # The actions are registered by the components that own them, as the daemon builds
     # them: building the graph is how the code tells which there are.
     config = config_from_dict({"root": str(tmp_path / "root"), "run_root": str(tmp_path / "run")})
-    components = build_components(config)
+    graph = build_graph(config)
     try:
-        actions = components.journal.actions()
+        actions = graph.journal.actions()
     finally:
-        components.db.close()
+        graph.db.close()
     assert actions, "no undo action registered"
     assert {faults.undo_point(action) for action in actions} == set(faults.TEARDOWN)
 
