@@ -41,6 +41,7 @@ The figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import calendar
 import collections
 import os
 import re
@@ -56,9 +57,10 @@ from typing import Any, Protocol
 
 import grpc
 import httpx
-from common import percentiles
+from common import cpu_seconds, percentiles
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from cri_shim.host.mounts import unmount_below
 from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, make_test_network
 from tests.imagebuild import _write_tar, build_image, cached_oci_layout, layout_files
 from tests.node import (
@@ -368,42 +370,75 @@ def print_metrics(title: str, before: dict[str, float], after: dict[str, float])
 
 
 STAGE_LINE = re.compile(
-    r"ts=(\S+) .*msg=\"(sandbox|container) '([^']+)' \((\w+)\): stage ([^\"]+)\""
+    r"ts=(\S+) .*msg=\"(?:sandbox|container) '([^']+)' \(\w+\): stage ([^\"]+)\""
 )
 
 
-def print_timelines(log: Path, written: dict[str, float], ready: dict[str, float]) -> None:
-    """Every pod's start from the daemon's stage log: seconds after its manifest was
-    written at which its sandbox and then its container entered each stage."""
-    print("  per-pod start (s after the manifest was written; from the daemon's stage log):")
-    events: dict[str, list[tuple[float, str]]] = collections.defaultdict(list)
-    for line in log.read_text(errors="replace").splitlines():
-        match = STAGE_LINE.search(line)
-        if not match:
+STARTED_LINE = re.compile(r"ts=(\S+) .*msg=\"container \w+ \(([^)]+)\) started\"")
+# kubelet's klog lines: `I1202 08:06:51.416501 pid file:line] "message" ... pod="ns/name"`.
+KUBELET_LINE = re.compile(r"^I(\d{4} \d\d:\d\d:\d\d\.\d+) .*?\] \"([^\"]+)\"(.*)$")
+KUBELET_MARKS = {
+    "SyncLoop ADD": "kubelet: manifest read",
+    "No sandbox for pod can be found. Need to start a new one": "kubelet: RunPodSandbox sent",
+}
+
+
+def pod_of(cri_name: str) -> str:
+    """The static pod's name in kubelet's CRI names: k8s_POD_<pod>_<namespace>_<uid>_<n>
+    for a sandbox, k8s_<container>_<pod>_... for a container; <pod> is <name>-<node>."""
+    return cri_name.split("_")[2].rsplit("-", 1)[0]
+
+
+def start_marks(daemon_log: Path, kubelet_log: Path) -> dict[str, list[tuple[float, str]]]:
+    """By pod: the moments of its start that kubelet's log and the daemon's stage log
+    show (the first of each kind only: a sandbox made again later is not the start)."""
+    events: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for line in daemon_log.read_text(errors="replace").splitlines():
+        if match := STAGE_LINE.search(line):
+            stamp, name, stage = match.groups()
+            events[pod_of(name)].setdefault(stage, _epoch(stamp))
+        elif match := STARTED_LINE.search(line):
+            stamp, name = match.groups()
+            events[pod_of(name)].setdefault("container started", _epoch(stamp))
+    year = time.gmtime().tm_year
+    for line in kubelet_log.read_text(errors="replace").splitlines():
+        match = KUBELET_LINE.match(line)
+        if not match or match.group(2) not in KUBELET_MARKS:
             continue
-        stamp, name, stage = match.groups()
-        # kubelet's names: k8s_POD_<pod>_<namespace>_<uid>_<attempt> for a sandbox,
-        # k8s_<container>_<pod>_... for a container; a static pod is <name>-<node>.
-        pod = name.split("_")[2].rsplit("-", 1)[0]
-        events[pod].append((_epoch(stamp), stage))
+        stamp = time.strptime(f"{year}{match.group(1).split('.')[0]}", "%Y%m%d %H:%M:%S")
+        moment = calendar.timegm(stamp) + float("0." + match.group(1).split(".")[1])
+        for pod in re.findall(r"default/([\w.-]+)", match.group(3)):
+            events[pod.rsplit("-", 1)[0]].setdefault(KUBELET_MARKS[match.group(2)], moment)
+    return {pod: sorted((t, label) for label, t in marks.items()) for pod, marks in events.items()}
+
+
+def print_timelines(
+    daemon_log: Path, kubelet_log: Path, written: dict[str, float], ready: dict[str, float]
+) -> None:
+    """Every pod's start: seconds after its manifest was written at which kubelet and the
+    daemon reached each mark; then the time from each mark to the next over all pods."""
+    marks = start_marks(daemon_log, kubelet_log)
+    print("  per-pod start (s after the manifest was written):")
     gaps: dict[str, list[float]] = collections.defaultdict(list)
-    for pod in sorted(written, key=lambda p: ready.get(p, 1e9)):
-        marks = sorted(events.get(pod, []))
-        shown = "  ".join(f"{label}@{t - written[pod]:.2f}" for t, label in marks)
+    order = sorted(written, key=lambda p: ready.get(p, 1e9))
+    for pod in order:
+        pod_marks = marks.get(pod, [])
         done = ready.get(pod)
-        end = f"ready@{done - written[pod]:.2f}" if done else "never ready"
-        if len(gaps["first request"]) < 3 or pod == max(written, key=lambda p: ready.get(p, 0)):
+        if pod in (order[0], order[len(order) // 2], order[-1]):
+            shown = "  ".join(f"{label}@{t - written[pod]:.2f}" for t, label in pod_marks)
+            end = f"ready@{done - written[pod]:.2f}" if done else "never ready"
             print(f"    {pod}: {shown}  {end}")
-        previous = written[pod]
-        previous_label = "first request"
-        for t, label in marks:
-            gaps[previous_label].append(t - previous)
+        previous, previous_label = written[pod], "manifest written"
+        for t, label in pod_marks:
+            gaps[f"{previous_label} -> {label}"].append(t - previous)
             previous, previous_label = t, label
         if done:
-            gaps[previous_label].append(done - previous)
-    print("  time from each mark to the next (median / max over pods, s):")
+            gaps[f"{previous_label} -> ready in /pods"].append(done - previous)
+    print("  from each mark to the next (median / p90 / max over pods, s):")
     for label, values in gaps.items():
-        print(f"    {label:<28} {statistics.median(values):6.2f} {max(values):6.2f}")
+        ordered = sorted(values)
+        p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+        print(f"    {label:<62} {statistics.median(values):6.2f} {p90:6.2f} {max(values):6.2f}")
 
 
 def _epoch(stamp: str) -> float:
@@ -414,7 +449,7 @@ def _epoch(stamp: str) -> float:
 
 def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -> Result:
     result = Result(runtime.name, workload, pods)
-    node = f"dn{os.getpid() % 100000}{workload[0]}{pods}"
+    node = f"dn{os.getpid() % 100000}{workload}{pods}"
     runtime.start()
     kubelet = Kubelet(base / "node", runtime.endpoint, node)
     analyse = isinstance(runtime, ShimRuntime) and args.analyse
@@ -457,7 +492,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
             print_profile("profile of the start", profiler.finish(), daemon1[0] - daemon0[0], {})
             print_metrics("RPCs and external calls during the start", metrics0, metrics1)
             print_creation_stages(runtime)
-            print_timelines(runtime.daemon.log_path, written, ready)
+            print_timelines(runtime.daemon.log_path, kubelet.log_path, written, ready)
 
         time.sleep(5)  # the last probes' and status updates' tail
         metrics0 = runtime.metrics() if analyse else {}
@@ -490,6 +525,9 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
                 calls,
             )
             print_metrics("RPCs and external calls in the steady minute", metrics0, metrics1)
+            print_rpc_costs(runtime)
+            lag = runtime.daemon.status_info().get("eventLoop")
+            print(f"  the daemon's event loop lag (Status verbose): {lag}")
 
         removing = time.monotonic()
         for name in names:
@@ -503,12 +541,60 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
     finally:
         if profiler is not None and profiler.proc.poll() is None:
             profiler.proc.kill()
+        kubelet.stop()  # before the pods are removed: it would make them again
         try:
             runtime.stop()
         finally:
             for left in kubelet.clean_up():
                 result.notes.append(f"kubelet left {left}")
     return result
+
+
+def print_rpc_costs(runtime: ShimRuntime, calls: int = 40) -> None:
+    """The daemon's CPU per call of the RPCs kubelet makes most, each called `calls` times
+    in a row, less what the daemon spends meanwhile on kubelet's own calls (measured
+    just before, as a rate)."""
+    stub, pid = runtime.stub(), runtime.daemon_pid()
+    sandboxes = stub.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=30).items
+    listed = stub.ListContainers(api_pb2.ListContainersRequest(), timeout=30).containers
+    sandbox_id, container_id = sandboxes[0].id, listed[0].id
+    rpcs: list[tuple[str, Any]] = [
+        ("ListPodSandbox", lambda: stub.ListPodSandbox(api_pb2.ListPodSandboxRequest())),
+        ("ListContainers", lambda: stub.ListContainers(api_pb2.ListContainersRequest())),
+        (
+            "PodSandboxStatus",
+            lambda: stub.PodSandboxStatus(
+                api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+            ),
+        ),
+        (
+            "ContainerStatus",
+            lambda: stub.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id)),
+        ),
+        (
+            "ListContainerStats",
+            lambda: stub.ListContainerStats(api_pb2.ListContainerStatsRequest()),
+        ),
+        (
+            "ListPodSandboxStats",
+            lambda: stub.ListPodSandboxStats(api_pb2.ListPodSandboxStatsRequest()),
+        ),
+        ("Version", lambda: stub.Version(api_pb2.VersionRequest())),
+    ]
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(5)
+    background = (cpu_seconds(pid) - before) / (time.monotonic() - started)
+    print(
+        f"  the daemon's CPU per call, {len(sandboxes)} sandboxes and {len(listed)} containers "
+        f"held (kubelet's own calls meanwhile, {background * 1000:.1f} ms/s, taken off):"
+    )
+    for name, call in rpcs:
+        before, started = cpu_seconds(pid), time.monotonic()
+        for _ in range(calls):
+            call()
+        took = time.monotonic() - started
+        spent = cpu_seconds(pid) - before - background * took
+        print(f"    {name:<22} {spent / calls * 1000:7.2f} ms CPU  ({took / calls * 1000:.1f} ms)")
 
 
 def print_creation_stages(runtime: ShimRuntime) -> None:
@@ -553,6 +639,8 @@ def main() -> None:
                 try:
                     results.append(run_one(runtime, base, pods, workload, args))
                 finally:
+                    # The daemon leaves its namespace pin directories mounted (shared).
+                    unmount_below(base)
                     if args.keep:
                         print(f"  kept {base}")
                     else:
