@@ -11,8 +11,9 @@ the image already present. Columns:
   helper it runs (conmon for cri-shim; the shims for containerd) and every child they
   reaped (runc, CNI plugins), from a cpuacct cgroup the daemon is moved into at start;
 - kubelet CPU (% of a core) in the same minute, with the children it reaped;
-- runtime PSS (MiB, and per pod) at the end of the minute: those processes, plus the
-  sandboxes' pause processes for containerd;
+- runtime PSS (MiB, and per pod) at the end of the minute: the daemon and its per-pod
+  helpers (conmon; containerd's shims and the sandboxes' pause processes), not the runc
+  or plugin processes that happen to run at that moment;
 - all removed (s): manifests deleted -> kubelet lists no pod and the runtime runs no
   container.
 
@@ -130,7 +131,10 @@ class ShimRuntime:
         return self.daemon.runtime()
 
     def pss_mib(self) -> float:
-        return sum(pss_mib(pid) for pid in self.cpu.pids())
+        """The daemon and its conmons (not a runc or CNI plugin that happens to run)."""
+        daemon = self.daemon_pid()
+        helpers = [pid for pid in self.cpu.pids() if comm(pid) == "conmon"]
+        return sum(pss_mib(pid) for pid in [daemon, *helpers])
 
     def stop(self) -> None:
         try:
@@ -190,10 +194,10 @@ class ContainerdRuntime:
 
     def pss_mib(self) -> float:
         """containerd, its shims, and the sandboxes' pause processes (the shims' children
-        named as the pause image's program)."""
-        pids = set(self.cpu.pids())
-        pauses = [pid for pid in children(pids) if comm(pid) == "sleep" and pid not in pids]
-        return sum(pss_mib(pid) for pid in [*pids, *pauses[: len(pids)]])
+        named as the pause image's program); not a runc that happens to run."""
+        shims = {pid for pid in self.cpu.pids() if comm(pid) == "containerd-shim"}
+        pauses = [pid for pid in children(shims) if comm(pid) == "sleep"]
+        return sum(pss_mib(pid) for pid in [self.daemon_pid(), *shims, *pauses])
 
     def stop(self) -> None:
         try:
@@ -206,7 +210,6 @@ class ContainerdRuntime:
             for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
                 if line.split()[4].startswith(str(self.state)):
                     subprocess.run(["umount", "-l", line.split()[4]], check=False)
-            subprocess.run(["ip", "link", "del", "ctd0"], capture_output=True, check=False)
 
 
 @dataclass
