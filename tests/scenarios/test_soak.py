@@ -300,6 +300,11 @@ def test_soak_with_faults(node: tuple[Daemon, Kubelet], test_network: CniTestNet
 
     pods = wait_until(settled, timeout=240, interval=1)
     assert sorted(pods) == desired
+    keep = containers_of(pods["keep"])["main"]
+    print(
+        f"after its conmon was killed, the container of `keep` is "
+        f"{keep['containerID'].partition('://')[2][:12]}, restarted {keep['restartCount']} times"
+    )
     kubelet_running = {
         s["containerID"].partition("://")[2]
         for pod in pods.values()
