@@ -2,7 +2,7 @@
 
 kubelet (`../shared/kubelet/kubelet`, standalone, its defaults `--cgroups-per-qos=true
 --enforce-node-allocatable=pods`, `--sync-frequency=10s`, under a cgroup root of its own:
-tests/node.py) is given N pod manifests at once, each a busybox pod with one container,
+tests/kubelet.py) is given N pod manifests at once, each a busybox pod with one container,
 the image already present. Columns:
 
 - start p50 / p99 (s): manifest written -> kubelet's read-only `/pods` shows the pod
@@ -59,23 +59,13 @@ from typing import Any, Protocol
 import grpc
 import httpx
 from common import cpu_seconds, percentiles
+from runtime_cost import CpuAccount, children, comm, process_cpu_seconds, pss_mib
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.host.mounts import unmount_below
 from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, make_test_network
 from tests.imagebuild import _write_tar, build_image, cached_oci_layout, layout_files
-from tests.node import (
-    KUBELET,
-    LOOP,
-    CpuAccount,
-    Kubelet,
-    children,
-    comm,
-    process_cpu_seconds,
-    pss_mib,
-    remove_all_sandboxes,
-    running_and_ready,
-)
+from tests.kubelet import KUBELET, LOOP, Kubelet, remove_all_sandboxes, running_and_ready
 from tests.registry import free_port
 from tests.waiting import wait_until
 
@@ -548,7 +538,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         try:
             runtime.stop()
         finally:
-            for left in kubelet.clean_up():
+            for left in kubelet.cleanup():
                 result.notes.append(f"kubelet left {left}")
     return result
 

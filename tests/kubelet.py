@@ -1,8 +1,9 @@
-"""A real kubelet run standalone against the daemon, for scenarios and benchmarks.
+"""A real kubelet run standalone against a CRI runtime, for scenarios and benchmarks.
 
 kubelet is `../shared/kubelet/kubelet` beside the clone (`KUBELET`; callers skip without
 it). It runs static pods from a manifest directory, with no API server, and serves its view
-of them on its read-only port (`GET /pods`, `/stats/summary`).
+of them on its read-only port (`GET /pods`, `/stats/summary`). The static pods scenario,
+the soak and the density benchmark all run it from here.
 
 It runs with kubelet's own cgroup defaults, as nodes do: `--cgroups-per-qos=true
 --enforce-node-allocatable=pods`, so every pod's `cgroup_parent` is
@@ -23,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.host.mounts import mount_points, unmount_below
 from tests.harness import REPO
 from tests.registry import free_port
@@ -31,6 +33,8 @@ from tests.waiting import wait_until
 KUBELET = REPO.parent / "shared" / "kubelet" / "kubelet"
 POD_LOGS = Path("/var/log/pods")  # kubelet's, fixed: this build takes no --config
 CONTAINER_LOGS = Path("/var/log/containers")
+# A container that stops at once on SIGTERM (a shell as PID 1 ignores it otherwise).
+LOOP = "trap 'exit 0' TERM; while true; do sleep 1; done"
 
 
 def cgroup_hierarchies() -> list[Path]:
@@ -46,15 +50,21 @@ def cgroup_hierarchies() -> list[Path]:
 
 @dataclass
 class Kubelet:
-    """One kubelet process, standalone (no API server), with fresh ports on each start."""
+    """One kubelet process, standalone (no API server), with fresh ports on each start.
+
+    It looks at its manifests every `file_check_frequency` and syncs every pod every
+    `sync_frequency` (by default as ../shared/kubelet/README.md runs it); `extra_args`
+    go after its own flags."""
 
     base: Path
     endpoint: str
     node: str
+    sync_frequency: str = "10s"
+    file_check_frequency: str = "5s"
+    extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     read_only_port: int = 0
     starts: int = 0
-    extra_args: list[str] = field(default_factory=list)
     # PIDs of the other kubelets seen running on this machine while this one ran.
     others_seen: set[int] = field(default_factory=set)
 
@@ -71,6 +81,10 @@ class Kubelet:
         return self.base / "kubelet.log"
 
     @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
     def cgroup_root(self) -> str:
         """`--cgroup-root`: this kubelet's `kubepods` and every pod cgroup are below it."""
         return f"/{self.node}"
@@ -79,16 +93,15 @@ class Kubelet:
         for path in (self.root, self.manifests):
             path.mkdir(parents=True, exist_ok=True)
 
-    def start(self, timeout: float = 60) -> None:
-        self.make_cgroup_root()
-        self.read_only_port = free_port()
-        command = [
+    def command(self) -> list[str]:
+        """The command line, with the current read-only port and two fresh ones."""
+        return [
             str(KUBELET),
             f"--container-runtime-endpoint={self.endpoint}",
             f"--image-service-endpoint={self.endpoint}",
             f"--pod-manifest-path={self.manifests}",
-            "--file-check-frequency=1s",
-            "--sync-frequency=2s",
+            f"--file-check-frequency={self.file_check_frequency}",
+            f"--sync-frequency={self.sync_frequency}",
             "--cgroup-driver=cgroupfs",
             "--cgroups-per-qos=true",
             "--enforce-node-allocatable=pods",
@@ -110,9 +123,13 @@ class Kubelet:
             "--v=2",
             *self.extra_args,
         ]
+
+    def start(self, timeout: float = 60) -> None:
+        self.make_cgroup_root()
+        self.read_only_port = free_port()
         with self.log_path.open("ab") as log:
             log.write(f"--- start {self.starts}\n".encode())
-            self.proc = subprocess.Popen(command, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log)
         self.starts += 1
         try:
             wait_until(self._healthy, timeout=timeout, interval=0.2)
@@ -141,20 +158,26 @@ class Kubelet:
         self.proc = None
 
     def cleanup(self) -> list[str]:
-        """Everything this kubelet left on the host, once its pods are gone: the process,
-        its root's mounts, its pods' logs and its cgroups. Returns the cgroups that could
-        not be removed (something still runs in them)."""
+        """Everything this kubelet left on the host, once its pods are gone from the
+        runtime: the process stopped, its root unmounted, its pods' logs under /var/log
+        and its cgroups removed. Returns what was left behind: the mounts that would not
+        go and the cgroups that could not be removed (something still runs in them)."""
         self.stop()
         self.unmount()
         self.remove_logs()
-        return self.remove_cgroups()
+        left = [f"mount {p}" for p in self.mounts()]
+        return left + self.remove_cgroups()
 
     def unmount(self) -> None:
         """kubelet bind-mounts its root directory onto itself, once per start."""
         for _ in range(self.starts + 1):
-            if not [p for p in mount_points() if p == self.root or self.root in p.parents]:
+            if not self.mounts():
                 return
             unmount_below(self.root)
+
+    def mounts(self) -> list[Path]:
+        """The mount points at or below kubelet's root directory."""
+        return [p for p in mount_points() if p == self.root or self.root in p.parents]
 
     # ---- its cgroups ----------------------------------------------------------------
 
@@ -212,11 +235,11 @@ class Kubelet:
 
     def get(self, path: str) -> Any:
         url = f"http://127.0.0.1:{self.read_only_port}{path}"
-        return httpx.get(url, timeout=10).raise_for_status().json()
+        return httpx.get(url, timeout=30).raise_for_status().json()
 
     def pods(self) -> dict[str, dict[str, Any]]:
         """kubelet's pods by name (without the node suffix of static pods)."""
-        self.others_seen |= other_kubelets(self.proc.pid if self.proc is not None else None)
+        self.others_seen |= other_kubelets(self.pid)
         suffix = f"-{self.node}"
         return {
             p["metadata"]["name"].removesuffix(suffix): p for p in self.get("/pods")["items"] or []
@@ -236,9 +259,17 @@ class Kubelet:
     def remove_pod(self, name: str) -> None:
         (self.manifests / f"{name}.json").unlink()
 
+    def manifest_names(self) -> list[str]:
+        """The pods kubelet is given: its manifests' names."""
+        return sorted(p.stem for p in self.manifests.glob("*.json"))
+
+    def pod_logs(self) -> list[Path]:
+        """The pods' log directories kubelet made under /var/log/pods."""
+        return sorted(POD_LOGS.glob(f"default_*-{self.node}_*"))
+
     def remove_logs(self) -> None:
         """The pods' log directories and symlinks kubelet made under /var/log."""
-        for directory in POD_LOGS.glob(f"default_*-{self.node}_*"):
+        for directory in self.pod_logs():
             subprocess.run(["rm", "-rf", str(directory)], check=False)
         for link in CONTAINER_LOGS.glob(f"*-{self.node}_default_*"):
             link.unlink(missing_ok=True)
@@ -278,3 +309,18 @@ def running_and_ready(pod: dict[str, Any] | None) -> bool:
 def container_id(status: dict[str, Any]) -> str:
     """kubelet's `cri-shim://<id>` (the runtime's name from Version, then the ID)."""
     return str(status["containerID"]).partition("://")[2]
+
+
+# ---- what kubelet's garbage collector would do --------------------------------------
+
+
+def remove_all_sandboxes(runtime: Any, timeout: float = 120) -> None:
+    """Stop and remove every sandbox the runtime holds (`runtime`: a RuntimeService stub),
+    what kubelet's garbage collector would have done in its own time."""
+    for sandbox in runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=30).items:
+        runtime.StopPodSandbox(
+            api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
+        )
+        runtime.RemovePodSandbox(
+            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
+        )

@@ -22,15 +22,16 @@ from typing import Any
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.host.mounts import mount_points
 from tests.harness import Daemon, wait_until
 from tests.imagebuild import build_image
 from tests.kubelet import (
     KUBELET,
+    LOOP,
     POD_LOGS,
     Kubelet,
     container_id,
     containers_of,
+    remove_all_sandboxes,
     running_and_ready,
 )
 from tests.registry import RegistryServer, start_registry
@@ -44,9 +45,6 @@ pytestmark = [
         reason=f"no kubelet binary at {KUBELET} (the shared directory beside the clone)",
     ),
 ]
-
-# A container that stops at once on SIGTERM (a shell as PID 1 ignores it otherwise).
-LOOP = "trap 'exit 0' TERM; while true; do sleep 1; done"
 
 
 # ---- the runtime's view -----------------------------------------------------------
@@ -125,7 +123,15 @@ def kubelet(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Kubelet
     gates = ["PodAndContainerStatsFromCRI=true"]
     if request.param == "evented-pleg":
         gates.append("EventedPLEG=true")
-    kubelet = Kubelet(short_tmp, "", node, extra_args=[f"--feature-gates={','.join(gates)}"])
+    # Manifests read every second and pods synced every two: each step is seen at once.
+    kubelet = Kubelet(
+        short_tmp,
+        "",
+        node,
+        sync_frequency="2s",
+        file_check_frequency="1s",
+        extra_args=[f"--feature-gates={','.join(gates)}"],
+    )
     yield kubelet
     kubelet.cleanup()
 
@@ -395,15 +401,10 @@ def test_kubelet_runs_static_pods(
     timings.phase("all manifests removed: nothing running")
     kubelet.stop()
     kubelet.unmount()
-    assert not [p for p in mount_points() if p == kubelet.root or kubelet.root in p.parents]
+    assert not kubelet.mounts()
     # Nothing runs in kubelet's cgroups any more: each removes.
     assert kubelet.remove_cgroups() == []
-    runtime = daemon.runtime()
-    for sandbox in runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10).items:
-        runtime.StopPodSandbox(api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=60)
-        runtime.RemovePodSandbox(
-            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=60
-        )
+    remove_all_sandboxes(daemon.runtime(), timeout=60)
     assert daemon.leaks() == {}, daemon.log()
     timings.phase("kubelet stopped, its root unmounted; nothing leaked")
     # No runtime failure reached kubelet (a probe meeting a stopped container is not one).

@@ -3,7 +3,7 @@ crash-looping, some with exec probes; a CNI plugin that fails one ADD in twenty;
 daemon killed with SIGKILL and restarted every few minutes; one conmon killed.
 
 kubelet (`../shared/kubelet/kubelet`, its defaults `--cgroups-per-qos=true
---enforce-node-allocatable=pods`, under a cgroup root of the node's own: tests/node.py)
+--enforce-node-allocatable=pods`, under a cgroup root of the node's own: tests/kubelet.py)
 runs static pods that the test writes and removes. At the end, every pod kubelet is given
 runs (the crash-looping one is in its back-off), kubelet's containers are the runtime's
 running ones, and once all manifests are removed nothing is left: namespaces, mounts, IP
@@ -32,7 +32,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from tests.harness import CniTestNetwork, Daemon, import_image, wait_until
-from tests.node import (
+from tests.kubelet import (
     KUBELET,
     LOOP,
     Kubelet,
@@ -219,7 +219,7 @@ def node(
                 daemon.start()
             remove_all_sandboxes(daemon.runtime())
         finally:
-            kubelet.clean_up()
+            kubelet.cleanup()
 
 
 def test_soak_with_faults(node: tuple[Daemon, Kubelet], test_network: CniTestNetwork) -> None:
@@ -342,7 +342,7 @@ def test_soak_with_faults(node: tuple[Daemon, Kubelet], test_network: CniTestNet
     wait_until(lambda: not kubelet.pod_logs(), timeout=150, interval=2)
     kubelet.stop()
     remove_all_sandboxes(daemon.runtime())
-    assert kubelet.clean_up() == []
+    assert kubelet.cleanup() == []
     assert daemon.leaks() == {}, daemon.log()
     assert conmons_of(daemon) == []
     state = [

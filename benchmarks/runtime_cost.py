@@ -1,0 +1,91 @@
+"""What the runtime side of a node costs, for the benchmarks: its CPU time and its memory.
+
+CPU is read from a cpuacct cgroup of its own that the runtime's daemon is moved into, so
+that every helper it starts and every child it reaps is counted, and nothing else; a single
+process's from /proc/PID/stat (its own time and that of the children it reaped). Memory is
+the proportional set size of the processes that make up the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+CGROUP_FS = Path("/sys/fs/cgroup")
+
+
+class CpuAccount:
+    """A cpuacct cgroup of its own for the runtime's daemon. Moved in before it starts
+    anything, the daemon's helpers (conmon, shims) and the children it reaps (runc, CNI
+    plugins) are born in it and their CPU time stays counted there after they exit; a
+    container's processes are moved by runc into the container's cgroup and are not."""
+
+    def __init__(self, name: str) -> None:
+        self.path = CGROUP_FS / "cpuacct" / name
+        self.path.mkdir(exist_ok=True)
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def seconds(self) -> float:
+        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+
+    def remove(self) -> None:
+        """Processes still in it go back to the root cgroup first."""
+        for pid in self.pids():
+            try:
+                (self.path.parent / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass  # it exited meanwhile
+        try:
+            self.path.rmdir()
+        except OSError:
+            time.sleep(0.5)  # a process that was exiting has just gone
+            self.path.rmdir()
+
+
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size: its pages, shared ones divided among sharers."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0.0
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def children(pids: set[int]) -> list[int]:
+    """The processes whose parent is one of `pids`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        # The command may hold spaces and parentheses: the fields follow the last ')'.
+        if int(stat.rpartition(")")[2].split()[1]) in pids:
+            found.append(int(entry.name))
+    return found
+
+
+def process_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(its own CPU seconds, those of the children it has reaped), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / ticks
+    reaped = (int(fields[13]) + int(fields[14])) / ticks
+    return own, reaped
