@@ -320,6 +320,10 @@ def _read_text(path: str) -> str:
         return ""
 
 
+# How long runc has to reap a killed exec'd process and exit before it is killed too.
+RUNC_REAP_GRACE = 5.0
+
+
 def _exec_killer(pid_file: Path) -> spawn.Killer:
     """Kill the exec'd process and everything in its process group at once, then let runc
     reap it. runc makes the exec'd process a session leader, so its group is separate
@@ -336,9 +340,11 @@ def _exec_killer(pid_file: Path) -> spawn.Killer:
         if exec_pid > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(exec_pid, signal.SIGKILL)
-        # runc reaps the exec'd process and exits by itself; give it a moment, then force it.
+        # runc reaps the exec'd process and exits by itself; give it time to be scheduled
+        # (seconds on a loaded node), then force it. Killed early, it leaves the dying
+        # command to be re-parented and reaped later, still listed after the answer.
         try:
-            runc.wait(1.0)
+            runc.wait(RUNC_REAP_GRACE)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(runc.pid, signal.SIGKILL)
