@@ -73,7 +73,7 @@ def build_components(config: Config) -> Components:
         in_use=layers_in_use,
         unpack_policy=UnpackPolicy.from_config(config.images),
     )
-    pause = PauseProcesses(journal, backends)
+    pause = PauseProcesses(journal, backends, config.runtime.handlers)
 
     async def nri_snapshot() -> tuple[list[nri_api.PodSandbox], list[nri_api.Container]]:
         # What a connecting NRI plugin is synchronized with (under the lock every event
@@ -172,5 +172,6 @@ def build_backends(config: Config) -> dict[str, RuntimeBackend]:
             handler.root or config.run_root / "runtime" / name,
             config.runtime.conmon,
             config.run_root / "conmon" / name,
+            runtime_args=handler.runtime_args,
         )
     return backends

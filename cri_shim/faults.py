@@ -26,6 +26,13 @@ SANDBOX_CREATE = (
     "sandbox:network-added",
     "sandbox:ready",
 )
+# The pause container's creation: reached by pods whose handler runs a sandbox container
+# (runsc, Kata), and by pods that share their PID namespace.
+POD_SANDBOX_CREATE = (
+    "sandbox:pod-sandbox-journaled",
+    "sandbox:pod-sandbox-created",
+    "sandbox:pod-sandbox-started",
+)
 CONTAINER_CREATE = (
     "container:row",
     "container:rootfs",
@@ -39,6 +46,7 @@ CONTAINER_REMOVE = ("container:teardown",)
 # Reached only with [nri] enable: after plugins heard of the object, before it is done.
 NRI_CREATE = ("sandbox:nri-run", "container:nri-created")
 TEARDOWN = (
+    "undo:pause_delete",
     "undo:cni_del",
     "undo:unpin",
     "undo:unmount",

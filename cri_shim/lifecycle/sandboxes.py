@@ -53,6 +53,7 @@ STAGE_STORAGE = "sandbox storage"
 STAGE_NAMESPACES = "sandbox namespaces"
 STAGE_PID_NAMESPACE = "sandbox pid namespace"
 STAGE_NETWORK = "sandbox network"
+STAGE_POD_SANDBOX = "sandbox container"
 STAGE_NRI = "sandbox NRI plugins"
 STAGE_READY = "sandbox ready"
 
@@ -173,7 +174,7 @@ class SandboxLifecycle:
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
         features = self._handler_features(handler)
         userns = pod_mappings(config)
-        require_pod_features(userns, handler, features)
+        require_pod_features(userns, handler, features, config)
         if userns is not None:
             require_searchable(self._config.root)
         name = sandbox_name(meta.name, meta.namespace, meta.uid, meta.attempt)
@@ -237,7 +238,8 @@ class SandboxLifecycle:
         )
         fault_point("sandbox:namespaces")
 
-        if shares_pid_namespace(config):
+        pod_sandbox = self.pause is not None and self.pause.is_pod_sandbox(handler)
+        if shares_pid_namespace(config) and not pod_sandbox:
             stage.set(STAGE_PID_NAMESPACE)
             await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned, userns)
 
@@ -258,6 +260,12 @@ class SandboxLifecycle:
             for ip in ips:
                 self._ledger.allocate("ip", ip, sandbox_id)
             fault_point("sandbox:network-added")
+        if pod_sandbox:
+            # After the network: gVisor's netstack takes over the interfaces it finds in
+            # the namespace when its sandbox starts. Journaled after CNI DEL, so undone
+            # before it: the sandbox lets go of the interfaces before the plugins delete them.
+            stage.set(STAGE_POD_SANDBOX)
+            await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned, userns)
         self.rows.mark_ready(sandbox_id, ips, result)
         if self._nri is not None and self._nri.enabled:
             # Last, so that plugins see the pod's IPs; a refusal rolls the pod back.

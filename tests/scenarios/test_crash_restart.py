@@ -7,6 +7,7 @@ back and its name usable again; an interrupted removal completes when retried.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -334,3 +335,52 @@ def test_crash_while_making_a_user_namespaced_pod(
         remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()
     assert _runc_containers(daemon) == []
+
+
+# A handler whose pods are sandboxes (gVisor): the sandbox container's steps. The runsc
+# Debian ships needs `--network=host` on Linux 6.11 and newer (tests/integration/
+# test_cri_runsc.py says why).
+_RUNSC = shutil.which("runsc")
+_RUNSC_HANDLERS = {
+    "runc": {"path": "runc"},
+    "runsc": {"path": str(_RUNSC), "runtime_args": ["--network=host"]},
+}
+
+
+def _runsc_containers(daemon: Daemon) -> list[str]:
+    root = daemon.run_root / "runtime" / "runsc"
+    listed = subprocess.run(
+        [str(_RUNSC), "--root", str(root), "list", "-quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return listed.stdout.split()
+
+
+@pytest.mark.skipif(_RUNSC is None, reason="runsc (gVisor) is not installed")
+@pytest.mark.parametrize("fault", (*faults.POD_SANDBOX_CREATE, "undo:pause_delete"))
+def test_crash_at_a_pod_sandbox_step_leaks_nothing(make_daemon, fault: str) -> None:  # type: ignore[no-untyped-def]
+    daemon: Daemon = make_daemon(settings={"runtime": {"handlers": _RUNSC_HANDLERS}})
+    daemon.start()
+    config = pod_config("gv")
+
+    def run() -> str:
+        request = api_pb2.RunPodSandboxRequest(config=config, runtime_handler="runsc")
+        return daemon.runtime().RunPodSandbox(request, timeout=60).pod_sandbox_id
+
+    if fault.startswith("undo:"):
+        sandbox_id = run()
+        assert _runsc_containers(daemon) == [sandbox_id]
+        crash_and_restart(daemon, fault, lambda: remove_pod(daemon, sandbox_id))
+        remove_pod(daemon, sandbox_id)  # kubelet retries the removal
+    else:
+        crash_and_restart(daemon, fault, run)
+        assert listed(daemon) == []
+        sandbox_id = run()  # the name is free again
+        assert _runsc_containers(daemon) == [sandbox_id]
+        remove_pod(daemon, sandbox_id)
+    assert listed(daemon) == []
+    assert _runsc_containers(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
