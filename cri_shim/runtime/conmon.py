@@ -37,6 +37,8 @@ from typing import Any
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
+from cri_shim.runtime.features import handler_features, require_resource_updates
+from cri_shim.runtime.gvisor import STDIO_ENV, conmon_runtime, joining_waiter
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
@@ -100,6 +102,7 @@ class RuntimeBackend:
         call_timeout: float = 30.0,
         create_timeout: float = CREATE_TIMEOUT,
         conmon_log_level: str = "info",
+        runtime_args: Sequence[str] = (),
     ) -> None:
         self.handler_name = handler_name
         self.runtime_path = _executable(runtime_path, "runtime")
@@ -119,8 +122,13 @@ class RuntimeBackend:
             runtime_root,
             log_dir=state_dir / "runc-logs",
             call_timeout=call_timeout,
+            extra_args=runtime_args,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
+        # What conmon runs: gVisor's containers need a process it can wait for.
+        self.conmon_runtime = self.runtime_path
+        if handler_features(self.runtime_path).kind == "gvisor":
+            self.conmon_runtime = conmon_runtime(self.runtime_path, state_dir, handler_name)
 
     @property
     def exits_dir(self) -> Path:
@@ -205,7 +213,7 @@ class RuntimeBackend:
             "-n",
             container_id,
             "-r",
-            str(self.runtime_path),
+            str(self.conmon_runtime),
             "-b",
             str(bundle),
             "-p",
@@ -316,7 +324,17 @@ class RuntimeBackend:
         return meta
 
     async def start(self, container_id: str) -> None:
-        await self.oci.start(container_id)
+        meta = self._read_meta(container_id)
+        waiter = 0
+        if meta is not None and self.conmon_runtime != self.runtime_path:
+            waiter = joining_waiter(Path(meta.bundle))
+        if waiter:
+            # gVisor: the container takes the stdio of `runsc start` (runtime/gvisor.py).
+            await self.oci.start(
+                container_id, program=self.conmon_runtime, env={STDIO_ENV: str(waiter)}
+            )
+        else:
+            await self.oci.start(container_id)
 
     # ---- stop / delete --------------------------------------------------------------
 
@@ -573,6 +591,7 @@ class RuntimeBackend:
         container_id: str,
         resources: api_pb2.LinuxContainerResources | Mapping[str, Any],
     ) -> None:
+        require_resource_updates(self.handler_name, handler_features(self.runtime_path))
         if isinstance(resources, api_pb2.LinuxContainerResources):
             oci_resources = linux_resources(resources, self._host_limits())
         else:

@@ -101,16 +101,19 @@ class OciRuntime:
         *,
         log_dir: Path,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.path = path
         self.root = root
         self.log_dir = log_dir
         self.call_timeout = call_timeout
+        # The handler's own global options (`runtime_args`), given to every call.
+        self.extra_args = tuple(extra_args)
 
     def conmon_runtime_args(self) -> list[str]:
         """Global options for conmon's `--runtime-arg`, so that the create it runs uses the
         same state root and writes errors in the same parseable form."""
-        return [f"--root={self.root}", "--log-format=json"]
+        return [f"--root={self.root}", "--log-format=json", *self.extra_args]
 
     # Every call takes `timeout` (seconds; None = the handler's call_timeout) rather than
     # relying on callers to wrap it: a runc that hangs must be killed, not just abandoned.
@@ -121,15 +124,24 @@ class OciRuntime:
         *,
         timeout: float | None = None,
     ) -> ContainerState:
-        out = await self._call(["state", container_id], container_id, timeout)
+        out = await self._call(["state", container_id], container_id, timeout, output=True)
         return _parse_state(json.loads(out))
 
     async def list(self, *, timeout: float | None = None) -> list[ContainerState]:
-        out = await self._call(["list", "--format", "json"], "", timeout)
+        out = await self._call(["list", "--format", "json"], "", timeout, output=True)
         return [_parse_state(entry) for entry in json.loads(out) or []]
 
-    async def start(self, container_id: str, *, timeout: float | None = None) -> None:
-        await self._call(["start", container_id], container_id, timeout)
+    async def start(
+        self,
+        container_id: str,
+        *,
+        timeout: float | None = None,
+        program: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """`program` runs instead of the runtime, with the same arguments and `env` added
+        to the environment (gVisor's containers start through a script)."""
+        await self._call(["start", container_id], container_id, timeout, program=program, env=env)
 
     async def kill(
         self,
@@ -226,7 +238,15 @@ class OciRuntime:
 
     # `list` is a method of this class, so the builtin is spelled out below it.
     def _global_args(self, log_file: str) -> builtins.list[str]:
-        return ["--root", str(self.root), "--log", log_file, "--log-format", "json"]
+        return [
+            "--root",
+            str(self.root),
+            "--log",
+            log_file,
+            "--log-format",
+            "json",
+            *self.extra_args,
+        ]
 
     async def _call(
         self,
@@ -235,17 +255,28 @@ class OciRuntime:
         timeout: float | None,
         *,
         stdin: bytes | None = None,
+        output: bool = False,
+        program: Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> bytes:
+        """Run one command; its stdout when `output`. Only then is stdout a pipe, and
+        stderr is always a file: runsc's `start` leaves a process behind (the container's
+        gofer) holding the streams it was given, so a pipe would never reach its end."""
         budget = timeout if timeout is not None else self.call_timeout
         log_name = self._new_log_file(args[0])
+        err_name = log_name + ".stderr"
         started = time.monotonic()
         try:
             ok = False
+            err_fd = os.open(err_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 done = await spawn.run(
-                    [str(self.path), *self._global_args(log_name), *args],
+                    [str(program or self.path), *self._global_args(log_name), *args],
                     input=stdin,
                     timeout=budget,
+                    stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+                    stderr=err_fd,
+                    env={**os.environ, **env} if env else None,
                 )
                 ok = done.returncode == 0
             except spawn.TimedOut:
@@ -253,8 +284,9 @@ class OciRuntime:
                     f"{self.path.name} {' '.join(args)} did not finish within {budget:g}s"
                 ) from None
             finally:
+                os.close(err_fd)
                 observe_call(self.path.name, args[0], time.monotonic() - started, ok)
-            returncode, out, err = done.returncode, done.stdout, done.stderr
+            returncode, out = done.returncode, done.stdout
             log.debug(
                 "%s %s: rc=%s in %.1f ms",
                 self.path.name,
@@ -265,14 +297,15 @@ class OciRuntime:
             if returncode != 0:
                 message = (
                     runtime_error_message(_read_text(log_name))
-                    or runtime_error_message(err.decode(errors="replace"))
+                    or runtime_error_message(_read_text(err_name))
                     or f"exit status {returncode}"
                 )
                 raise _classify(f"{self.path.name} {args[0]}", container_id, message)
             return out
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(log_name)
+            for leftover in (log_name, err_name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
 
 
 def _classify(what: str, container_id: str, message: str) -> Exception:

@@ -1,0 +1,166 @@
+"""gVisor (`runsc`) as a runtime handler: each pod is one sandbox that its containers join.
+
+The handler is configured by its path alone, plus `--network=host`: the runsc Debian
+ships (2022-12) takes every network namespace of Linux 6.11 and newer for the host's and
+refuses to start its own network stack there (the pod keeps its own namespace; gVisor
+then uses the kernel's network stack in it). The daemon's runsc state root is
+`<run_root>/runtime/runsc`, where `runsc list` shows what the daemon made.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cri_shim.api.v1 import api_pb2
+from tests.harness import Daemon
+from tests.integration.cri_testkit import (
+    container_config,
+    create,
+    exec_sync,
+    import_image,
+    pod,
+    run_to_exit,
+    start,
+    status,
+)
+
+RUNSC = shutil.which("runsc")
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.root,
+    pytest.mark.skipif(RUNSC is None, reason="runsc (gVisor) is not installed"),
+]
+
+HANDLERS = {
+    "runc": {"path": "runc"},
+    "runsc": {"path": str(RUNSC), "runtime_args": ["--network=host"]},
+}
+
+
+def runsc_list(daemon: Daemon) -> list[dict[str, Any]]:
+    listed = subprocess.run(
+        [str(RUNSC), "--root", str(daemon.run_root / "runtime" / "runsc"), "list", "-format=json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(listed.stdout) or []
+
+
+@pytest.fixture
+def gvisor(make_daemon: Any, busybox_layout: Path) -> Iterator[Daemon]:
+    daemon: Daemon = make_daemon(settings={"runtime": {"handlers": HANDLERS}})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    yield daemon
+
+
+def test_a_pod_is_one_sandbox_holding_both_its_containers(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "gv", short_tmp, handler="runsc") as p:
+        sandbox_id = p[0]
+        first = create(gvisor, p, container_config("first", "exec sleep 60"))
+        second = create(gvisor, p, container_config("second", "exec sleep 60"))
+        for container_id in (first, second):
+            start(gvisor, container_id)
+        listed = {c["id"]: c for c in runsc_list(gvisor)}
+        assert set(listed) == {sandbox_id, first, second}
+        types = {
+            cid: c["annotations"]["io.kubernetes.cri.container-type"] for cid, c in listed.items()
+        }
+        assert types == {sandbox_id: "sandbox", first: "container", second: "container"}
+        assert {c["annotations"]["io.kubernetes.cri.sandbox-id"] for c in listed.values()} == {
+            sandbox_id
+        }
+        # One sandbox process: runsc reports its pid for every container in it.
+        assert len({c["pid"] for c in listed.values()}) == 1
+        assert {c["status"] for c in listed.values()} == {"running"}
+        # gVisor's own kernel: the container sees its own process as PID 1, and the pod's
+        # address on its interface.
+        ps = exec_sync(gvisor, first, ["ps", "-o", "pid,args"])
+        assert b"1 sleep 60" in ps.stdout
+        assert status(gvisor, first).state == api_pb2.CONTAINER_RUNNING
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_exit_codes_and_logs_come_back_from_the_sandbox(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "exits", short_tmp, handler="runsc") as p:
+        done = run_to_exit(gvisor, p, container_config("three", "echo bye; exit 3"))
+        assert done.exit_code == 3
+        assert Path(done.log_path).read_text().rstrip().endswith("bye")
+        # Stopped by the daemon: killed inside the sandbox, reported as runc's would be.
+        long = create(gvisor, p, container_config("long", "exec sleep 600"))
+        start(gvisor, long)
+        gvisor.runtime().StopContainer(
+            api_pb2.StopContainerRequest(container_id=long, timeout=0), timeout=60
+        )
+        stopped = status(gvisor, long)
+        assert stopped.state == api_pb2.CONTAINER_EXITED
+        assert stopped.exit_code == 137
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_runc_pods_keep_no_process_of_their_own(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "plain", short_tmp, handler="runc") as p:
+        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
+        start(gvisor, container_id)
+        assert gvisor.runc_containers() == [container_id]
+        assert runsc_list(gvisor) == []
+
+
+def test_what_gvisor_cannot_do_is_refused_naming_the_handler(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    response = gvisor.runtime().Status(api_pb2.StatusRequest(), timeout=10)
+    features = {h.name: h.features for h in response.runtime_handlers}
+    assert not features["runsc"].recursive_read_only_mounts
+    assert not features["runsc"].user_namespaces
+    for field in ("pid", "ipc", "network"):
+        linux = api_pb2.LinuxPodSandboxConfig(
+            security_context=api_pb2.LinuxSandboxSecurityContext(
+                namespace_options=api_pb2.NamespaceOption(**{field: api_pb2.NODE})
+            )
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            with pod(gvisor, f"host{field}", short_tmp, handler="runsc", linux=linux):
+                pass
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"namespace_options.{field}" in str(refused.value.details())
+        assert "'runsc'" in str(refused.value.details())
+    with pod(gvisor, "limits", short_tmp, handler="runsc") as p:
+        privileged = container_config(
+            "priv",
+            "exec sleep 60",
+            linux=api_pb2.LinuxContainerConfig(
+                security_context=api_pb2.LinuxContainerSecurityContext(privileged=True)
+            ),
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            create(gvisor, p, privileged)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'runsc'" in str(refused.value.details())
+        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
+        start(gvisor, container_id)
+        with pytest.raises(grpc.RpcError) as refused:
+            gvisor.runtime().UpdateContainerResources(
+                api_pb2.UpdateContainerResourcesRequest(
+                    container_id=container_id,
+                    linux=api_pb2.LinuxContainerResources(cpu_shares=512),
+                ),
+                timeout=30,
+            )
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'runsc'" in str(refused.value.details())
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
