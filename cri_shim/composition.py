@@ -28,6 +28,8 @@ from cri_shim.nri.api import api_pb2 as nri_api
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.features import handler_features
+from cri_shim.runtime.gvisor import require_port_forward
 from cri_shim.server.components import Components
 from cri_shim.server.events import render_event
 from cri_shim.server.limits import RequestLimiter
@@ -35,6 +37,7 @@ from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
+from cri_shim.state.records import SandboxRecord
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
@@ -51,8 +54,16 @@ def build_components(config: Config) -> Components:
     ledger = Ledger(db)
     sandbox_rows = SandboxRepository(db)
     container_rows = ContainerRepository(db)
-    pods = Pods(sandbox_rows)
     backends = build_backends(config)
+
+    def forwardable(sandbox: SandboxRecord) -> None:
+        name = sandbox.runtime_handler or config.runtime.default_handler
+        backend, handler = backends.get(name), config.runtime.handlers.get(name)
+        if backend is not None and handler is not None:
+            kind = handler_features(backend.runtime_path).kind
+            require_port_forward(name, handler.runtime_args, kind)
+
+    pods = Pods(sandbox_rows, forwardable)
     components: Components | None = None
 
     def render(event: ContainerEvent) -> api_pb2.ContainerEventResponse | None:

@@ -22,10 +22,14 @@ starts with the waiter's streams, reopened through /proc.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
+
+from cri_shim.errors import FailedPrecondition
 
 SCRIPT_NAME = "runsc-under-conmon"
 
@@ -103,3 +107,22 @@ def joining_waiter(bundle: Path) -> int:
     annotations = spec.get("annotations") or {}
     joins = annotations.get("io.kubernetes.cri.container-type") == "container"
     return pid if joins else 0
+
+
+def require_port_forward(handler: str, runtime_args: Sequence[str], kind: str) -> None:
+    """Port-forward dials the pod's loopback from the node's side of its network
+    namespace. gVisor's own network stack (netstack, runsc's default) answers inside the
+    sandbox, where no such connection arrives; with `--network=host` gVisor uses the
+    kernel's stack in the pod's namespace, which the dial reaches."""
+    if kind != "gvisor":
+        return
+    args = list(runtime_args)
+    pairs = itertools.pairwise(args)
+    if "--network=host" in args or ("--network", "host") in pairs:
+        return
+    raise FailedPrecondition(
+        f"port-forward is not supported by runtime handler {handler!r}: gVisor's own network "
+        "stack serves the pod inside its sandbox, where a connection from the node does not "
+        f'arrive (with [runtime.handlers.{handler}] runtime_args = ["--network=host"] the '
+        "pod uses the kernel's network stack in its namespace, which port-forward reaches)"
+    )
