@@ -351,7 +351,8 @@ class ContainerLifecycle:
             stdin=config.stdin,
             stdin_once=config.stdin_once,
         )
-        pinned.release()
+        if not backend.mounts_at_start:
+            pinned.release()  # else the bundle directory's undo unmounts them
         fault_point("container:runtime-created")
         return pid
 
@@ -639,6 +640,7 @@ class ContainerLifecycle:
             attach_socket=backend.attach_socket(container.id),
             control_fifo=container.bundle_dir / "ctl",
             running=container.state == RUNNING,
+            exec_options=tuple(backend.exec_options(container.id)),
         )
 
     def notice_exit(self, container_id: str | None) -> None:

@@ -202,7 +202,7 @@ class PauseProcesses:
             # pod's root: the directory must be that root's (the program stays the host's).
             os.chown(rootfs, *context.userns.root_ids())
         spec = build_spec(
-            _pause_container_config(config),
+            _pause_container_config(config, sandbox=self.is_pod_sandbox(handler)),
             context,
             # No /etc in this root: nothing to look a user up in.
             ImageConfigView(read_etc=lambda _path: None),
@@ -277,15 +277,20 @@ class PauseProcesses:
             raise FailedPrecondition(f"runtime handler {handler!r} is not configured") from None
 
 
-def _pause_container_config(pod: api_pb2.PodSandboxConfig) -> api_pb2.ContainerConfig:
+def _pause_container_config(
+    pod: api_pb2.PodSandboxConfig, *, sandbox: bool = False
+) -> api_pb2.ContainerConfig:
     """The pause container as if kubelet had asked for it: no capabilities, no new
-    privileges, read-only root, the runtime's default seccomp profile."""
+    privileges, read-only root, the runtime's default seccomp profile. A pod's sandbox
+    container keeps the default capabilities: runsc gives them to the sandbox itself,
+    whose host sockets (`--network=host`) bind the pod's low ports with them."""
+    drop = [] if sandbox else ["ALL"]
     return api_pb2.ContainerConfig(
         metadata=api_pb2.ContainerMetadata(name="POD"),
         command=[f"/{PAUSE_PROGRAM}"],
         linux=api_pb2.LinuxContainerConfig(
             security_context=api_pb2.LinuxContainerSecurityContext(
-                capabilities=api_pb2.Capability(drop_capabilities=["ALL"]),
+                capabilities=api_pb2.Capability(drop_capabilities=drop),
                 run_as_user=api_pb2.Int64Value(value=PAUSE_UID),
                 run_as_group=api_pb2.Int64Value(value=PAUSE_UID),
                 readonly_rootfs=True,

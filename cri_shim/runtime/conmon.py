@@ -38,7 +38,13 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
 from cri_shim.runtime.features import handler_features, require_resource_updates
-from cri_shim.runtime.gvisor import STDIO_ENV, conmon_runtime, joining_waiter
+from cri_shim.runtime.gvisor import (
+    STDIO_ENV,
+    conmon_runtime,
+    drop_unknown_capabilities,
+    exec_user_args,
+    joining_waiter,
+)
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
@@ -310,6 +316,8 @@ class RuntimeBackend:
         config = copy.deepcopy(dict(spec))
         # The tty flag is conmon's and the spec's at once; one source so they cannot differ.
         config.setdefault("process", {})["terminal"] = tty
+        if self.conmon_runtime != self.runtime_path:
+            drop_unknown_capabilities(config)
         bundle.mkdir(parents=True, exist_ok=True)
         _write_atomic(bundle / "config.json", json.dumps(config).encode())
         with contextlib.suppress(FileNotFoundError):
@@ -323,11 +331,22 @@ class RuntimeBackend:
         _write_atomic(cdir / "meta.json", json.dumps(asdict(meta)).encode())
         return meta
 
-    async def start(self, container_id: str) -> None:
+    @property
+    def mounts_at_start(self) -> bool:
+        """Whether the runtime makes a container's mounts when it starts it rather than
+        when it creates it (gVisor: the container's gofer is started then), so that the
+        bind-mount sources staged for it must stay until its bundle goes."""
+        return self.conmon_runtime != self.runtime_path
+
+    def _joining_waiter(self, container_id: str) -> int:
+        """The waiter conmon waits for, of a gVisor container joining a sandbox; else 0."""
         meta = self._read_meta(container_id)
-        waiter = 0
-        if meta is not None and self.conmon_runtime != self.runtime_path:
-            waiter = joining_waiter(Path(meta.bundle))
+        if meta is None or self.conmon_runtime == self.runtime_path:
+            return 0
+        return joining_waiter(Path(meta.bundle))
+
+    async def start(self, container_id: str) -> None:
+        waiter = self._joining_waiter(container_id)
         if waiter:
             # gVisor: the container takes the stdio of `runsc start` (runtime/gvisor.py).
             await self.oci.start(
@@ -372,6 +391,14 @@ class RuntimeBackend:
             await self.oci.kill(container_id, sig, all=all_processes)
         except NotFound:
             return False
+        except Internal as err:
+            # runsc cannot signal a container that joins a sandbox before it is started;
+            # nothing runs yet, so ending its waiter is its exit (runtime/gvisor.py).
+            waiter = self._joining_waiter(container_id)
+            if not waiter or "in state created" not in str(err):
+                raise
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(waiter, signal.SIGKILL)
         except FailedPrecondition:
             # "container not running": it exited after our check; conmon records it.
             await self._wait_monitor(container_id, KILL_GRACE)
@@ -555,7 +582,17 @@ class RuntimeBackend:
         timeout: float | None,
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
-        return await self.oci.exec_sync(container_id, cmd, timeout, env)
+        return await self.oci.exec_sync(
+            container_id, cmd, timeout, env, options=self.exec_options(container_id)
+        )
+
+    def exec_options(self, container_id: str) -> list[str]:
+        """Options of `<runtime> exec` that make the process the container's (runsc's
+        exec needs the user spelled out)."""
+        meta = self._read_meta(container_id)
+        if meta is None or self.conmon_runtime == self.runtime_path:
+            return []
+        return exec_user_args(Path(meta.bundle))
 
     async def reopen_log(self, container_id: str) -> None:
         """Ask conmon to reopen the log file (kubelet renamed it to rotate), and return

@@ -28,6 +28,7 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cri_shim.errors import FailedPrecondition
 
@@ -126,3 +127,29 @@ def require_port_forward(handler: str, runtime_args: Sequence[str], kind: str) -
         f'arrive (with [runtime.handlers.{handler}] runtime_args = ["--network=host"] the '
         "pod uses the kernel's network stack in its namespace, which port-forward reaches)"
     )
+
+
+def exec_user_args(bundle: Path) -> list[str]:
+    """`runsc exec` runs as root unless told otherwise (runc's takes the container's
+    user): the container's user and groups, from its spec, as runsc's options."""
+    try:
+        spec = json.loads((bundle / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    user = (spec.get("process") or {}).get("user") or {}
+    args = ["--user", f"{int(user.get('uid', 0))}:{int(user.get('gid', 0))}"]
+    for gid in user.get("additionalGids") or ():
+        args += ["--additional-gids", str(int(gid))]
+    return args
+
+
+# Capabilities newer than gVisor's releases before 2023, which refuse a spec naming them
+# ("unknown capability"); gVisor implements none of what they guard.
+_UNKNOWN_TO_OLD_RUNSC = frozenset({"CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE"})
+
+
+def drop_unknown_capabilities(spec: dict[str, Any]) -> None:
+    """Take out of the spec's process the capabilities old runsc releases do not know."""
+    capabilities = (spec.get("process") or {}).get("capabilities") or {}
+    for kind, names in capabilities.items():
+        capabilities[kind] = [n for n in names if n not in _UNKNOWN_TO_OLD_RUNSC]

@@ -183,10 +183,12 @@ class OciRuntime:
         cmd: Sequence[str],
         timeout: float | None,
         env: Mapping[str, str] | None = None,
+        *,
+        options: Sequence[str] = (),
     ) -> ExecResult:
         """Run `cmd` in the container and collect its output. On timeout the process and
         its group are killed and the call returns at once with `timed_out=True`.
-        timeout None or 0 means no limit."""
+        timeout None or 0 means no limit. `options` go to `exec` before the ID."""
         if not cmd:
             raise FailedPrecondition("exec: no command given")
         log_name = self._new_log_file("exec")
@@ -199,6 +201,7 @@ class OciRuntime:
             "--pid-file",
             str(pid_file),
             *env_args,
+            *options,
             container_id,
             *cmd,
         ]

@@ -67,6 +67,8 @@ class ContainerEndpoint:
     attach_socket: Path  # `attach` in the container's bundle (its path may be long)
     control_fifo: Path  # the bundle's `ctl` FIFO
     running: bool
+    # Options of `exec` before the container's ID (runsc's: the container's user).
+    exec_options: tuple[str, ...] = ()
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]
@@ -163,7 +165,7 @@ class RuncExecProcess:
         scratch = Path(tempfile.mkdtemp(prefix="cs-exec-", dir=work_dir or "/tmp"))
         pid_file = scratch / "pid"
         argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "exec"]
-        argv += ["--pid-file", str(pid_file)]
+        argv += ["--pid-file", str(pid_file), *endpoint.exec_options]
         try:
             if not tty:
                 process = await asyncio.create_subprocess_exec(

@@ -111,6 +111,26 @@ def test_exit_codes_and_logs_come_back_from_the_sandbox(gvisor: Daemon, short_tm
     assert gvisor.leaks() == {}
 
 
+def test_bind_mounts_and_a_stop_before_start(gvisor: Daemon, short_tmp: Path) -> None:
+    volume = short_tmp / "volume"
+    volume.mkdir()
+    (volume / "note").write_text("from the host\n")
+    with pod(gvisor, "mounts", short_tmp, handler="runsc") as p:
+        # runsc makes a container's mounts when it starts it, not when it creates it.
+        mount = api_pb2.Mount(container_path="/data", host_path=str(volume), readonly=True)
+        done = run_to_exit(gvisor, p, container_config("reader", "cat /data/note", mounts=[mount]))
+        assert done.exit_code == 0
+        assert Path(done.log_path).read_text().rstrip().endswith("from the host")
+        # runsc cannot signal a container it has only created.
+        never = create(gvisor, p, container_config("never", "exec sleep 600"))
+        gvisor.runtime().StopContainer(
+            api_pb2.StopContainerRequest(container_id=never, timeout=0), timeout=60
+        )
+        assert status(gvisor, never).state == api_pb2.CONTAINER_EXITED
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
 def test_runc_pods_keep_no_process_of_their_own(gvisor: Daemon, short_tmp: Path) -> None:
     with pod(gvisor, "plain", short_tmp, handler="runc") as p:
         container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
