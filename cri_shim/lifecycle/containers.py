@@ -641,6 +641,7 @@ class ContainerLifecycle:
             control_fifo=container.bundle_dir / "ctl",
             running=container.state == RUNNING,
             exec_options=tuple(backend.exec_options(container.id)),
+            no_tty_exec=backend.no_tty_exec,
         )
 
     def notice_exit(self, container_id: str | None) -> None:

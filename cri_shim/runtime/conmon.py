@@ -332,6 +332,17 @@ class RuntimeBackend:
         return meta
 
     @property
+    def no_tty_exec(self) -> str:
+        """Why exec with a terminal is refused ("" where it works)."""
+        if self.conmon_runtime == self.runtime_path:
+            return ""
+        return (
+            f"exec with a terminal (tty) is not supported by runtime handler "
+            f"{self.handler_name!r}: runsc hands no terminal over to the command of a "
+            "container started without one; exec without tty works"
+        )
+
+    @property
     def mounts_at_start(self) -> bool:
         """Whether the runtime makes a container's mounts when it starts it rather than
         when it creates it (gVisor: the container's gofer is started then), so that the

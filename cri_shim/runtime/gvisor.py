@@ -67,6 +67,8 @@ while [ $# -gt 1 ]; do
 done
 id=$1
 grep -q '"io.kubernetes.cri.container-type": *"container"' "$bundle/config.json" || exit 0
+# A background job's stdin would be /dev/null; the waiter keeps the container's.
+exec 3<&0
 (
     while state=$("$runsc" $globals state "$id" 2>/dev/null); do
         case $state in
@@ -77,7 +79,7 @@ grep -q '"io.kubernetes.cri.container-type": *"container"' "$bundle/config.json"
     out=$("$runsc" $globals wait "$id" 2>/dev/null) || exit 255
     code=${{out##*'"exitStatus":'}}
     exit "${{code%%[!0-9]*}}"
-) &
+) <&3 3<&- &
 echo $! >"$pidfile"
 """
 

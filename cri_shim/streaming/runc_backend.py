@@ -69,6 +69,9 @@ class ContainerEndpoint:
     running: bool
     # Options of `exec` before the container's ID (runsc's: the container's user).
     exec_options: tuple[str, ...] = ()
+    # Why exec with a terminal cannot be had, where it cannot (runsc's exec hands no
+    # terminal over its console socket to a non-terminal container's command).
+    no_tty_exec: str = ""
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]
@@ -162,6 +165,8 @@ class RuncExecProcess:
         stdin: bool,
         work_dir: Path | None = None,
     ) -> RuncExecProcess:
+        if tty and endpoint.no_tty_exec:
+            raise FailedPrecondition(endpoint.no_tty_exec)
         scratch = Path(tempfile.mkdtemp(prefix="cs-exec-", dir=work_dir or "/tmp"))
         pid_file = scratch / "pid"
         argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "exec"]

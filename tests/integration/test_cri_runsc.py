@@ -9,6 +9,7 @@ then uses the kernel's network stack in it). The daemon's runsc state root is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -20,17 +21,19 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import Daemon
+from tests.harness import Daemon, wait_until
 from tests.integration.cri_testkit import (
     container_config,
     create,
     exec_sync,
     import_image,
+    output,
     pod,
     run_to_exit,
     start,
     status,
 )
+from tests.integration.streaming.clients import spdy_exec
 
 RUNSC = shutil.which("runsc")
 
@@ -127,6 +130,40 @@ def test_bind_mounts_and_a_stop_before_start(gvisor: Daemon, short_tmp: Path) ->
             api_pb2.StopContainerRequest(container_id=never, timeout=0), timeout=60
         )
         assert status(gvisor, never).state == api_pb2.CONTAINER_EXITED
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "streams", short_tmp, handler="runsc") as p:
+        user = api_pb2.LinuxContainerConfig(
+            security_context=api_pb2.LinuxContainerSecurityContext(
+                run_as_user=api_pb2.Int64Value(value=1001)
+            )
+        )
+        config = container_config("echo", "echo ready; exec cat", stdin=True, stdin_once=True)
+        attached = create(gvisor, p, config)
+        shell = create(gvisor, p, container_config("shell", "exec sleep 300", linux=user))
+        for container_id in (attached, shell):
+            start(gvisor, container_id)
+        # As the container's user (runsc's exec would run as root), with stdin.
+        request = api_pb2.ExecRequest(
+            container_id=shell, cmd=["sh", "-c", "id -u; tr a-z A-Z"], stdin=True, stdout=True
+        )
+        url = gvisor.runtime().Exec(request, timeout=10).url
+        result = asyncio.run(spdy_exec(url, stdin=b"through stdin\n"))
+        assert result.stdout.decode().splitlines() == ["1001", "THROUGH STDIN"], result
+        # With a terminal: refused by name (runsc hands no terminal over).
+        request = api_pb2.ExecRequest(container_id=shell, cmd=["tty"], tty=True, stdout=True)
+        url = gvisor.runtime().Exec(request, timeout=10).url
+        refused = asyncio.run(spdy_exec(url, tty=True, stderr=False))
+        assert b"'runsc'" in refused.error and b"tty" in refused.error, refused
+        # Attach goes through conmon, whose streams the container got when it started.
+        wait_until(lambda: output(status(gvisor, attached)) == ["ready"], timeout=10)
+        request = api_pb2.AttachRequest(container_id=attached, stdin=True, stdout=True, stderr=True)
+        url = gvisor.runtime().Attach(request, timeout=10).url
+        result = asyncio.run(spdy_exec(url, stdin=b"through attach\n"))
+        assert result.stdout == b"through attach\n", result
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
 
