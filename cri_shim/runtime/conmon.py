@@ -594,7 +594,12 @@ class RuntimeBackend:
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
         return await self.oci.exec_sync(
-            container_id, cmd, timeout, env, options=self.exec_options(container_id)
+            container_id,
+            cmd,
+            timeout,
+            env,
+            options=self.exec_options(container_id),
+            sandboxed=self.conmon_runtime != self.runtime_path,
         )
 
     def exec_options(self, container_id: str) -> list[str]:

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,14 +185,20 @@ class OciRuntime:
         env: Mapping[str, str] | None = None,
         *,
         options: Sequence[str] = (),
+        sandboxed: bool = False,
     ) -> ExecResult:
         """Run `cmd` in the container and collect its output. On timeout the process and
         its group are killed and the call returns at once with `timed_out=True`.
-        timeout None or 0 means no limit. `options` go to `exec` before the ID."""
+        timeout None or 0 means no limit. `options` go to `exec` before the ID.
+        `sandboxed`: the command runs inside the runtime's own kernel (gVisor), where
+        no host signal reaches it: it is killed through the runtime, by its pid there."""
         if not cmd:
             raise FailedPrecondition("exec: no command given")
         log_name = self._new_log_file("exec")
         pid_file = Path(log_name).with_suffix(".pid")
+        inner_pid_file = Path(log_name).with_suffix(".inner-pid")
+        if sandboxed:
+            options = ["--internal-pid-file", str(inner_pid_file), *options]
         env_args = [f"--env={key}={value}" for key, value in (env or {}).items()]
         args = [
             str(self.path),
@@ -212,7 +218,10 @@ class OciRuntime:
                 limit=MAX_EXEC_OUTPUT,
                 # Output may still be in flight, or held open by a background child.
                 drain=EXEC_OUTPUT_DRAIN,
-                kill=_exec_killer(pid_file),
+                kill=_exec_killer(
+                    pid_file,
+                    self._inner_killer(container_id, inner_pid_file) if sandboxed else None,
+                ),
             )
             stdout, stderr, timed_out = done.stdout, done.stderr, done.timed_out
             if timed_out:
@@ -229,9 +238,23 @@ class OciRuntime:
                 bytes(stdout), bytes(stderr), code if code >= 0 else 128 - code, False
             )
         finally:
-            for leftover in (log_name, pid_file):
+            for leftover in (log_name, pid_file, inner_pid_file):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
+
+    def _inner_killer(self, container_id: str, inner_pid_file: Path) -> Callable[[], None]:
+        """Kills an exec'd process by its pid inside the runtime's kernel (runsc's
+        `kill --pid`); run on the spawn thread that waits for the exec."""
+
+        def kill() -> None:
+            inner = _read_pid(inner_pid_file)
+            if inner <= 0:
+                return
+            argv = [str(self.path), "--root", str(self.root), *self.extra_args, "kill"]
+            argv += ["--pid", str(inner), container_id, str(int(signal.SIGKILL))]
+            subprocess.run(argv, capture_output=True, timeout=self.call_timeout, check=False)
+
+        return kill
 
     def _new_log_file(self, verb: str) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -343,7 +366,7 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _exec_killer(pid_file: Path) -> spawn.Killer:
+def _exec_killer(pid_file: Path, inside: Callable[[], None] | None = None) -> spawn.Killer:
     """Kill the exec'd process and everything in its process group at once, then let runc
     reap it. runc makes the exec'd process a session leader, so its group is separate
     from runc's and must be killed by its own id.
@@ -355,6 +378,8 @@ def _exec_killer(pid_file: Path) -> spawn.Killer:
     """
 
     def kill(runc: subprocess.Popen[bytes]) -> None:
+        if inside is not None:
+            inside()
         exec_pid = _read_pid(pid_file)  # 0: runc had not started it yet; killing runc is enough
         if exec_pid > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -92,6 +92,17 @@ def test_a_pod_is_one_sandbox_holding_both_its_containers(gvisor: Daemon, short_
         ps = exec_sync(gvisor, first, ["ps", "-o", "pid,args"])
         assert b"1 sleep 60" in ps.stdout
         assert status(gvisor, first).state == api_pb2.CONTAINER_RUNNING
+        # A command past its timeout is killed inside the sandbox, and only it.
+        with pytest.raises(grpc.RpcError) as timed_out:
+            gvisor.runtime().ExecSync(
+                api_pb2.ExecSyncRequest(container_id=first, cmd=["sleep", "77"], timeout=1),
+                timeout=60,
+            )
+        assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ps = exec_sync(gvisor, first, ["ps", "-o", "args"])
+        assert b"sleep 77" not in ps.stdout, ps
+        assert status(gvisor, first).state == api_pb2.CONTAINER_RUNNING
+        assert status(gvisor, second).state == api_pb2.CONTAINER_RUNNING
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
 
