@@ -43,6 +43,7 @@ from cri_shim.config.model import RuntimeHandler
 from cri_shim.errors import CriError, FailedPrecondition, InvalidArgument
 from cri_shim.faults import fault_point
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import SandboxRecord
@@ -246,6 +247,11 @@ class PauseProcesses:
         if not shares_pid_namespace(sandbox.config):
             return context
         backend = self._backend(sandbox.runtime_handler)
+        if handler_features(backend.runtime_path).kind == "gvisor":
+            # runsc puts a container whose spec names no PID namespace in the sandbox's
+            # own, where the sandbox container (this program) is PID 1; a path would
+            # make it a namespace of the containers alone.
+            return dataclasses.replace(context, host_pid=True)
         state: Any = None
         try:
             state = await backend.oci.state(sandbox.id)

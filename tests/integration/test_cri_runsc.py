@@ -179,6 +179,30 @@ def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp
     assert gvisor.leaks() == {}
 
 
+def test_a_shared_pid_namespace_is_the_sandboxs_own(gvisor: Daemon, short_tmp: Path) -> None:
+    linux = api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(pid=api_pb2.POD)
+        )
+    )
+    shared = api_pb2.LinuxContainerConfig(
+        security_context=api_pb2.LinuxContainerSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(pid=api_pb2.POD)
+        )
+    )
+    with pod(gvisor, "sharedpid", short_tmp, handler="runsc", linux=linux) as p:
+        first = create(gvisor, p, container_config("first", "exec sleep 301", linux=shared))
+        second = create(gvisor, p, container_config("second", "exec sleep 302", linux=shared))
+        for container_id in (first, second):
+            start(gvisor, container_id)
+        ps = exec_sync(gvisor, second, ["ps", "-o", "pid,args"]).stdout.decode()
+        # The sandbox container's pause program is PID 1; both containers are there.
+        assert "1 /pause" in ps, ps
+        assert "sleep 301" in ps and "sleep 302" in ps, ps
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
 def test_runc_pods_keep_no_process_of_their_own(gvisor: Daemon, short_tmp: Path) -> None:
     with pod(gvisor, "plain", short_tmp, handler="runc") as p:
         container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
