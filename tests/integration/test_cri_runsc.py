@@ -203,6 +203,35 @@ def test_a_shared_pid_namespace_is_the_sandboxs_own(gvisor: Daemon, short_tmp: P
     assert gvisor.leaks() == {}
 
 
+def test_a_restart_adopts_the_sandbox_and_its_end_stops_the_pod(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    with pod(gvisor, "adopted", short_tmp, handler="runsc") as p:
+        sandbox_id = p[0]
+        container_id = create(gvisor, p, container_config("c", "exec sleep 300"))
+        start(gvisor, container_id)
+        gvisor.kill9()
+        gvisor.start()
+        assert {c["id"] for c in runsc_list(gvisor)} == {sandbox_id, container_id}
+        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
+        assert exec_sync(gvisor, container_id, ["echo", "still"]).stdout == b"still\n"
+
+        def pod_state() -> int:
+            request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+            return gvisor.runtime().PodSandboxStatus(request, timeout=10).status.state
+
+        assert pod_state() == api_pb2.SANDBOX_READY
+        # The sandbox gone (killed from outside): the pod and its container with it.
+        (sandbox,) = [c for c in runsc_list(gvisor) if c["id"] == sandbox_id]
+        subprocess.run(["kill", "-9", str(sandbox["pid"])], check=True)
+        wait_until(lambda: pod_state() == api_pb2.SANDBOX_NOTREADY, timeout=30)
+        wait_until(
+            lambda: status(gvisor, container_id).state == api_pb2.CONTAINER_EXITED, timeout=30
+        )
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
 def test_runc_pods_keep_no_process_of_their_own(gvisor: Daemon, short_tmp: Path) -> None:
     with pod(gvisor, "plain", short_tmp, handler="runc") as p:
         container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
