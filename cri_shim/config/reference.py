@@ -14,6 +14,7 @@ from typing import Any
 
 import tomli_w
 
+from cri_shim.config.handlers_doc import runtime_handlers_markdown
 from cri_shim.config.model import DURATION_KEYS, SIZE_KEYS, Config
 from cri_shim.config.units import format_duration, format_size
 
@@ -274,7 +275,7 @@ def config_reference_markdown() -> str:
         )
         meaning = KEY_DOCS.get(key.path, "**undocumented**").replace("|", "\\|")
         lines.append(f"| `{shown}` | {key.kind} | {default} | {meaning} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + runtime_handlers_markdown()
 
 
 def config_reference_toml() -> str:
