@@ -28,8 +28,7 @@ from cri_shim.nri.api import api_pb2 as nri_api
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.runtime.conmon import RuntimeBackend
-from cri_shim.runtime.features import handler_features
-from cri_shim.runtime.gvisor import require_port_forward
+from cri_shim.runtime.gvisor import SandboxForwarding
 from cri_shim.server.components import Components
 from cri_shim.server.events import render_event
 from cri_shim.server.limits import RequestLimiter
@@ -37,7 +36,6 @@ from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
-from cri_shim.state.records import SandboxRecord
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
@@ -56,14 +54,9 @@ def build_components(config: Config) -> Components:
     container_rows = ContainerRepository(db)
     backends = build_backends(config)
 
-    def forwardable(sandbox: SandboxRecord) -> None:
-        name = sandbox.runtime_handler or config.runtime.default_handler
-        backend, handler = backends.get(name), config.runtime.handlers.get(name)
-        if backend is not None and handler is not None:
-            kind = handler_features(backend.runtime_path).kind
-            require_port_forward(name, handler.runtime_args, kind)
-
-    pods = Pods(sandbox_rows, forwardable)
+    # Port-forward into a gVisor pod: through its sandbox, or refused by name.
+    forwarding = SandboxForwarding(backends, config.runtime)
+    pods = Pods(sandbox_rows, forwarding.check)
     components: Components | None = None
 
     def render(event: ContainerEvent) -> api_pb2.ContainerEventResponse | None:
@@ -152,7 +145,11 @@ def build_components(config: Config) -> Components:
         config.streaming.address,
         config.streaming.tls_cert,
         config.streaming.tls_key,
-        RuncStreamingBackend(containers.streaming_endpoint, pods.netns_of),
+        RuncStreamingBackend(
+            containers.streaming_endpoint,
+            pods.netns_of,
+            resolve_relay=lambda pod, port: forwarding.relay(pods.get_ready(pod), port),
+        ),
     )
     interval = config.metrics.event_loop_sample_interval
     components = Components(

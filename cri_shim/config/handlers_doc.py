@@ -87,9 +87,11 @@ released before August 2024 (Debian's is 2022-12-19): there runsc mistakes every
 namespace for the host's and refuses to start its own network stack, and RunPodSandbox
 says so. `runtime_args = ["--network=host"]` then gives the pod the kernel's network
 stack in its own namespace (the pod keeps its namespace and address; its sockets are the
-kernel's). Under gVisor's own stack, port-forward cannot reach the pod (a dial from the
-node's side of the namespace never arrives in the sandbox) and is refused naming the
-handler; with `--network=host` it works.
+kernel's). A dial from the node's side of the namespace never arrives in gVisor's own
+network stack, so port-forward goes through the sandbox: `runsc exec` of busybox's `nc`
+(the static `/bin/busybox` of busybox-static, bound read-only into the sandbox container)
+to 127.0.0.1:port inside the pod, its stdio the connection. Without that program, and
+without `--network=host`, port-forward is refused naming the handler.
 
 conmon cannot wait for a gVisor container (its processes are not the host's): conmon
 runs runsc through a generated script that, for a container joining a sandbox, starts a

@@ -26,11 +26,14 @@ import itertools
 import json
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cri_shim.config.model import RuntimeConfig, RuntimeHandler
 from cri_shim.errors import FailedPrecondition
+from cri_shim.runtime.features import handler_features
+from cri_shim.state.records import SandboxRecord
 
 SCRIPT_NAME = "runsc-under-conmon"
 
@@ -112,12 +115,63 @@ def joining_waiter(bundle: Path) -> int:
     return pid if joins else 0
 
 
+# Port-forward into a gVisor pod goes through its sandbox: busybox's `nc`, from the static
+# busybox (busybox-static), bound read-only into the sandbox container as RELAY_PATH, run
+# there by `runsc exec` with its stdio as the connection. A dial from the node's side of
+# the pod's namespace never reaches gVisor's own network stack.
+RELAY_PROGRAM = Path("/bin/busybox")
+RELAY_PATH = "/busybox"  # busybox picks the applet by the name it is run as
+RELAY_USER = "65535:65535"
+
+
+def relay_program() -> Path | None:
+    """The static busybox the relay runs, where it is installed."""
+    return RELAY_PROGRAM if os.access(RELAY_PROGRAM, os.X_OK) else None
+
+
+def relay_mount(spec: dict[str, Any], rootfs: Path) -> None:
+    """Bind the relay program into the sandbox container (its root is read-only, so the
+    mount point is made in it first)."""
+    program = relay_program()
+    if program is None:
+        return
+    (rootfs / RELAY_PATH.lstrip("/")).touch()
+    spec.setdefault("mounts", []).append(
+        {
+            "destination": RELAY_PATH,
+            "type": "bind",
+            "source": str(program),
+            "options": ["rbind", "ro", "nosuid", "nodev"],
+        }
+    )
+
+
+def relay_argv(
+    runsc: Path, root: Path, runtime_args: Sequence[str], sandbox_id: str, port: int
+) -> list[str]:
+    """`runsc exec` of the relay in the pod's sandbox container, to 127.0.0.1:port there."""
+    return [
+        str(runsc),
+        "--root",
+        str(root),
+        *runtime_args,
+        "exec",
+        "--user",
+        RELAY_USER,
+        sandbox_id,
+        RELAY_PATH,
+        "nc",
+        "127.0.0.1",
+        str(port),
+    ]
+
+
 def require_port_forward(handler: str, runtime_args: Sequence[str], kind: str) -> None:
     """Port-forward dials the pod's loopback from the node's side of its network
     namespace. gVisor's own network stack (netstack, runsc's default) answers inside the
     sandbox, where no such connection arrives; with `--network=host` gVisor uses the
     kernel's stack in the pod's namespace, which the dial reaches."""
-    if kind != "gvisor":
+    if kind != "gvisor" or relay_program() is not None:
         return
     args = list(runtime_args)
     pairs = itertools.pairwise(args)
@@ -126,8 +180,9 @@ def require_port_forward(handler: str, runtime_args: Sequence[str], kind: str) -
     raise FailedPrecondition(
         f"port-forward is not supported by runtime handler {handler!r}: gVisor's own network "
         "stack serves the pod inside its sandbox, where a connection from the node does not "
-        f'arrive (with [runtime.handlers.{handler}] runtime_args = ["--network=host"] the '
-        "pod uses the kernel's network stack in its namespace, which port-forward reaches)"
+        f"arrive, and the relay that reaches it there ({RELAY_PROGRAM}, busybox-static) is "
+        f'not installed (with [runtime.handlers.{handler}] runtime_args = ["--network=host"] '
+        "the pod uses the kernel's network stack in its namespace, which port-forward reaches)"
     )
 
 
@@ -155,3 +210,35 @@ def drop_unknown_capabilities(spec: dict[str, Any]) -> None:
     capabilities = (spec.get("process") or {}).get("capabilities") or {}
     for kind, names in capabilities.items():
         capabilities[kind] = [n for n in names if n not in _UNKNOWN_TO_OLD_RUNSC]
+
+
+class SandboxForwarding:
+    """Port-forward into pods of gVisor handlers: the relay command, or a refusal naming
+    the handler where there is no way in. Other handlers' pods are dialled directly."""
+
+    def __init__(self, backends: Mapping[str, Any], runtime: RuntimeConfig) -> None:
+        self._backends = backends  # RuntimeBackend by handler name
+        self._runtime = runtime
+
+    def _gvisor(self, sandbox: SandboxRecord) -> tuple[str, Any, RuntimeHandler] | None:
+        name = sandbox.runtime_handler or self._runtime.default_handler
+        backend, handler = self._backends.get(name), self._runtime.handlers.get(name)
+        if backend is None or handler is None:
+            return None
+        if handler_features(backend.runtime_path).kind != "gvisor":
+            return None
+        return name, backend, handler
+
+    def check(self, sandbox: SandboxRecord) -> None:
+        found = self._gvisor(sandbox)
+        if found is not None:
+            require_port_forward(found[0], found[2].runtime_args, "gvisor")
+
+    def relay(self, sandbox: SandboxRecord, port: int) -> list[str] | None:
+        found = self._gvisor(sandbox)
+        if found is None or relay_program() is None:
+            return None
+        _, backend, handler = found
+        return relay_argv(
+            backend.runtime_path, backend.oci.root, handler.runtime_args, sandbox.id, port
+        )

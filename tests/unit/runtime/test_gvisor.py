@@ -10,6 +10,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
+from cri_shim.runtime import gvisor
 from cri_shim.runtime.features import (
     GVISOR,
     HandlerFeatures,
@@ -17,7 +18,12 @@ from cri_shim.runtime.features import (
     require_pod_features,
     require_resource_updates,
 )
-from cri_shim.runtime.gvisor import conmon_runtime, joining_waiter, require_port_forward
+from cri_shim.runtime.gvisor import (
+    conmon_runtime,
+    joining_waiter,
+    relay_argv,
+    require_port_forward,
+)
 
 
 def test_the_script_is_valid_shell_and_names_its_runsc(tmp_path: Path) -> None:
@@ -51,7 +57,10 @@ def test_only_a_container_joining_a_sandbox_has_a_waiter(tmp_path: Path) -> None
     assert joining_waiter(tmp_path / "missing") == 0
 
 
-def test_port_forward_needs_the_kernels_network_stack_under_gvisor() -> None:
+def test_port_forward_without_the_relay_needs_the_kernels_network_stack(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(gvisor, "RELAY_PROGRAM", tmp_path / "no-busybox")
     with pytest.raises(FailedPrecondition, match="'gv'"):
         require_port_forward("gv", [], "gvisor")
     require_port_forward("gv", ["--network=host"], "gvisor")
@@ -89,3 +98,19 @@ def test_privileged_and_updates_are_refused_under_gvisor() -> None:
     with pytest.raises(FailedPrecondition, match="'gv'"):
         require_resource_updates("gv", GVISOR)
     require_resource_updates("runc", HandlerFeatures())
+
+
+def test_the_relay_runs_busyboxs_nc_in_the_sandbox_container() -> None:
+    argv = relay_argv(Path("/usr/bin/runsc"), Path("/run/r"), ["--network=host"], "pod1", 8080)
+    assert argv[:4] == ["/usr/bin/runsc", "--root", "/run/r", "--network=host"]
+    # busybox picks its applet by the name it runs as: the mount point is named busybox.
+    assert argv[4:] == [
+        "exec",
+        "--user",
+        "65535:65535",
+        "pod1",
+        "/busybox",
+        "nc",
+        "127.0.0.1",
+        "8080",
+    ]
