@@ -1,4 +1,4 @@
-"""Read RPCs at parallelism 1 and 4, idle and beside a stream of creations (issue 18 item 3).
+"""Read RPCs at parallelism 1 and 4, idle and beside a stream of creations.
 
 Each client is a process of its own (a thread would share this interpreter with the
 others and measure it), calling one RPC back to back; printed are the medians and p95s

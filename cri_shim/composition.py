@@ -1,71 +1,161 @@
 """The composition root: the daemon's whole object graph, built in one place.
 
 Every collaborator is handed over through a constructor; nothing is patched in after
-construction. The daemon starts and stops what this builds (daemon.py).
+construction. The daemon starts and stops what this builds (daemon.py); the gRPC
+servicers and the metrics endpoint get only their narrow views of it (server/views.py,
+inspection/census.py): persistence stays with the lifecycle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from cri_shim import __version__
-from cri_shim.api.v1 import api_pb2
-from cri_shim.config import BUNDLED_CNI_DIR, Config
+from cri_shim.config import BUNDLED_CNI_DIR, Config, TracingConfig
 from cri_shim.images.on_demand import PullerOnDemand
 from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.store import ImageStore
+from cri_shim.inspection.census import Census
+from cri_shim.inspection.host import HostReader
+from cri_shim.inspection.usage import UsageCollector
 from cri_shim.lifecycle.containers import ContainerLifecycle
-from cri_shim.lifecycle.events import ContainerEvent, EventBus
+from cri_shim.lifecycle.events import EventBus
 from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.pod_resources import PodResources
 from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
 from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
-from cri_shim.nri.adaptation import Adaptation, NriSettings
+from cri_shim.nri.adaptation import Adaptation, NriSettings, Snapshot, UpdateResources
 from cri_shim.nri.api import api_pb2 as nri_api
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.gvisor import SandboxForwarding
-from cri_shim.server.components import Components
-from cri_shim.server.events import render_event
+from cri_shim.runtime.oci import CallObserver
+from cri_shim.server.events import EventRenderer
 from cri_shim.server.limits import RequestLimiter
+from cri_shim.server.views import ImageView, ObjectNames, RuntimeView
 from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
+from cri_shim.state.records import SandboxRecord
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
+from cri_shim.tracing import NO_TRACER, Tracer
 
 
-def build_components(config: Config) -> Components:
+@dataclass(frozen=True)
+class Graph:
+    """What the daemon restores, runs and closes, and the views it serves from."""
+
+    config: Config
+    db: Database
+    journal: Journal
+    sandboxes: SandboxLifecycle
+    containers: ContainerLifecycle
+    nri: NriHooks
+    streaming: StreamingOnDemand
+    # The daemon's one puller: its in-flight maps are what lets concurrent pulls share
+    # downloads, so there must be exactly one.
+    puller: PullerOnDemand
+    # Counted only to be exported: without `[metrics] listen` nothing is counted.
+    metrics: Metrics | None
+    census: Census
+    names: ObjectNames
+    runtime_view: RuntimeView
+    image_view: ImageView
+    tracer: Tracer
+
+
+@dataclass(frozen=True)
+class _Storage:
+    db: Database
+    journal: Journal
+    ledger: Ledger
+    pods: Pods
+    container_rows: ContainerRepository
+    images: ImageStore
+
+
+def build_graph(config: Config) -> Graph:
     for path in (config.root, config.run_root):
         # Made so that others may pass through (a container in a user namespace of its
         # own reaches its root filesystem as an unprivileged id) but neither list nor
         # read. An existing directory keeps the mode its operator gave it.
         path.mkdir(mode=0o711, parents=True, exist_ok=True)
-    db = Database(config.state_db)
-    journal = Journal(db)
-    ledger = Ledger(db)
-    sandbox_rows = SandboxRepository(db)
-    container_rows = ContainerRepository(db)
-    backends = build_backends(config)
-
+    metrics = Metrics() if config.metrics.listen else None
+    observe_call = metrics.observe_call if metrics is not None else None
+    backends = build_backends(config, observe_call)
     # Port-forward into a gVisor pod: through its sandbox, or refused by name.
     forwarding = SandboxForwarding(backends, config.runtime)
-    pods = Pods(sandbox_rows, forwarding.check)
-    components: Components | None = None
+    storage = _storage(config, forwarding.check)
+    tracer = build_tracer(config.tracing)
+    nri, containers, sandboxes = _lifecycle(config, storage, backends, observe_call, tracer)
+    interval = config.metrics.event_loop_sample_interval
+    census = Census(sandboxes, containers, LoopMonitor(interval) if interval else None)
+    names = ObjectNames(sandboxes.coordinator, containers.coordinator)
+    streaming = StreamingOnDemand(
+        config.streaming.address,
+        config.streaming.tls_cert,
+        config.streaming.tls_key,
+        RuncStreamingBackend(
+            containers.streaming_endpoint,
+            storage.pods.netns_of,
+            resolve_relay=lambda pod, port: forwarding.relay(storage.pods.get_ready(pod), port),
+        ),
+    )
+    limiter = RequestLimiter(config.requests, census.creations_in_flight)
+    puller = PullerOnDemand(storage.images, config.images)
+    runtime_view = RuntimeView(
+        config=config,
+        limiter=limiter,
+        names=names,
+        rpc_metrics=metrics,
+        tracer=tracer,
+        sandboxes=sandboxes,
+        pods=storage.pods,
+        containers=containers,
+        pod_resources=PodResources(sandboxes.get, nri),
+        events=sandboxes.events,
+        usage=UsageCollector(sandboxes, containers, HostReader(containers.backend_of)),
+        census=census,
+        streaming=streaming,
+    )
+    return Graph(
+        config=config,
+        db=storage.db,
+        journal=storage.journal,
+        sandboxes=sandboxes,
+        containers=containers,
+        nri=nri,
+        streaming=streaming,
+        puller=puller,
+        metrics=metrics,
+        census=census,
+        names=names,
+        runtime_view=runtime_view,
+        tracer=tracer,
+        image_view=ImageView(
+            config=config,
+            limiter=limiter,
+            names=names,
+            rpc_metrics=metrics,
+            tracer=tracer,
+            images=storage.images,
+            puller=puller,
+        ),
+    )
 
-    def render(event: ContainerEvent) -> api_pb2.ContainerEventResponse | None:
-        # Events render the pod's and its containers' statuses, which needs the whole
-        # graph; the bus renders only for a subscriber, and none exists before serving.
-        assert components is not None
-        return render_event(components, event)
 
-    events = EventBus(render=render)
+def _storage(config: Config, forwardable: Callable[[SandboxRecord], None]) -> _Storage:
+    db = Database(config.state_db)
+    container_rows = ContainerRepository(db)
 
     def layers_in_use(chains: Collection[str]) -> Collection[str]:
         # Layers under a container's root filesystem must outlive their image's removal.
@@ -77,101 +167,91 @@ def build_components(config: Config) -> Components:
         in_use=layers_in_use,
         unpack_policy=UnpackPolicy.from_config(config.images),
     )
+    pods = Pods(SandboxRepository(db), forwardable)
+    return _Storage(db, Journal(db), Ledger(db), pods, container_rows, images)
+
+
+def _lifecycle(
+    config: Config,
+    storage: _Storage,
+    backends: dict[str, RuntimeBackend],
+    observe_call: CallObserver | None,
+    tracer: Tracer,
+) -> tuple[NriHooks, ContainerLifecycle, SandboxLifecycle]:
+    pods, journal = storage.pods, storage.journal
+    # An event is rendered when it happens, and only for a subscriber: the pod's status
+    # and its containers' as recorded at that moment.
+    events = EventBus(render=EventRenderer(pods.get, storage.container_rows.list_visible_in))
     pause = PauseProcesses(journal, backends, config.runtime.handlers)
 
+    # NRI plugins and the container lifecycle call each other (a creation asks the
+    # plugins; a plugin updates a container), so these two find the other side when they
+    # are called: never before the graph is built, as the daemon starts NRI after restore.
     async def nri_snapshot() -> tuple[list[nri_api.PodSandbox], list[nri_api.Container]]:
-        # What a connecting NRI plugin is synchronized with (under the lock every event
+        # What a connecting plugin is synchronized with (under the lock every event
         # takes): the visible objects, as they are now, and those other plugins were told
         # of that are not visible yet (in flight, or cached), so that none is lost to a
-        # plugin that connects while they are being created. The graph is built by then.
-        assert components is not None
-        pods, containers = nri.announced()
-        pods.update((s.id, pod_of_record(s)) for s in components.sandboxes.list())
-        containers.update((c.id, container_of_record(c)) for c in components.containers.list())
-        return list(pods.values()), list(containers.values())
+        # plugin that connects while they are being created.
+        told_pods, told_containers = nri.announced()
+        told_pods.update((s.id, pod_of_record(s)) for s in pods.list())
+        told_containers.update((c.id, container_of_record(c)) for c in containers.list())
+        return list(told_pods.values()), list(told_containers.values())
 
     async def nri_update(container_id: str, resources: dict[str, Any]) -> None:
-        assert components is not None
-        await components.containers.update_resources(container_id, resources)
+        await containers.update_resources(container_id, resources)
 
-    adaptation = (
-        Adaptation(
-            NriSettings(
-                socket_path=config.nri.socket_path,
-                registration_timeout=config.nri.plugin_registration_timeout,
-                request_timeout=config.nri.plugin_request_timeout,
-                runtime_version=__version__,
-                plugin_path=config.nri.plugin_path,
-                plugin_config_path=config.nri.plugin_config_path,
-            ),
-            nri_snapshot,
-            nri_update,
-        )
-        if config.nri.enable
-        else None
-    )
-    nri = NriHooks(journal, adaptation)
+    nri = NriHooks(journal, _adaptation(config, nri_snapshot, nri_update))
     containers = ContainerLifecycle(
         config,
-        container_rows,
+        storage.container_rows,
         pods,
         journal,
-        images,
+        storage.images,
         backends,
         events=events,
         pause=pause,
         nri=nri,
+        tracer=tracer,
     )
     sandboxes = SandboxLifecycle(
         config,
         pods,
         journal,
-        ledger,
+        storage.ledger,
         NamespacePinner(config.run_root),
-        CniNetwork(config.network.config_dir, config.network.bin_dirs, BUNDLED_CNI_DIR),
+        CniNetwork(
+            config.network.config_dir,
+            config.network.bin_dirs,
+            BUNDLED_CNI_DIR,
+            observe_call=observe_call,
+        ),
         events=events,
         containers=containers,
         handler_features=containers.features_of,
         pause=pause,
         nri=nri,
+        tracer=tracer,
     )
+    return nri, containers, sandboxes
 
-    def creations_in_flight() -> int:
-        return len(sandboxes.coordinator.stats()["in_flight"]) + len(
-            containers.coordinator.stats()["in_flight"]
-        )
 
-    streaming = StreamingOnDemand(
-        config.streaming.address,
-        config.streaming.tls_cert,
-        config.streaming.tls_key,
-        RuncStreamingBackend(
-            containers.streaming_endpoint,
-            pods.netns_of,
-            resolve_relay=lambda pod, port: forwarding.relay(pods.get_ready(pod), port),
-        ),
+def _adaptation(config: Config, snapshot: Snapshot, update: UpdateResources) -> Adaptation | None:
+    if not config.nri.enable:
+        return None
+    settings = NriSettings(
+        socket_path=config.nri.socket_path,
+        registration_timeout=config.nri.plugin_registration_timeout,
+        request_timeout=config.nri.plugin_request_timeout,
+        runtime_version=__version__,
+        plugin_path=config.nri.plugin_path,
+        plugin_config_path=config.nri.plugin_config_path,
     )
-    interval = config.metrics.event_loop_sample_interval
-    components = Components(
-        config=config,
-        db=db,
-        journal=journal,
-        ledger=ledger,
-        sandboxes=sandboxes,
-        containers=containers,
-        images=images,
-        puller=PullerOnDemand(images, config.images),
-        limiter=RequestLimiter(config.requests, creations_in_flight),
-        streaming=streaming,
-        # Counted only to be exported: without `[metrics] listen` nothing is counted.
-        metrics=Metrics() if config.metrics.listen else None,
-        nri=nri,
-        loop_monitor=LoopMonitor(interval) if interval else None,
-    )
-    return components
+    return Adaptation(settings, snapshot, update)
 
 
-def build_backends(config: Config) -> dict[str, RuntimeBackend]:
+def build_backends(
+    config: Config, observe_call: CallObserver | None = None
+) -> dict[str, RuntimeBackend]:
     backends = {}
     for name, handler in config.runtime.handlers.items():
         backends[name] = RuntimeBackend(
@@ -180,6 +260,17 @@ def build_backends(config: Config) -> dict[str, RuntimeBackend]:
             handler.root or config.run_root / "runtime" / name,
             config.runtime.conmon,
             config.run_root / "conmon" / name,
+            observe_call=observe_call,
             runtime_args=handler.runtime_args,
         )
     return backends
+
+
+def build_tracer(config: TracingConfig) -> Tracer:
+    """The OpenTelemetry tracer when an endpoint is set (its stack imported only then),
+    else the no-op one."""
+    if not config.endpoint:
+        return NO_TRACER
+    from cri_shim.tracing.otel import OtelTracer
+
+    return OtelTracer(config)

@@ -1,4 +1,4 @@
-"""The daemon: builds the services, restores state, then serves gRPC on the unix socket.
+"""The daemon: builds the graph, restores state, then serves gRPC on the unix socket.
 
 Order matters: the state is restored and reconciled with the host *before* the socket is
 bound, so that no request ever sees a half-restored view (a partial ListPodSandbox would
@@ -19,7 +19,7 @@ import time
 import grpc
 
 from cri_shim import logcontext
-from cri_shim.composition import build_components
+from cri_shim.composition import Graph, build_graph
 from cri_shim.config import Config
 from cri_shim.host.process import set_child_subreaper
 from cri_shim.lifecycle.events import ExitWatcher
@@ -27,10 +27,10 @@ from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
-from cri_shim.server.components import Components
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
 from cri_shim.server.unix_socket import bind_unix_socket
+from cri_shim.server.views import ObjectNames
 
 log = logging.getLogger("cri_shim.daemon")
 
@@ -40,13 +40,10 @@ SWITCH_INTERVAL = 0.0005
 STREAM_HEADROOM = 64
 
 
-def bind_exited_object(services: Components, object_id: str) -> None:
+def bind_exited_object(names: ObjectNames, object_id: str) -> None:
     """An exit file is named for a container, or for a pod's pause process."""
-    for kind, coordinator in (
-        ("container", services.containers.coordinator),
-        ("sandbox", services.sandboxes.coordinator),
-    ):
-        if (known := coordinator.identify(object_id)) is not None:
+    for kind in ("container", "sandbox"):
+        if (known := names.identify(kind, object_id)) is not None:
             logcontext.bind_object(kind, *known)
             return
 
@@ -63,31 +60,31 @@ def notify_systemd(message: str) -> None:
         sock.sendall(message.encode())
 
 
-async def restore(services: Components) -> None:
+async def restore(graph: Graph) -> None:
     started = time.monotonic()
-    await services.sandboxes.restore()
+    await graph.sandboxes.restore()
     await undo_orphan_journals(
-        services.journal,
-        services.sandboxes.rows.ids() | services.containers.rows.ids(),
-        services.config.creation.cleanup_timeout,
+        graph.journal,
+        graph.sandboxes.rows.ids() | graph.containers.rows.ids(),
+        graph.config.creation.cleanup_timeout,
     )
-    await services.containers.restore()
+    await graph.containers.restore()
     orphans = await reconcile_host(
-        services.sandboxes,
-        services.containers,
-        services.sandboxes.pinner,
-        services.config.root,
+        graph.sandboxes,
+        graph.containers,
+        graph.sandboxes.pinner,
+        graph.config.root,
     )
     if orphans:
         log.warning("reconciliation removed or corrected %d orphan(s)", orphans)
-    queued = await services.journal.collect_garbage()
+    queued = await graph.journal.collect_garbage()
     if queued:
         log.warning("%d cleanup step(s) still queued for garbage collection", queued)
     log.info(
         "state restored in %.3fs: %d sandboxes, %d containers",
         time.monotonic() - started,
-        len(services.sandboxes.list()),
-        len(services.containers.list()),
+        len(graph.sandboxes.list()),
+        len(graph.containers.list()),
     )
 
 
@@ -96,7 +93,7 @@ class Daemon:
         self.config = config
         self.runtime_service = RuntimeService()
         self.image_service = ImageService()
-        self.services: Components | None = None
+        self.graph: Graph | None = None
         self._server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
@@ -112,50 +109,51 @@ class Daemon:
             set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
         except OSError as exc:
             log.warning("%s", exc)
-        services = build_components(self.config)
-        await restore(services)
+        graph = build_graph(self.config)
+        await restore(graph)
         # What each runtime handler supports, probed once off the event loop (Status and
         # CreateContainer read it from then on).
         await asyncio.to_thread(
-            lambda: [
-                handler_features(b.runtime_path) for b in services.containers.backends.values()
-            ]
+            lambda: [handler_features(b.runtime_path) for b in graph.containers.backends.values()]
         )
-        if services.nri is not None and services.nri.adaptation is not None:
+        # The CNI configuration read now: a network that cannot be used (a broken file, a
+        # subnet the host routes elsewhere) is logged at start, not at the first Status.
+        graph.sandboxes.network_status()
+        if graph.nri.adaptation is not None:
             # After restore, so that a plugin is synchronized with the whole state.
-            await services.nri.adaptation.start()
+            await graph.nri.adaptation.start()
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
         # container's PID namespace keeps `runc delete` failing.
         self._background.add(asyncio.create_task(OrphanReaper().run(), name="orphan-reaper"))
         # The WAL is copied into the database off the loop (state/db.py), not by a commit.
-        checkpoints = services.db.checkpoint_periodically()
+        checkpoints = graph.db.checkpoint_periodically()
         self._background.add(asyncio.create_task(checkpoints, name="db-checkpoint"))
-        if services.loop_monitor is not None:
-            monitor = services.loop_monitor.run()
+        if graph.census.loop_monitor is not None:
+            monitor = graph.census.loop_monitor.run()
             self._background.add(asyncio.create_task(monitor, name="loop-monitor"))
-        # Container events (issue 10): exits noticed as conmon writes them, so a stopped
-        # event does not wait for someone to ask.
+        # Exits noticed as conmon writes them, so that GetContainerEvents streams a stopped
+        # event when it happens, not when someone next lists or asks for a status.
 
         def exited(name: str | None) -> None:
             with logcontext.scope():
                 if name is not None:
-                    bind_exited_object(services, name)
-                services.containers.notice_exit(name)
-                services.sandboxes.notice_exit(name)  # a pod's pause process
+                    bind_exited_object(graph.names, name)
+                graph.containers.notice_exit(name)
+                graph.sandboxes.notice_exit(name)  # a pod's pause process
 
         watcher = ExitWatcher(
-            [backend.exits_dir for backend in services.containers.backends.values()], exited
+            [backend.exits_dir for backend in graph.containers.backends.values()], exited
         )
         self._background.add(asyncio.create_task(watcher.run(), name="exit-watcher"))
         # An exit between restore and the watch being in place would go unnoticed.
         exited(None)
-        self.services = services
-        self.runtime_service.services = services
-        self.image_service.services = services
-        # Metrics (issue 7): collectors read the services at scrape time; the HTTP endpoint
+        self.graph = graph
+        self.runtime_service.services = graph.runtime_view
+        self.image_service.services = graph.image_view
+        # Metrics: the census is read at scrape time; the HTTP endpoint
         # runs only when [metrics] listen is set, and is closed in stop().
-        if services.metrics is not None:
-            self._metrics = MetricsExporter(services, services.metrics, self.config.metrics.listen)
+        if graph.metrics is not None:
+            self._metrics = MetricsExporter(graph.census, graph.metrics, self.config.metrics.listen)
             await self._metrics.start()
         await self._bind()
         # What start made lives as long as the daemon: kept out of the collector's full
@@ -181,7 +179,8 @@ class Daemon:
             + STREAM_HEADROOM,
         )
         add_to_server(server, self.runtime_service, self.image_service)
-        # Mode 0660, group socket_group, in a directory only root writes (issue 9).
+        # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
+        # the socket can run anything as root on the node.
         bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()
         self._server = server
@@ -194,8 +193,8 @@ class Daemon:
 
     async def stop(self) -> None:
         notify_systemd("STOPPING=1")
-        if self.services is not None:
-            self.services.sandboxes.events.close()
+        if self.graph is not None:
+            self.graph.sandboxes.events.close()
         if self._server is not None:
             await self._server.stop(grace=5)
             # gRPC removes the path it bound, which was renamed into place (unix_socket.py).
@@ -205,26 +204,32 @@ class Daemon:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self.services is not None:
-            if self.services.nri is not None:
-                await self.services.nri.close()
-                if self.services.nri.adaptation is not None:
-                    await self.services.nri.adaptation.stop()
-            await self.services.streaming.aclose()
-            await self.services.puller.aclose()
-            await self.services.sandboxes.coordinator.aclose()
-            await self.services.containers.coordinator.aclose()
-            self.services.db.close()
+        if self.graph is not None:
+            await self.graph.nri.close()
+            if self.graph.nri.adaptation is not None:
+                await self.graph.nri.adaptation.stop()
+            await self.graph.streaming.aclose()
+            await self.graph.puller.aclose()
+            await self.graph.sandboxes.coordinator.aclose()
+            await self.graph.containers.coordinator.aclose()
+            # What the spans queue still holds, exported within a bounded wait.
+            await asyncio.to_thread(self.graph.tracer.shutdown, TRACE_FLUSH_TIMEOUT)
+            self.graph.db.close()
         log.info("stopped")
 
 
+# How long a stopping daemon waits for its last spans to reach the collector.
+TRACE_FLUSH_TIMEOUT = 2.0
+
+
 def reload_network(daemon: Daemon) -> None:
-    """SIGHUP (`systemctl reload`, issue 7): re-read the CNI configuration in place."""
-    if daemon.services is None:
+    """SIGHUP (`systemctl reload`): re-read the CNI configuration in place, so that the
+    next pods use a network installed or changed since the start without a restart."""
+    if daemon.graph is None:
         log.info("SIGHUP while restoring: ignored, the configuration is read at start")
         return
     log.info("SIGHUP: re-reading the CNI configuration")
-    daemon.services.sandboxes.reload_network()
+    daemon.graph.sandboxes.reload_network()
 
 
 async def serve(config: Config) -> None:

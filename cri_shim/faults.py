@@ -4,6 +4,11 @@
 that point. Several points may be given, separated by commas. Restart tests use it to
 prove that a crash at any step leaves nothing behind. Unset in production: the check is
 one set lookup.
+
+This module is also the registry of every point: a point the code reaches must be declared
+here, and the crash tests kill the daemon at each declared point
+(tests/unit/test_faults.py holds both to it). Every undo step of the journal is a point,
+`undo:<action>`, reached when the journal runs that step.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ EXIT_CODE = 137
 
 _points = frozenset(p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip())
 
-# Every point the daemon has, so tests can iterate over all of them.
+# Every point the daemon has, by the call that reaches it, so tests can iterate over them.
 SANDBOX_CREATE = (
     "sandbox:row",
     "sandbox:files",
@@ -45,17 +50,37 @@ CONTAINER_START = ("container:started",)
 CONTAINER_REMOVE = ("container:teardown",)
 # Reached only with [nri] enable: after plugins heard of the object, before it is done.
 NRI_CREATE = ("sandbox:nri-run", "container:nri-created")
+UNDO = "undo:"
+# The journal's undo steps (an interrupted creation, a removal, an expiry run them).
 TEARDOWN = (
-    "undo:pause_delete",
+    "undo:nri_pod_stopped",
     "undo:cni_del",
     "undo:unpin",
+    "undo:pause_delete",
     "undo:unmount",
+    "undo:nri_pod_removed",
     "undo:remove_dir",
+    "undo:nri_container_stopped",
     "undo:runtime_delete",
     "undo:container_log",
     "undo:rootfs_unmount",
     "undo:container_dir",
+    "undo:nri_container_removed",
 )
+ALL = (
+    SANDBOX_CREATE
+    + POD_SANDBOX_CREATE
+    + CONTAINER_CREATE
+    + CONTAINER_START
+    + CONTAINER_REMOVE
+    + NRI_CREATE
+    + TEARDOWN
+)
+
+
+def undo_point(action: str) -> str:
+    """The point reached before the journal runs an `action` step."""
+    return UNDO + action
 
 
 def fault_point(name: str) -> None:

@@ -45,6 +45,17 @@ def bind_object(kind: str, object_id: str, name: str = "") -> None:
     _bound.set(fields)
 
 
+# The trace a line belongs to, when tracing is on: logs and traces join on these.
+TRACE_FIELDS = ("trace_id", "span_id")
+
+
+def bind_trace(trace_id: str, span_id: str) -> None:
+    """From now on, lines of the current task carry the span's `trace_id` and `span_id`."""
+    fields = dict(_bound.get())
+    fields.update(trace_id=trace_id, span_id=span_id)
+    _bound.set(fields)
+
+
 def bound_fields() -> Mapping[str, str]:
     return _bound.get()
 
@@ -96,4 +107,7 @@ class BoundObjectFilter(logging.Filter):
             elif own_id == bound.get(id_key) and name_key in bound:
                 if getattr(record, name_key, None) is None:
                     setattr(record, name_key, bound[name_key])
+        for key in TRACE_FIELDS:
+            if key in bound and getattr(record, key, None) is None:
+                setattr(record, key, bound[key])
         return True

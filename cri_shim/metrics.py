@@ -3,11 +3,13 @@
 Three sources, each counted once, where it happens:
 - RPCs: `Metrics.observe_rpc`, called by the gRPC edge for every request (count by status
   code, latency histogram by method).
-- External tools: `observe_call`, called by the CNI runner and the OCI runtime wrapper for
-  every plugin / runtime process (latency histogram, count by result).
-- Creation and objects: `ServicesCollector` reads the creation coordinators' `stats()` and
-  the visible sandboxes and containers *at scrape time*, so the coordinators stay the only
-  bookkeeping of `name is reserved` answers, claims, expiries and stalled creations.
+- External tools: `Metrics.observe_call`, handed by the composition root to the CNI runner
+  and the OCI runtime wrapper, for every plugin / runtime process (latency histogram,
+  count by result).
+- Creation and objects: `CensusCollector` reads the census (inspection/census.py: the
+  creation coordinators' `stats()`, the visible sandboxes and containers, the event
+  loop's lag) *at scrape time*, so the coordinators stay the only bookkeeping of `name is
+  reserved` answers, claims, expiries and stalled creations.
 
 The endpoint is a small asyncio HTTP server on the daemon's event loop rather than
 prometheus_client's thread: collection then runs on the loop that owns the coordinators
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-    from cri_shim.server.components import Components
+    from cri_shim.creation.statistics import CreationStats
+    from cri_shim.inspection.census import Census
 
 log = logging.getLogger("cri_shim.metrics")
 
@@ -104,108 +106,20 @@ class Metrics:
         self.host_call_latency.labels(tool, op).observe(seconds)
 
 
-# The Metrics that `observe_call` reports to. A process-wide sink rather than a reference
-# handed down, so that the CNI and runtime wrappers need one line each and no knowledge of
-# the daemon; calls made while none is installed (unit tests, `images import`) are dropped.
-_call_sink: Metrics | None = None
+class CensusCollector:
+    """Creation counters, stalled creations, objects by state and the event loop's lag,
+    read from the census at scrape time."""
 
-
-def set_call_sink(metrics: Metrics | None) -> None:
-    global _call_sink
-    _call_sink = metrics
-
-
-def observe_call(tool: str, op: str, seconds: float, ok: bool) -> None:
-    """Report one call of an external tool (a CNI plugin, the OCI runtime)."""
-    sink = _call_sink
-    if sink is not None:
-        sink.observe_call(tool, op, seconds, ok)
-
-
-class ServicesCollector:
-    """Creation counters, stalled creations and objects by state, read at scrape time."""
-
-    def __init__(self, services: Components) -> None:
-        self._services = services
+    def __init__(self, census: Census) -> None:
+        self._census = census
 
     def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
-
-        events = CounterMetricFamily(
-            "cri_shim_creation_events",
-            "Creation events by kind: reserved, created, timed_out, cached, claimed (a retry "
-            "took a cached object), handed_off (a waiting duplicate got the finished object), "
-            "name_reserved (a duplicate was told `name is reserved`), "
-            "expired, failed, released, ...",
-            labels=["kind", "event"],
-        )
-        entered = CounterMetricFamily(
-            "cri_shim_creation_stages_entered",
-            "Creation stages entered, by kind and stage",
-            labels=["kind", "stage"],
-        )
-        stage_seconds = CounterMetricFamily(
-            "cri_shim_creation_stage_seconds",
-            "Seconds spent in each creation stage by creations that left it; divided by "
-            "cri_shim_creation_stages_entered_total, the average duration of a stage",
-            labels=["kind", "stage"],
-        )
-        stalled = GaugeMetricFamily(
-            "cri_shim_creation_stalled",
-            "Creations in flight, by the stage they are at",
-            labels=["kind", "stage"],
-        )
-        stage_age = GaugeMetricFamily(
-            "cri_shim_creation_stage_age_max_seconds",
-            "The longest time an in-flight creation has been at its current stage",
-            labels=["kind", "stage"],
-        )
-        phases = GaugeMetricFamily(
-            "cri_shim_creation_objects",
-            "Objects held by the creation coordinator, by phase (in_flight and cached ones "
-            "are invisible to List and Status)",
-            labels=["kind", "phase"],
-        )
-        for kind, stats in self._services.creation_stats().items():
-            for event, count in sorted(stats["counters"].items()):
-                events.add_metric([kind, event], count)
-            for stage, count in sorted(stats["stages_entered"].items()):
-                entered.add_metric([kind, stage], count)
-            for stage, seconds in sorted(stats["stage_seconds"].items()):
-                stage_seconds.add_metric([kind, stage], seconds)
-            for stage, count in sorted(stats["stalled_by_stage"].items()):
-                stalled.add_metric([kind, stage], count)
-            oldest: dict[str, float] = {}
-            for info in stats["in_flight"]:
-                oldest[info["stage"]] = max(oldest.get(info["stage"], 0.0), info["stage_seconds"])
-            for stage, seconds in sorted(oldest.items()):
-                stage_age.add_metric([kind, stage], seconds)
-            phases.add_metric([kind, "in_flight"], len(stats["in_flight"]))
-            for phase in ("cached", "visible", "cleaning"):
-                phases.add_metric([kind, phase], stats[phase])
-        yield from (events, entered, stage_seconds, stalled, stage_age, phases)
-
-        sandboxes = GaugeMetricFamily(
-            "cri_shim_sandboxes", "Visible pod sandboxes by state", labels=["state"]
-        )
-        by_state = Tally(s.state for s in self._services.sandboxes.list())
-        for state in sorted(set(SANDBOX_STATES) | set(by_state)):
-            sandboxes.add_metric([state], by_state[state])
-        yield sandboxes
-        containers = GaugeMetricFamily(
-            "cri_shim_containers", "Visible containers by state", labels=["state"]
-        )
-        # list() picks up exits conmon recorded since the last look, so the states are now's.
-        by_state = Tally(c.state for c in self._services.containers.list())
-        for state in sorted(set(CONTAINER_STATES) | set(by_state)):
-            containers.add_metric([state], by_state[state])
-        yield containers
-        monitor = self._services.loop_monitor
+        yield from _creation_families(self._census.creation_stats())
+        yield from _object_families(self._census)
+        monitor = self._census.loop_monitor
         if monitor is not None:
+            from prometheus_client.core import HistogramMetricFamily
+
             lag = HistogramMetricFamily(
                 "cri_shim_event_loop_lag_seconds",
                 "How late the event loop ran a task that was due, sampled every "
@@ -213,6 +127,82 @@ class ServicesCollector:
             )
             lag.add_metric([], monitor.cumulative(), monitor.total_lag)
             yield lag
+
+
+def _creation_families(by_kind: dict[str, CreationStats]) -> list[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    events = CounterMetricFamily(
+        "cri_shim_creation_events",
+        "Creation events by kind: reserved, created, timed_out, cached, claimed (a retry "
+        "took a cached object), handed_off (a waiting duplicate got the finished object), "
+        "name_reserved (a duplicate was told `name is reserved`), "
+        "expired, failed, released, ...",
+        labels=["kind", "event"],
+    )
+    entered = CounterMetricFamily(
+        "cri_shim_creation_stages_entered",
+        "Creation stages entered, by kind and stage",
+        labels=["kind", "stage"],
+    )
+    stage_seconds = CounterMetricFamily(
+        "cri_shim_creation_stage_seconds",
+        "Seconds spent in each creation stage by creations that left it; divided by "
+        "cri_shim_creation_stages_entered_total, the average duration of a stage",
+        labels=["kind", "stage"],
+    )
+    stalled = GaugeMetricFamily(
+        "cri_shim_creation_stalled",
+        "Creations in flight, by the stage they are at",
+        labels=["kind", "stage"],
+    )
+    stage_age = GaugeMetricFamily(
+        "cri_shim_creation_stage_age_max_seconds",
+        "The longest time an in-flight creation has been at its current stage",
+        labels=["kind", "stage"],
+    )
+    phases = GaugeMetricFamily(
+        "cri_shim_creation_objects",
+        "Objects held by the creation coordinator, by phase (in_flight and cached ones "
+        "are invisible to List and Status)",
+        labels=["kind", "phase"],
+    )
+    for kind, stats in by_kind.items():
+        for event, count in sorted(stats["counters"].items()):
+            events.add_metric([kind, event], count)
+        for stage, count in sorted(stats["stages_entered"].items()):
+            entered.add_metric([kind, stage], count)
+        for stage, seconds in sorted(stats["stage_seconds"].items()):
+            stage_seconds.add_metric([kind, stage], seconds)
+        for stage, count in sorted(stats["stalled_by_stage"].items()):
+            stalled.add_metric([kind, stage], count)
+        oldest: dict[str, float] = {}
+        for info in stats["in_flight"]:
+            oldest[info["stage"]] = max(oldest.get(info["stage"], 0.0), info["stage_seconds"])
+        for stage, seconds in sorted(oldest.items()):
+            stage_age.add_metric([kind, stage], seconds)
+        phases.add_metric([kind, "in_flight"], len(stats["in_flight"]))
+        for phase in ("cached", "visible", "cleaning"):
+            phases.add_metric([kind, phase], stats[phase])
+    return [events, entered, stage_seconds, stalled, stage_age, phases]
+
+
+def _object_families(census: Census) -> list[Metric]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    sandboxes = GaugeMetricFamily(
+        "cri_shim_sandboxes", "Visible pod sandboxes by state", labels=["state"]
+    )
+    by_state = census.sandboxes_by_state()
+    for state in sorted(set(SANDBOX_STATES) | set(by_state)):
+        sandboxes.add_metric([state], by_state[state])
+    containers = GaugeMetricFamily(
+        "cri_shim_containers", "Visible containers by state", labels=["state"]
+    )
+    by_state = census.containers_by_state()
+    for state in sorted(set(CONTAINER_STATES) | set(by_state)):
+        containers.add_metric([state], by_state[state])
+    return [sandboxes, containers]
 
 
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:]*)):(?P<port>\d+)$")
@@ -334,22 +324,20 @@ def _response(status: str, headers: dict[str, str], body: bytes) -> bytes:
 
 
 class MetricsExporter:
-    """The daemon's metrics wiring: collector, call sink and endpoint; closed with the daemon."""
+    """The daemon's metrics wiring: the census collector and the endpoint; closed with the
+    daemon."""
 
-    def __init__(self, services: Components, metrics: Metrics, listen: str) -> None:
+    def __init__(self, census: Census, metrics: Metrics, listen: str) -> None:
         self._metrics = metrics
-        self._collector = ServicesCollector(services)
+        self._collector = CensusCollector(census)
         self.endpoint = MetricsEndpoint(metrics.registry, listen) if listen else None
 
     async def start(self) -> None:
         self._metrics.registry.register(self._collector)
-        set_call_sink(self._metrics)
         if self.endpoint is not None:
             await self.endpoint.start()
 
     async def aclose(self) -> None:
         if self.endpoint is not None:
             await self.endpoint.aclose()
-        if _call_sink is self._metrics:
-            set_call_sink(None)
         self._metrics.registry.unregister(self._collector)

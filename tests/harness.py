@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -367,6 +368,57 @@ class Daemon:
         if sandboxes.exists() and (dirs := sorted(p.name for p in sandboxes.iterdir())):
             found["sandbox_dirs"] = dirs
         return found
+
+
+OBJECT_ID = re.compile(r"\b[0-9a-f]{64}\b")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def runtime_leaks(daemon: Daemon) -> dict[str, list[str]]:
+    """What the runtime side of a daemon with no objects must not hold any more, beyond
+    `Daemon.leaks`: container directories, each handler's runtime state, conmon's files,
+    processes given the daemon's roots in their arguments (conmon, runc), and the
+    cgroups of the pods and containers it made (every ID its log names: the cgroup tree
+    is the host's, shared with other runtimes)."""
+    found: dict[str, list[str]] = {}
+    containers = daemon.root / "containers"
+    if containers.exists() and (dirs := sorted(p.name for p in containers.iterdir())):
+        found["container_dirs"] = dirs
+    # runc's (crun's) state: a directory per container, under each handler's root.
+    runtimes = daemon.run_root / "runtime"
+    if runtimes.exists() and (
+        state := sorted(str(p.relative_to(runtimes)) for p in runtimes.glob("*/*"))
+    ):
+        found["runtime_state"] = state
+    # conmon's pid, exit and attach files, under each handler's directory.
+    monitors = daemon.run_root / "conmon"
+    if monitors.exists() and (
+        files := sorted(str(p.relative_to(monitors)) for p in monitors.rglob("*") if not p.is_dir())
+    ):
+        found["conmon_files"] = files
+    roots = (str(daemon.root), str(daemon.run_root))
+    processes = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone while looking
+        if any(root in arg.decode(errors="replace") for arg in argv for root in roots):
+            processes.append(f"{proc.name}: {b' '.join(argv).decode(errors='replace')[:200]}")
+    if processes:
+        found["processes"] = processes
+    ids = set(OBJECT_ID.findall(daemon.log_path.read_text(errors="replace")))
+    cgroups = [
+        os.path.join(directory, name)
+        for directory, subdirs, _ in os.walk(CGROUP_ROOT)
+        for name in subdirs
+        if name.removeprefix("cri-shim-") in ids
+    ]
+    if cgroups:
+        found["cgroups"] = sorted(set(cgroups))
+    return found
 
 
 def pod_config(

@@ -1,7 +1,9 @@
 """An NRI plugin for the tests: connects to the runtime's NRI socket, registers, records
 every call it gets in order, and answers as the test tells it (adjustments, a failure, a
-delay). It speaks the protocol over the real socket, through the same codecs as the
-runtime but in the plugin's roles (it serves the Plugin service and calls the Runtime one).
+delay, a hold until the test lets it go). It takes a Synchronize split over several
+messages as upstream NRI's stub does. It speaks the protocol over the real socket, through
+the same codecs as the runtime but in the plugin's roles (it serves the Plugin service and
+calls the Runtime one).
 """
 
 from __future__ import annotations
@@ -64,14 +66,35 @@ class RecordingPlugin:
     events: list[int] = field(default_factory=list)  # empty: every event
     responders: dict[str, Responder] = field(default_factory=dict)
     delays: dict[str, float] = field(default_factory=dict)
+    # A method held until the test sets its event (from any thread).
+    holds: dict[str, threading.Event] = field(default_factory=dict)
     calls: list[tuple[str, Message]] = field(default_factory=list)
     connection: MuxedConnection | None = None
     loop: asyncio.AbstractEventLoop | None = None
     _reading: asyncio.Task[None] | None = None
+    _writer: asyncio.StreamWriter | None = None
 
     @property
     def methods(self) -> list[str]:
         return [method for method, _ in self.calls]
+
+    def told(self, kind: str = "container") -> list[str]:
+        """The IDs of the containers (or pods) it heard of, from every Synchronize message
+        and every CreateContainer (RunPodSandbox), in order: one told twice is here twice."""
+        created = "CreateContainer" if kind == "container" else "RunPodSandbox"
+        seen: list[str] = []
+        for method, request in self.calls:
+            if isinstance(request, api_pb2.SynchronizeRequest):
+                listed = request.containers if kind == "container" else request.pods
+                seen += [described.id for described in listed]
+            elif method == created:
+                seen.append(getattr(request, kind).id)
+        return seen
+
+    def stop_reading(self) -> None:
+        """Read nothing more from the runtime (a plugin that is wedged), from its loop."""
+        assert self._writer is not None
+        self._writer.transport.pause_reading()
 
     def _handler(self, method: str) -> Handler:
         request_type, response_type = METHODS[method]
@@ -81,8 +104,12 @@ class RecordingPlugin:
             self.calls.append((method, request))
             if method in self.delays:
                 await asyncio.sleep(self.delays[method])
+            if method in self.holds:
+                await asyncio.to_thread(self.holds[method].wait, 120)
             if method in self.responders:
                 return self.responders[method](request).SerializeToString()
+            if isinstance(request, api_pb2.SynchronizeRequest) and request.more:
+                return api_pb2.SynchronizeResponse(more=True).SerializeToString()
             if method == "Configure":
                 mask = 0
                 for event in self.events:
@@ -106,6 +133,7 @@ class RecordingPlugin:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, register: bool
     ) -> None:
         self.loop = asyncio.get_running_loop()
+        self._writer = writer
         self.connection = MuxedConnection(
             reader,
             writer,

@@ -18,6 +18,7 @@ from cri_shim.config.model import (
     RuntimeConfig,
     RuntimeHandler,
     StreamingSection,
+    TracingConfig,
     redact_userinfo,
 )
 from cri_shim.config.reference import (
@@ -47,6 +48,7 @@ __all__ = [
     "RuntimeConfig",
     "RuntimeHandler",
     "StreamingSection",
+    "TracingConfig",
     "apply_overrides",
     "config_from_dict",
     "config_keys",

@@ -118,6 +118,11 @@ class RequestsConfig:
     max_queued: int = 256
     # Calls answered from memory and the database (list, status, stats, version).
     max_reads_in_flight: int = 1024
+    # Streaming lists (StreamContainers, ...) open at once: apart from the reads, as a
+    # client that does not read holds its stream open.
+    max_streams_in_flight: int = 64
+    # How long one message of such a stream may wait for the client to read.
+    stream_write_timeout: float = 30.0
 
 
 @dataclass
@@ -157,6 +162,18 @@ class NriConfig:
 
 
 @dataclass
+class TracingConfig:
+    # Off while empty: nothing of OpenTelemetry is imported.
+    endpoint: str = ""
+    sampling_ratio: float = 1.0
+    service_name: str = "cri-shim"
+    # Spans waiting for export; beyond it the oldest are dropped (a dead collector costs
+    # this much memory at most).
+    max_queued_spans: int = 2048
+    export_timeout: float = 5.0
+
+
+@dataclass
 class Config:
     listen: str = "unix:///run/cri-shim/cri-shim.sock"
     root: Path = Path("/var/lib/cri-shim")
@@ -177,6 +194,7 @@ class Config:
     requests: RequestsConfig = field(default_factory=RequestsConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
     nri: NriConfig = field(default_factory=NriConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     @property
     def socket_path(self) -> Path:
@@ -199,6 +217,7 @@ DURATION_KEYS = {
     ("images", "download_rate_window"),
     ("nri", "plugin_registration_timeout"),
     ("nri", "plugin_request_timeout"),
+    ("requests", "stream_write_timeout"),
 }
 SIZE_KEYS = {
     ("", "max_message_bytes"),

@@ -56,7 +56,8 @@ KEY_DOCS: dict[str, str] = {
     "run_root": "runtime files: namespace pins, conmon sockets, runtime state",
     "log_level": "`debug`, `info`, `warning` or `error` (the `--log-level` flag wins)",
     "log_format": "`logfmt` (key=value), `json` (one object per line) or `text` (for humans)",
-    "cgroup_manager": "`cgroupfs` or `systemd`; must match kubelet's `--cgroup-driver`",
+    "cgroup_manager": "`cgroupfs`, the only driver supported (`systemd` is refused at "
+    "start); run kubelet with `--cgroup-driver=cgroupfs`",
     "max_message_bytes": "largest gRPC request accepted; a bigger one is refused with "
     "RESOURCE_EXHAUSTED before any handler reads it",
     "socket_group": "group (name or number) that owns the 0660 socket and so may connect; "
@@ -115,6 +116,13 @@ KEY_DOCS: dict[str, str] = {
     "with RESOURCE_EXHAUSTED",
     "requests.max_reads_in_flight": "calls answered from the state (list, status, stats, "
     "version) running at once; more are refused with RESOURCE_EXHAUSTED",
+    "requests.max_streams_in_flight": "streaming lists (`StreamPodSandboxes`, "
+    "`StreamContainers`, `StreamContainerStats`, ...) open at once, counted apart from the "
+    "reads so that streams a client leaves unread never hold up Version, Status or a list; "
+    "more are refused with RESOURCE_EXHAUSTED",
+    "requests.stream_write_timeout": "how long one message of a streaming list may wait for "
+    "the client to read it; a stream whose client reads nothing for this long ends with "
+    "DEADLINE_EXCEEDED naming this key",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
     "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled, shown "
     "in Status (verbose) as `eventLoop` and exported as `cri_shim_event_loop_lag_seconds`; a "
@@ -132,15 +140,28 @@ KEY_DOCS: dict[str, str] = {
     "nri.socket_path": "unix socket NRI plugins connect to (made 0600)",
     "nri.plugin_registration_timeout": "time a connecting plugin has to register; a plugin "
     "that does not is disconnected",
-    "nri.plugin_request_timeout": "time a plugin has to answer each call (configuration, "
-    "synchronization, every event); a plugin that does not is disconnected and the event "
-    "goes on without it, so it costs a creation at most this once",
+    "nri.plugin_request_timeout": "time a plugin has to read and answer each call "
+    "(configuration, synchronization in all its messages, every event); a plugin that does "
+    "not is disconnected and the event goes on without it, so it costs a creation at most "
+    "this once",
     "nri.plugin_path": "directory of pre-installed plugins: every executable named `NN-name` "
     "(two-digit index, dash, name) is started by the daemon when NRI is enabled, connected "
     "over an inherited socket (its fd in `NRI_PLUGIN_SOCKET`), and stopped with the daemon; "
     "one that exits is logged, not restarted",
     "nri.plugin_config_path": "directory of pre-installed plugins' configuration: "
-    "`NN-name.conf`, else `name.conf`, is sent to the plugin when it is configured",
+    "`NN-name.conf`, else `name.conf` (a regular file of at most 1 MiB of UTF-8; any other "
+    "is logged and that plugin not started), is sent to the plugin when it is configured",
+    "tracing.endpoint": "OTLP/HTTP base URL of an OpenTelemetry collector (Jaeger, Tempo, the "
+    "OpenTelemetry Collector), e.g. `http://127.0.0.1:4318`; spans are POSTed as protobuf to "
+    '`<endpoint>/v1/traces`; `""` is off (nothing of OpenTelemetry is loaded)',
+    "tracing.sampling_ratio": "share of new traces recorded (0 to 1); a call whose "
+    "`traceparent` says sampled or not is followed, and a creation is recorded with the "
+    "request that started it",
+    "tracing.service_name": "`service.name` of the exported spans",
+    "tracing.max_queued_spans": "spans waiting for export; beyond it the oldest are dropped, "
+    "so an unreachable collector costs at most this much memory",
+    "tracing.export_timeout": "how long one export to the collector may take before it fails "
+    "(counted in Status verbose as `tracing.failed`)",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

@@ -26,12 +26,15 @@ from cri_shim.config.model import (
     RuntimeConfig,
     RuntimeHandler,
     StreamingSection,
+    TracingConfig,
 )
 from cri_shim.config.units import parse_duration, parse_size
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("logfmt", "json", "text")
-_CGROUP_MANAGERS = ("cgroupfs", "systemd")
+# Only cgroupfs: the systemd driver (pods in .slice units, runc --systemd-cgroup) is not
+# implemented, and accepting it would report to kubelet a driver its pods cannot run with.
+_CGROUP_MANAGERS = ("cgroupfs",)
 
 
 def _expect(value: object, kind: type | tuple[type, ...], key: str, what: str) -> Any:
@@ -182,9 +185,17 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
     keys = {f.name for f in dataclasses.fields(RequestsConfig)}
     _unknown(table, keys, "requests.")
     requests = RequestsConfig()
-    for key in sorted(keys):
+    for key in sorted(keys - {"stream_write_timeout"}):
         if key in table:
             setattr(requests, key, _positive_int(table[key], f"requests.{key}"))
+    if "stream_write_timeout" in table:
+        timeout = parse_duration(table["stream_write_timeout"], "requests.stream_write_timeout")
+        if timeout <= 0:
+            raise ConfigError(
+                f"requests.stream_write_timeout: must be more than 0, got "
+                f"{table['stream_write_timeout']!r}"
+            )
+        requests.stream_write_timeout = timeout
     return requests
 
 
@@ -282,6 +293,61 @@ def _load_nri(table: dict[str, Any]) -> NriConfig:
     return nri
 
 
+def _load_tracing(table: dict[str, Any]) -> TracingConfig:
+    _unknown(
+        table,
+        {"endpoint", "sampling_ratio", "service_name", "max_queued_spans", "export_timeout"},
+        "tracing.",
+    )
+    tracing = TracingConfig()
+    if "endpoint" in table:
+        endpoint = _expect(table["endpoint"], str, "tracing.endpoint", "an http(s):// URL")
+        if endpoint and not re.match(r"^https?://[^/\s]+(/\S*)?$", endpoint):
+            raise ConfigError(
+                "tracing.endpoint: expected the OTLP/HTTP base URL of a collector, such as "
+                f"http://127.0.0.1:4318, got {endpoint!r}"
+            )
+        tracing.endpoint = endpoint
+    if "sampling_ratio" in table:
+        ratio = _expect(table["sampling_ratio"], (int, float), "tracing.sampling_ratio", "0 to 1")
+        if not 0 <= ratio <= 1:
+            raise ConfigError(f"tracing.sampling_ratio: expected 0 to 1, got {ratio!r}")
+        tracing.sampling_ratio = float(ratio)
+    if "service_name" in table:
+        name = _expect(table["service_name"], str, "tracing.service_name", "a name")
+        if not name:
+            raise ConfigError("tracing.service_name: expected a name, got an empty string")
+        tracing.service_name = name
+    if "max_queued_spans" in table:
+        tracing.max_queued_spans = _positive_int(
+            table["max_queued_spans"], "tracing.max_queued_spans"
+        )
+    if "export_timeout" in table:
+        tracing.export_timeout = parse_duration(table["export_timeout"], "tracing.export_timeout")
+        if tracing.export_timeout <= 0:
+            raise ConfigError("tracing.export_timeout: expected a duration above zero")
+    if tracing.endpoint:
+        _check_tracing_installed()
+    return tracing
+
+
+def _check_tracing_installed() -> None:
+    """The exporter is imported when the daemon starts tracing; a missing package must
+    stop the start here, with the fix, not later."""
+    import importlib.util
+
+    for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(
+                f"tracing.endpoint: tracing needs {module}, which is not installed "
+                "(pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http)"
+            )
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     # The known keys are the fields: a section added to Config cannot be forgotten here.
     _unknown(data, {f.name for f in dataclasses.fields(Config)}, "")
@@ -299,6 +365,11 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if "log_format" in data:
         cfg.log_format = _check_choice(data["log_format"], _LOG_FORMATS, "log_format")
     if "cgroup_manager" in data:
+        if isinstance(data["cgroup_manager"], str) and data["cgroup_manager"].lower() == "systemd":
+            raise ConfigError(
+                'cgroup_manager: the systemd cgroup driver is not supported; use "cgroupfs" '
+                "(the default) and run kubelet with --cgroup-driver=cgroupfs"
+            )
         cfg.cgroup_manager = _check_choice(
             data["cgroup_manager"], _CGROUP_MANAGERS, "cgroup_manager"
         )
@@ -321,6 +392,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "requests": _load_requests,
         "cdi": _load_cdi,
         "nri": _load_nri,
+        "tracing": _load_tracing,
     }
     for name, loader in sections.items():
         if name in data:

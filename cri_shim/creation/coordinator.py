@@ -37,7 +37,7 @@ from typing import NoReturn, Protocol
 import anyio
 import anyio.abc
 
-from cri_shim import logcontext
+from cri_shim import logcontext, tracing
 from cri_shim.creation.registrar import NameRegistrar
 from cri_shim.creation.statistics import (
     CreationObserver,
@@ -151,6 +151,8 @@ class _Entry:
     abandoned: bool = False
     creator_scope: anyio.CancelScope | None = None  # while the creator runs
     claimed: anyio.Event | None = None  # while the object waits in the cache
+    # The creation's trace (its root span open until the object is visible or released).
+    trace: tracing.CreationTrace = tracing.NO_CREATION_TRACE
 
     def note_deadline(self, when: float) -> None:
         if self.latest_deadline is None or when > self.latest_deadline:
@@ -171,7 +173,8 @@ class CreationCoordinator:
 
     `hooks` persists and undoes (the domain layer implements CreationHooks); `observer` is
     told of every event and stage change, and its figures are what stats() reports
-    (CreationStatistics unless another is given).
+    (CreationStatistics unless another is given); `tracer` gives each creation a trace of
+    its own, which the requests that ask for it link to.
     """
 
     def __init__(
@@ -186,6 +189,7 @@ class CreationCoordinator:
         clock: Callable[[], float] | None = None,
         new_id: Callable[[], str] | None = None,
         observer: CreationObserver | None = None,
+        tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:
         self._kind = kind
         self._hooks = hooks
@@ -197,6 +201,7 @@ class CreationCoordinator:
         self._new_id = new_id if new_id is not None else _random_id
         self._registrar = NameRegistrar()
         self._observer = observer if observer is not None else CreationStatistics()
+        self._tracer = tracer
         self._entries: dict[str, _Entry] = {}
         # The task group of the names' coroutines, and the task that holds it open.
         self._group: anyio.abc.TaskGroup | None = None
@@ -256,6 +261,7 @@ class CreationCoordinator:
             requester_waiting=True,
         )
         self._entries[name] = entry
+        entry.trace = self._tracer.creation(self._kind, name, object_id)
         logcontext.bind_object(self._kind, object_id, name)
         self._count("reserved", entry, "reserved, creation started")
         self._start(entry, run)
@@ -390,6 +396,12 @@ class CreationCoordinator:
         and for one the domain retired (its life ends with the cleanup).
         Daemon shutdown cancels this coroutine wherever it is, without cleanup (`aclose`).
         """
+        try:
+            await self._live(entry, run)
+        finally:
+            entry.trace.end(str(entry.phase) if entry.phase is not Phase.CLEANING else "released")
+
+    async def _live(self, entry: _Entry, run: Creator | None) -> None:
         if run is not None:
             error = await self._run(entry, run)
             if error is None:
@@ -444,6 +456,7 @@ class CreationCoordinator:
             elif self._hand_off and entry.watchers > 0:
                 self._hooks.publish(entry.object_id)
                 entry.phase = Phase.VISIBLE
+                entry.trace.settled(handed_to=entry.watchers)
                 log.info(
                     "%s %r (%s): finished after its request gave up, while %d duplicate "
                     "request(s) waited; handed to them, now visible",
@@ -579,6 +592,7 @@ class CreationCoordinator:
         entry.stage = stage
         entry.stage_since = now
         self._observer.stage_entered(stage)
+        entry.trace.stage(stage)
         log.info("%s %r (%s): stage %s", self._kind, entry.name, entry.object_id, stage)
 
     def _abandoned_error(self, entry: _Entry) -> DeadlineExceeded:
@@ -781,6 +795,8 @@ class CreationCoordinator:
         creator and cleanup.
         """
         context = logcontext.context_for(self._kind, entry.object_id, entry.name)
+        if run is not None:
+            context.run(entry.trace.enter)  # the creation's work belongs to its trace
         if self._group is not None:
             self._start_in(self._group, entry, run, context)
             return
@@ -827,6 +843,7 @@ class CreationCoordinator:
 
     def _count(self, counter: str, entry: _Entry, message: str, level: int = logging.INFO) -> None:
         self._observer.counted(counter)
+        entry.trace.counted(counter, entry.stage)
         log.log(level, "%s %r (%s): %s", self._kind, entry.name, entry.object_id, message)
 
 

@@ -42,6 +42,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from cri_shim import __version__ as _version
+from cri_shim import tracing
 from cri_shim.config import ImagesConfig, format_duration, format_size
 from cri_shim.errors import CriError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from cri_shim.images.auth import ANONYMOUS, Credentials
@@ -565,7 +566,11 @@ class ImagePuller:
             registry, asyncio.Semaphore(self.limits.per_registry)
         )
         async with per_registry, self._slots, self._budget(what):
-            await self._fetch_from_endpoints(resolved, layer, what)
+            with tracing.span(
+                "layer download",
+                **{"oci.layer.digest": layer.digest, "oci.layer.size": layer.size},
+            ):
+                await self._fetch_from_endpoints(resolved, layer, what)
         if not self._wanted.get(layer.digest):
             # Every pull that wanted it failed meanwhile: nobody will unpack it.
             self._discard(layer.digest)

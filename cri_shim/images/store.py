@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.errors import Internal, InvalidArgument
 from cri_shim.images.catalog import (
     ImageCatalog,
@@ -155,7 +156,8 @@ class ImageStore:
             for _round in range(5):
                 for chain, diff_id, blob in zip(chains, diff_ids, layers, strict=True):
                     if chain not in pending and not self.has_layer(chain):
-                        unpacked = self.layers.unpack_to_temp(blob, chain, diff_id)
+                        with tracing.span("layer unpack", **{"oci.layer.diff_id": diff_id}):
+                            unpacked = self.layers.unpack_to_temp(blob, chain, diff_id)
                         if unpacked is not None:
                             pending[chain] = unpacked
                 with self._locked():

@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from cri_shim import tracing
+from cri_shim.config.model import CreationConfig
 from cri_shim.creation.coordinator import CreationCoordinator, Phase
 from cri_shim.logcontext import object_bound
 from cri_shim.state.journal import Journal, UndoFailed
@@ -73,6 +75,37 @@ class PersistedCreationHooks:
 
     def released(self, name: str, object_id: str) -> None:
         self._rows.release_name(name, object_id)
+
+
+def persisted_coordinator(
+    kind: str,
+    rows: ObjectRepository[Any],
+    journal: Journal,
+    settings: CreationConfig,
+    *,
+    published: Callable[[str], None],
+    before_undo: Callable[[str], Awaitable[None]] = _nothing_first,
+    after_forget: Callable[[str], Awaitable[None]] = _nothing_first,
+    tracer: tracing.Tracer = tracing.NO_TRACER,
+) -> CreationCoordinator:
+    """The coordinator of one kind of object, persisting through its rows and journal."""
+    hooks = PersistedCreationHooks(
+        rows,
+        journal,
+        settings.cleanup_timeout,
+        published=published,
+        before_undo=before_undo,
+        after_forget=after_forget,
+    )
+    return CreationCoordinator(
+        kind,
+        hooks,
+        claim_grace=settings.claim_grace,
+        keep_on_timeout=settings.keep_on_timeout,
+        hand_off=settings.hand_off,
+        cleanup_timeout=settings.cleanup_timeout,
+        tracer=tracer,
+    )
 
 
 async def restore_creations(

@@ -5,23 +5,32 @@ resizes it itself before this call); each container's own limits reach the runti
 through UpdateContainerResources. What this call adds is the pod's total and its
 overhead, for the runtime to know. They are checked (a value the runtime could never
 apply is refused), then recorded with the sandbox as `resources.json`, reported by
-PodSandboxStatus verbose, and removed with the sandbox directory.
+PodSandboxStatus verbose, and removed with the sandbox directory. With NRI, plugins are
+asked first (UpdatePodSandbox, which they may refuse) and told once the resize is recorded
+(PostUpdatePodSandbox), as containerd does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition
+from cri_shim.nri.adjust import nri_resources_of
+from cri_shim.nri.objects import pod_of_record
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.state.records import SandboxRecord
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 RESOURCES_FILE = "resources.json"
 
@@ -53,3 +62,40 @@ def recorded_pod_resources(sandbox_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return value
+
+
+class PodResources:
+    """UpdatePodSandboxResources, and what it recorded: `sandbox_of` finds the visible pod
+    by ID or prefix."""
+
+    def __init__(
+        self, sandbox_of: Callable[[str], SandboxRecord], nri: NriHooks | None = None
+    ) -> None:
+        self._sandbox_of = sandbox_of
+        self._nri = nri
+
+    async def update(
+        self,
+        sandbox_ref: str,
+        overhead: api_pb2.LinuxContainerResources | None,
+        resources: api_pb2.LinuxContainerResources | None,
+    ) -> None:
+        sandbox = self._sandbox_of(sandbox_ref)
+        nri = self._nri if self._nri is not None and self._nri.enabled else None
+        if nri is None:
+            await asyncio.to_thread(record_pod_resources, sandbox, overhead, resources)
+            return
+        if not sandbox.ready:  # refused before plugins hear of it
+            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+        pod = pod_of_record(sandbox)
+        await nri.update_pod(
+            pod,
+            nri_resources_of(overhead) if overhead is not None else None,
+            nri_resources_of(resources) if resources is not None else None,
+        )
+        await asyncio.to_thread(record_pod_resources, sandbox, overhead, resources)
+        await nri.pod_updated(pod)
+
+    def recorded(self, sandbox: SandboxRecord) -> dict[str, Any] | None:
+        """What the last resize recorded (PodSandboxStatus verbose); None before any."""
+        return recorded_pod_resources(sandbox.sandbox_dir)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from cri_shim.host import mounts
@@ -21,6 +22,7 @@ from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.sandboxes import SandboxLifecycle
 from cri_shim.logcontext import object_bound, object_fields
 from cri_shim.network.netns import NamespacePinner
+from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.state.containers import CREATED, RUNNING
 from cri_shim.state.journal import Journal, UndoFailed
 
@@ -44,20 +46,45 @@ async def reconcile_host(
     pinner: NamespacePinner,
     root: Path,
 ) -> int:
-    """Remove orphans; returns how many were found."""
+    """Remove orphans, then check the records against the host; returns how many
+    orphans and stale records were found."""
+    sandbox_ids, container_ids = sandboxes.rows.ids(), containers.rows.ids()
+    found = await _remove_orphan_pins(pinner, sandboxes.rows.pinned_paths())
+    found += await _remove_orphan_directories(
+        (
+            ("sandboxes", sandbox_ids, root / "sandboxes"),
+            ("containers", container_ids, root / "containers"),
+        )
+    )
+    # A pod sharing its PID namespace has a runc container of its own (its pause process).
+    # What runc says of each container, by handler, from one listing: the orphans among
+    # them, and what the rows are checked against next.
+    listed: dict[str, dict[str, str]] = {}
+    for backend in containers.backends.values():
+        listed[backend.handler_name] = await backend.states()
+        found += await _delete_orphan_containers(
+            backend, listed[backend.handler_name], container_ids | sandbox_ids
+        )
+    found += _check_containers(containers, listed)
+    found += _check_sandboxes(sandboxes)
+    return found
+
+
+async def _remove_orphan_pins(pinner: NamespacePinner, known: set[str]) -> int:
     found = 0
-    known_pins = sandboxes.rows.pinned_paths()
     for pin in pinner.pinned():
-        if str(pin) not in known_pins:
+        if str(pin) not in known:
             log.warning("orphan namespace pin %s: removing it", pin)
             await pinner.unpin(pin)
             found += 1
+    return found
 
-    sandbox_ids, container_ids = sandboxes.rows.ids(), containers.rows.ids()
-    for kind, known, directory in (
-        ("sandboxes", sandbox_ids, root / "sandboxes"),
-        ("containers", container_ids, root / "containers"),
-    ):
+
+async def _remove_orphan_directories(
+    directories: Iterable[tuple[str, set[str], Path]],
+) -> int:
+    found = 0
+    for kind, known, directory in directories:
         if not directory.is_dir():
             continue
         for entry in directory.iterdir():
@@ -66,22 +93,24 @@ async def reconcile_host(
                 await asyncio.to_thread(mounts.unmount_below, entry)
                 await asyncio.to_thread(shutil.rmtree, entry, True)
                 found += 1
+    return found
 
-    # A pod sharing its PID namespace has a runc container of its own (its pause process).
-    known_containers = container_ids | sandbox_ids
-    # What runc says of each container, by handler, from one listing: the orphans among
-    # them, and what the rows are checked against below.
-    listed: dict[str, dict[str, str]] = {}
-    for backend in containers.backends.values():
-        listed[backend.handler_name] = await backend.states()
-        for container_id in listed[backend.handler_name]:
-            if container_id not in known_containers:
-                log.warning(
-                    "orphan %s container %s: deleting it", backend.handler_name, container_id
-                )
-                await backend.delete(container_id)
-                found += 1
 
+async def _delete_orphan_containers(
+    backend: RuntimeBackend, states: dict[str, str], known: set[str]
+) -> int:
+    found = 0
+    for container_id in states:
+        if container_id not in known:
+            log.warning("orphan %s container %s: deleting it", backend.handler_name, container_id)
+            await backend.delete(container_id)
+            found += 1
+    return found
+
+
+def _check_containers(containers: ContainerLifecycle, listed: dict[str, dict[str, str]]) -> int:
+    """Rows that say less than runc knows: started before a crash, or gone unrecorded."""
+    found = 0
     for container in containers.list():
         backend = containers.backend_of(container)
         state = listed.get(backend.handler_name, {}).get(container.id)
@@ -106,7 +135,12 @@ async def reconcile_host(
             with object_bound("container", container.id, container.name):
                 containers.mark_lost(container)
             found += 1
+    return found
 
+
+def _check_sandboxes(sandboxes: SandboxLifecycle) -> int:
+    """Ready pods whose network namespace is gone (a reboot clears /run)."""
+    found = 0
     ready = [s for s in sandboxes.list() if s.ready and s.netns_path is not None]
     pinned = mounts.mounted(s.netns_path for s in ready if s.netns_path is not None)
     for sandbox in ready:

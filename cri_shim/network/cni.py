@@ -15,10 +15,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.errors import (
     CriError,
     DeadlineExceeded,
@@ -27,7 +29,7 @@ from cri_shim.errors import (
     Unavailable,
 )
 from cri_shim.host import spawn
-from cri_shim.metrics import observe_call
+from cri_shim.host.routes import Route, host_routes
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,10 @@ CONFIG_SUFFIXES = (".conflist", ".conf", ".json")
 IFNAME = "eth0"
 # The reason string kubelet itself uses for this condition.
 NOT_READY_REASON = "NetworkPluginNotReady"
+# The network's subnet is routed through another interface (subnet_conflict).
+SUBNET_IN_USE_REASON = "NetworkSubnetInUse"
+# The bridge plugin's bridge when its config names none.
+DEFAULT_BRIDGE = "cni0"
 # Plugin stderr can be a whole Go panic; a message a person reads needs its start only.
 _STDERR_LIMIT = 2000
 
@@ -268,6 +274,58 @@ def result_ips(result: dict[str, Any]) -> list[str]:
     return v4 + v6
 
 
+def bridge_subnets(
+    conf: NetworkConfigList,
+) -> list[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Network]]:
+    """(bridge, subnet) for every subnet the IPAM of a `bridge` plugin hands out from
+    (`ranges`, or the older single `subnet`). What is malformed is left to the plugin."""
+    found: list[tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Network]] = []
+    for plugin in conf.plugins:
+        if plugin.get("type") != "bridge":
+            continue
+        bridge = plugin.get("bridge") or DEFAULT_BRIDGE
+        ipam = plugin.get("ipam")
+        if not isinstance(ipam, dict):
+            continue
+        subnets = [ipam.get("subnet")]
+        for range_set in ipam.get("ranges") or []:
+            if isinstance(range_set, list):
+                subnets += [r.get("subnet") for r in range_set if isinstance(r, dict)]
+        for subnet in subnets:
+            if not isinstance(subnet, str):
+                continue
+            try:
+                found.append((str(bridge), ipaddress.ip_network(subnet, strict=False)))
+            except ValueError:
+                continue
+    return found
+
+
+def subnet_conflict(conf: NetworkConfigList, routes: list[Route]) -> str:
+    """Why the host could not reach this network's pods, or "".
+
+    A bridge network's pods are reached through the route to its subnet on its bridge.
+    Where the host already routes that subnet, or a part of it, through another interface
+    (containerd's and podman's default network is 10.88.0.0/16 too, on `cni0` or
+    `podman0`), that route wins or ties, and pods, kubelet's probes included, cannot be
+    reached. A wider route (10.0.0.0/8 through eth0) loses to the bridge's: no conflict.
+    """
+    where = f" ({conf.source})" if conf.source is not None else ""
+    for bridge, subnet in bridge_subnets(conf):
+        for route in routes:
+            if route.interface == bridge or route.network.version != subnet.version:
+                continue
+            if route.network.subnet_of(subnet):  # type: ignore[arg-type]  # same version
+                return (
+                    f"CNI network {conf.name!r}{where}: its subnet {subnet} is already routed "
+                    f"through {route.interface} ({route.network}), not through the network's "
+                    f"bridge {bridge}: the host could not reach its pods. Give the network a "
+                    f"subnet no other interface uses, or remove {route.network} from "
+                    f"{route.interface}"
+                )
+    return ""
+
+
 class CniNetwork:
     """The pod network as the CNI config directory describes it."""
 
@@ -279,19 +337,26 @@ class CniNetwork:
         *,
         plugin_timeout: float | None = None,
         cleanup_timeout: float = 120.0,
+        routes: Callable[[Collection[int]], list[Route]] = host_routes,
+        observe_call: Callable[[str, str, float, bool], None] | None = None,
     ) -> None:
         """`plugin_timeout` caps a single plugin call within the budget of an operation
         (None: the whole remaining budget). `cleanup_timeout` is the budget of the DEL that
-        undoes a failed ADD, whose own budget may be spent by then.
+        undoes a failed ADD, whose own budget may be spent by then. `routes` reads the
+        host's routes of the IP versions given (a fake in unit tests). `observe_call` is
+        told of every plugin call (the daemon's metrics, when it exports them).
         """
         self.config_dir = Path(config_dir)
         self.bin_dirs = [Path(d) for d in bin_dirs]
         self.fallback_dir = Path(fallback_dir) if fallback_dir is not None else None
         self.plugin_timeout = plugin_timeout
         self.cleanup_timeout = cleanup_timeout
+        self._routes = routes
+        self._observe_call = observe_call
         self._conf: NetworkConfigList | None = None
         self._problem = "CNI config not loaded yet"
         self._fingerprint: object = None
+        self._conflict_logged = ""
 
     # ---- configuration ----------------------------------------------------------------
 
@@ -313,13 +378,35 @@ class CniNetwork:
 
     def status(self) -> tuple[bool, str, str]:
         """(ready, reason, message) for the CRI NetworkReady condition."""
+        ready, message = self._runnable()
+        if not ready or self._conf is None:
+            return False, NOT_READY_REASON, message
+        # Read each time: routes change without the configuration changing.
+        conflict = self._subnet_conflict(self._conf)
+        if conflict:
+            return False, SUBNET_IN_USE_REASON, conflict
+        return True, "", ""
+
+    def _runnable(self) -> tuple[bool, str]:
+        """Whether the plugins can run at all: a configuration and its binaries."""
         self._refresh()
         if self._conf is None:
-            return False, NOT_READY_REASON, self._problem
+            return False, self._problem
         missing = self._missing_binaries(self._conf)
         if missing:
-            return False, NOT_READY_REASON, missing
-        return True, "", ""
+            return False, missing
+        return True, ""
+
+    def _subnet_conflict(self, conf: NetworkConfigList) -> str:
+        versions = {subnet.version for _, subnet in bridge_subnets(conf)}
+        conflict = subnet_conflict(conf, self._routes(versions)) if versions else ""
+        # Said once when it appears or changes, not at every Status call.
+        if conflict and conflict != self._conflict_logged:
+            log.warning("CNI network not ready: %s", conflict)
+        elif not conflict and self._conflict_logged:
+            log.info("CNI network %r: its subnet is no longer routed elsewhere", conf.name)
+        self._conflict_logged = conflict
+        return conflict
 
     def _load(self) -> tuple[NetworkConfigList | None, str]:
         searched = [self.config_dir]
@@ -368,13 +455,20 @@ class CniNetwork:
         dirs = ", ".join(str(d) for d in self.bin_dirs)
         return f"CNI plugin(s) {', '.join(missing)} of network {conf.name!r} not found in {dirs}"
 
-    def _usable(self, config: dict[str, Any] | None = None) -> NetworkConfigList:
+    def _usable(
+        self, config: dict[str, Any] | None = None, *, add: bool = False
+    ) -> NetworkConfigList:
         if config is not None:
             try:
                 return parse_network_config(config)
             except ConfigProblem as exc:
                 raise InvalidArgument(f"stored CNI config cannot be used: {exc}") from exc
-        ready, _, message = self.status()
+        # Only an ADD needs the whole NetworkReady: a DEL must still undo what a pod holds
+        # (or the nothing a refused ADD left) while its subnet is routed elsewhere.
+        if add:
+            ready, _, message = self.status()
+        else:
+            ready, message = self._runnable()
         if not ready or self._conf is None:
             raise Unavailable(f"network is not ready: {message}")
         return self._conf
@@ -392,7 +486,7 @@ class CniNetwork:
         caller's undo journal must hold the DEL before the ADD starts.
         """
         _validate_request(req)
-        conf = self._usable()
+        conf = self._usable(add=True)
         deadline = time.monotonic() + timeout
         result: dict[str, Any] | None = None
         try:
@@ -517,13 +611,18 @@ class CniNetwork:
             # Its own session (spawn's default), so that a kill on timeout also takes the
             # helpers it started (iptables, ...) that would otherwise hold its pipes open.
             # Cancelled, the plugin is killed: it must not outlive the request.
-            done = await spawn.run(
-                [str(binary)],
-                input=stdin,
-                timeout=limit,
-                env=self._environment(command, req),
-                cwd="/",
-            )
+            with tracing.span(
+                f"CNI {command} {kind}",
+                **{"cni.plugin": kind, "cni.command": command, "cni.network": conf.name},
+            ) as span:
+                done = await spawn.run(
+                    [str(binary)],
+                    input=stdin,
+                    timeout=limit,
+                    env=self._environment(command, req),
+                    cwd="/",
+                )
+                span.set_attribute("process.exit.code", done.returncode)
             ok = done.returncode == 0
         except spawn.TimedOut:
             raise DeadlineExceeded(
@@ -533,7 +632,8 @@ class CniNetwork:
             raise Internal(f"{what}: cannot start {binary}: {exc}") from exc
         finally:
             # Latency and result per plugin and command, timeouts included (metrics).
-            observe_call("cni", f"{command} {kind}", time.monotonic() - started, ok)
+            if self._observe_call is not None:
+                self._observe_call("cni", f"{command} {kind}", time.monotonic() - started, ok)
         stdout, stderr = done.stdout, done.stderr
         elapsed = (time.monotonic() - started) * 1000
         log.debug("%s: exit %s in %.1f ms", what, done.returncode, elapsed)

@@ -4,8 +4,14 @@ A plugin that connects registers (name, two-digit index) within the registration
 is configured (it answers with the events it subscribes to), and is synchronized with the
 pods and containers that exist at that moment; only then does it take part in events.
 Plugins see events in the order of their index (then name). Every call has the request
-timeout as its budget: a plugin that does not answer in time, or whose connection drops,
-is closed and leaves the registry, so that no creation waits on it twice.
+timeout as its budget, sending included: a plugin that does not answer in time, or whose
+connection drops, is closed and leaves the registry, so that no creation waits on it twice.
+
+A plugin is enrolled in the same step as its snapshot is taken, and events pick their
+plugins under the same lock, held for no plugin's answer: every object reaches a plugin
+once, in its Synchronize or in an event. Events that come while a plugin synchronizes wait
+for it in its backlog, and are told to it, in order, once it has answered; no event waits
+for a plugin's admission.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,7 +31,8 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
 
-from cri_shim.nri import mux
+from cri_shim import tracing
+from cri_shim.nri import mux, ttrpc
 from cri_shim.nri.adjust import oci_resources, unsupported_resources
 from cri_shim.nri.api import api_pb2
 from cri_shim.nri.connection import ConnectionClosed, Handler, MuxedConnection
@@ -43,6 +51,16 @@ Reply = TypeVar("Reply", bound=ProtoMessage)
 # A plugin's container update: the container ID and the OCI LinuxResources to apply.
 UpdateResources = Callable[[str, dict[str, Any]], Awaitable[None]]
 Snapshot = Callable[[], Awaitable[tuple[list[api_pb2.PodSandbox], list[api_pb2.Container]]]]
+# An event told to a plugin after the fact: method, request, and its reply's type.
+Told = tuple[str, ProtoMessage, Callable[[], ProtoMessage]]
+
+# Events that may wait for a plugin while it synchronizes; a plugin that lets more pile
+# up is dropped.
+MAX_BACKLOG = 1024
+# A pre-installed plugin's configuration file travels in one message.
+MAX_CONFIG = 1 << 20
+# What a plugin's own text (an error it answers with) may add to a log line or a status.
+MAX_SHOWN = 1024
 
 
 def event_bit(event: int) -> int:
@@ -68,6 +86,8 @@ class Plugin:
     index: str
     events: int
     connection: MuxedConnection = field(repr=False)
+    # Events that came while it synchronized, told once it has; None from then on.
+    backlog: list[Told] | None = field(default_factory=list, repr=False)
 
     @property
     def id(self) -> str:
@@ -81,6 +101,10 @@ class PluginRejected(Exception):
     """A connecting plugin failed registration, configuration or synchronization."""
 
 
+class PluginConfigRefused(ValueError):
+    """A pre-installed plugin's configuration file is not one the daemon reads."""
+
+
 class Adaptation:
     def __init__(
         self, settings: NriSettings, snapshot: Snapshot, update: UpdateResources | None = None
@@ -92,14 +116,15 @@ class Adaptation:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._launched: list[LaunchedPlugin] = []
-        # Registration and synchronization take this lock, and so does every event, so a
+        # Held while a plugin's snapshot is taken and it is enrolled, and while an event
+        # journals its object and picks its plugins, never for a plugin's answer: a
         # plugin never misses an object created while it synchronizes, nor sees one twice.
         self.lock = asyncio.Lock()
 
     @property
     def plugins(self) -> list[Plugin]:
-        """The plugins taking part in events, in the order they see them."""
-        return list(self._plugins)
+        """The plugins synchronized and taking part in events, in the order they see them."""
+        return [plugin for plugin in self._plugins if plugin.backlog is None]
 
     async def start(self) -> None:
         path = self.settings.socket_path
@@ -110,13 +135,17 @@ class Adaptation:
         os.chmod(path, 0o600)
         log.info("NRI: serving plugins on %s", path)
         if self.settings.plugin_path is not None:
-            for executable, index, name in pre_installed_plugins(self.settings.plugin_path):
+            found = await asyncio.to_thread(pre_installed_plugins, self.settings.plugin_path)
+            for executable, index, name in found:
                 await self._launch(executable, index, name)
 
     async def _launch(self, executable: Path, index: str, name: str) -> None:
         try:
-            config = plugin_config(self.settings.plugin_config_path, index, name)
-        except OSError as e:
+            # Off the loop: the directory is the operator's, and a file there may be slow.
+            config = await asyncio.to_thread(
+                plugin_config, self.settings.plugin_config_path, index, name
+            )
+        except (OSError, ValueError) as e:
             log.warning("NRI: not starting plugin %s: its configuration: %s", executable, e)
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -242,8 +271,8 @@ class Adaptation:
             try:
                 plugin = await self._admit(connection, registered, config)
             except (PluginRejected, CallError, ConnectionClosed, TimeoutError) as e:
-                log.warning("NRI: plugin %s refused: %s", connection.name, e)
-                await connection.close(f"refused: {e}")
+                log.warning("NRI: plugin %s refused: %s", connection.name, shown(str(e)))
+                await connection.close(f"refused: {shown(str(e))}")
                 return
             await reading
         finally:
@@ -295,22 +324,80 @@ class Adaptation:
         events = configured.events or ALL_EVENTS
         if events & ~ALL_EVENTS:
             raise PluginRejected(f"subscribes to unknown events 0x{events & ~ALL_EVENTS:x}")
+        plugin = Plugin(name, index, events, connection)
         async with self.lock:
+            # From here on every event picks this plugin (into its backlog until it has
+            # synchronized), and every object told before is in the snapshot.
             pods, containers = await self._snapshot()
-            synchronized = await connection.call(
-                PLUGIN_SERVICE,
-                "Synchronize",
-                api_pb2.SynchronizeRequest(pods=pods, containers=containers),
-                api_pb2.SynchronizeResponse(),
-                timeout,
-            )
-            plugin = Plugin(name, index, events, connection)
-            if synchronized.update:
-                await self.apply_updates(plugin, list(synchronized.update))
             self._plugins.append(plugin)
             self._plugins.sort(key=lambda p: (p.index, p.name))
+        try:
+            updates = await self._synchronize(plugin, pods, containers)
+        except BaseException:
+            if plugin in self._plugins:
+                self._plugins.remove(plugin)
+            raise
+        if updates:
+            await self.apply_updates(plugin, updates)
+        await self._catch_up(plugin)
         log.info("NRI: plugin %s registered, events 0x%x", plugin.id, events)
         return plugin
+
+    async def _synchronize(
+        self, plugin: Plugin, pods: list[api_pb2.PodSandbox], containers: list[api_pb2.Container]
+    ) -> list[api_pb2.ContainerUpdate]:
+        """Synchronize, in as many messages as the size limit takes (upstream NRI's split:
+        every message but the last says `more`, and is answered with `more` and no
+        updates), all within one request budget; the plugin's updates."""
+        budget = self.settings.request_timeout
+        requests = synchronize_requests(pods, containers)
+        answer = api_pb2.SynchronizeResponse()
+        try:
+            async with asyncio.timeout(budget):
+                for request in requests:
+                    answer = await plugin.connection.call(
+                        PLUGIN_SERVICE,
+                        "Synchronize",
+                        request,
+                        api_pb2.SynchronizeResponse(),
+                        budget,
+                    )
+                    if request.more and (answer.update or not answer.more):
+                        raise PluginRejected(
+                            "cannot take a Synchronize split over several messages"
+                        )
+        except TimeoutError:
+            raise CallError(
+                Code.DEADLINE_EXCEEDED,
+                f"{plugin.id}: Synchronize in {len(requests)} messages took over {budget:g}s",
+            ) from None
+        return list(answer.update)
+
+    async def _catch_up(self, plugin: Plugin) -> None:
+        """Tell a plugin that has just synchronized the events that came meanwhile, in
+        order; they went on without it, so what it answers changes nothing."""
+        assert plugin.backlog is not None
+        while plugin.backlog:
+            method, request, reply = plugin.backlog.pop(0)
+            try:
+                answer = await self._ask(plugin, method, request, reply)
+            except CallError as e:
+                log.warning(
+                    "NRI %s, which came while the plugin synchronized: %s (too late to refuse)",
+                    method,
+                    e.message,
+                )
+                continue
+            if answer is None:
+                return
+            if answer.ByteSize():
+                log.warning(
+                    "NRI: plugin %s: its answer to %s, which came while it synchronized, "
+                    "is too late to apply",
+                    plugin.id,
+                    method,
+                )
+        plugin.backlog = None
 
     async def _on_update_request(
         self, plugin: Plugin | None, request: api_pb2.UpdateContainersRequest
@@ -364,31 +451,58 @@ class Adaptation:
         await plugin.connection.close(reason)
 
     async def call_plugins(
-        self, event: int, method: str, request: ProtoMessage, reply: Callable[[], Reply]
+        self,
+        event: int,
+        method: str,
+        request: ProtoMessage,
+        reply: Callable[[], Reply],
+        journal: Callable[[], None] = lambda: None,
     ) -> list[tuple[Plugin, Reply]]:
         """Send one event to every subscribed plugin in order; their answers.
 
-        A plugin that times out or disconnects is dropped and the event goes on to the
-        next; a plugin that answers with an error status fails the event (CallError).
+        `journal` runs where the plugins are picked, so that the object is either in a
+        connecting plugin's snapshot or in this event for it. A plugin still
+        synchronizing gets the event in its backlog and is not waited for. A plugin that
+        times out or disconnects is dropped and the event goes on to the next; a plugin
+        that answers with an error status fails the event (CallError), and so does a
+        request too big to send.
         """
+        async with self.lock:
+            journal()
+            picked = [plugin for plugin in self._plugins if plugin.subscribed(event)]
         answers: list[tuple[Plugin, Reply]] = []
-        for plugin in list(self._plugins):
-            if not plugin.subscribed(event):
+        for plugin in picked:
+            if plugin not in self._plugins:
+                continue  # dropped while an earlier plugin answered
+            if plugin.backlog is not None:
+                if len(plugin.backlog) >= MAX_BACKLOG:
+                    await self._drop(plugin, f"{MAX_BACKLOG} events came while it synchronized")
+                else:
+                    plugin.backlog.append((method, request, reply))
                 continue
-            try:
-                answer = await plugin.connection.call(
-                    PLUGIN_SERVICE, method, request, reply(), self.settings.request_timeout
-                )
-            except ConnectionClosed as e:
-                await self._drop(plugin, str(e))
-                continue
-            except CallError as e:
-                if e.code == Code.DEADLINE_EXCEEDED:
-                    await self._drop(plugin, str(e))
-                    continue
-                raise CallError(e.code, f"NRI plugin {plugin.id}: {e.message}") from e
-            answers.append((plugin, answer))
+            with tracing.span(f"NRI {method} {plugin.id}", **{"nri.plugin": plugin.id}):
+                answer = await self._ask(plugin, method, request, reply)
+            if answer is not None:
+                answers.append((plugin, answer))
         return answers
+
+    async def _ask(
+        self, plugin: Plugin, method: str, request: ProtoMessage, reply: Callable[[], Reply]
+    ) -> Reply | None:
+        """One call to one plugin within its budget: the answer, or None when the plugin
+        did not answer in time or is gone (it is dropped). Raises CallError for an error
+        it answered with, or a request too big to send."""
+        try:
+            return await plugin.connection.call(
+                PLUGIN_SERVICE, method, request, reply(), self.settings.request_timeout
+            )
+        except ConnectionClosed as e:
+            await self._drop(plugin, str(e))
+        except CallError as e:
+            if e.code != Code.DEADLINE_EXCEEDED:
+                raise CallError(e.code, f"NRI plugin {plugin.id}: {shown(e.message)}") from e
+            await self._drop(plugin, str(e))
+        return None
 
 
 @dataclass
@@ -439,18 +553,82 @@ def pre_installed_plugins(directory: Path) -> list[tuple[Path, str, str]]:
 
 
 def plugin_config(directory: Path | None, index: str, name: str) -> str:
-    """A pre-installed plugin's configuration: NN-name.conf, else name.conf, else none."""
+    """A pre-installed plugin's configuration: NN-name.conf, else name.conf, else none.
+
+    Blocking: run it off the event loop. Raises PluginConfigRefused for a file that is
+    not a regular file (a FIFO would block its reader for ever) or is over MAX_CONFIG
+    bytes or not UTF-8, OSError for one that cannot be read.
+    """
     if directory is None:
         return ""
     for candidate in (f"{index}-{name}.conf", f"{name}.conf"):
-        with contextlib.suppress(FileNotFoundError):
-            return (directory / candidate).read_text()
+        path = directory / candidate
+        try:
+            # Non-blocking: opening a FIFO must not wait for a writer.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        with open(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PluginConfigRefused(f"{path} is not a regular file")
+            data = file.read(MAX_CONFIG + 1)
+        if len(data) > MAX_CONFIG:
+            raise PluginConfigRefused(f"{path} is larger than {MAX_CONFIG} bytes")
+        try:
+            return data.decode()
+        except UnicodeDecodeError as e:
+            raise PluginConfigRefused(f"{path} is not UTF-8 text: {e}") from None
     return ""
+
+
+# Room a SynchronizeRequest leaves in a message for the ttrpc envelope around it.
+_ENVELOPE = 1024
+
+
+def synchronize_requests(
+    pods: list[api_pb2.PodSandbox],
+    containers: list[api_pb2.Container],
+    limit: int = ttrpc.MAX_MESSAGE - _ENVELOPE,
+) -> list[api_pb2.SynchronizeRequest]:
+    """The pods and containers in as few SynchronizeRequests as fit `limit` bytes each,
+    in order, every one but the last with `more` set. Raises PluginRejected for an object
+    that does not fit a message by itself."""
+    requests = [api_pb2.SynchronizeRequest()]
+    used = 0
+    for kind, objects in (("pods", pods), ("containers", containers)):
+        for described in objects:
+            size = described.ByteSize()
+            # Its field's tag, its length, itself; and room for the `more` flag.
+            cost = 1 + _varint_size(size) + size
+            if cost + 2 > limit:
+                raise PluginRejected(
+                    f"{kind[:-1]} {described.id} is described in {size} bytes, over the "
+                    f"{ttrpc.MAX_MESSAGE}-byte limit of a message"
+                )
+            if used + cost + 2 > limit:
+                requests.append(api_pb2.SynchronizeRequest())
+                used = 0
+            getattr(requests[-1], kind).append(described)
+            used += cost
+    for request in requests[:-1]:
+        request.more = True
+    return requests
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def shown(text: str, limit: int = MAX_SHOWN) -> str:
+    """A peer's text as the daemon repeats it (in a log line, a status): cut at `limit`."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
 
 
 def _registration_problem(request: api_pb2.RegisterPluginRequest) -> str:
     if not _NAME.fullmatch(request.plugin_name):
-        return f"invalid plugin name {request.plugin_name!r}"
+        return f"invalid plugin name {shown(repr(request.plugin_name), 64)}"
     if not _INDEX.fullmatch(request.plugin_idx):
-        return f"invalid plugin index {request.plugin_idx!r}, must be 2 digits"
+        return f"invalid plugin index {shown(repr(request.plugin_idx), 64)}, must be 2 digits"
     return ""

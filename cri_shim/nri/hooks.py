@@ -82,17 +82,15 @@ class NriHooks:
     ) -> list[tuple[str, Reply]]:
         if self.adaptation is None:
             return []
-        async with self.adaptation.lock:
-            # Journaled under the lock that synchronization takes: a plugin connecting
-            # now finds the object either in its snapshot or in this event, not both.
-            journal()
-            try:
-                answers = await self.adaptation.call_plugins(event, method, request, reply)
-            except CallError as e:
-                if refusable:
-                    raise PluginRefused(f"{method}: {e.message}") from e
-                log.warning("NRI %s: %s", method, e.message)
-                return []
+        try:
+            # Journaled where the event picks its plugins: a plugin connecting now finds
+            # the object either in its snapshot or in this event, not both.
+            answers = await self.adaptation.call_plugins(event, method, request, reply, journal)
+        except CallError as e:
+            if refusable:
+                raise PluginRefused(f"{method}: {e.message}") from e
+            log.warning("NRI %s: %s", method, e.message)
+            return []
         return [(plugin.id, answer) for plugin, answer in answers]
 
     # ---- pods ------------------------------------------------------------------------

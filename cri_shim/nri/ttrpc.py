@@ -66,6 +66,10 @@ class TtrpcError(Exception):
     """The peer broke the protocol; the connection cannot go on."""
 
 
+class Oversize(ValueError):
+    """A message to send is larger than MAX_MESSAGE."""
+
+
 class CallError(Exception):
     """A call answered with a status other than OK."""
 
@@ -105,7 +109,7 @@ Envelope = TypeVar("Envelope", ttrpc_pb2.Request, ttrpc_pb2.Response)
 
 def encode_message(stream_id: int, type: int, payload: bytes, flags: int = 0) -> bytes:
     if len(payload) > MAX_MESSAGE:
-        raise ValueError(f"message of {len(payload)} bytes is larger than {MAX_MESSAGE}")
+        raise Oversize(f"message of {len(payload)} bytes is larger than {MAX_MESSAGE}")
     if not 0 <= stream_id <= MAX_STREAM_ID:
         raise ValueError(f"stream ID {stream_id} does not fit 32 bits")
     return HEADER.pack(len(payload), stream_id, type, flags) + payload

@@ -3,7 +3,8 @@
 Where the host has AppArmor, RuntimeDefault (and a container that asks for nothing)
 runs under `cri-shim-default`, the runtime's profile below, as containerd and CRI-O
 confine theirs: loaded with `apparmor_parser` the first time a container needs it (and
-again if someone unloaded it), never overwritten when loaded already. A container that
+again if someone unloaded it, or put it in complain mode, where it would deny nothing),
+never overwritten when loaded already and enforcing. A container that
 cannot get its profile is refused, never run unconfined in silence. Privileged
 containers and `Unconfined` run unconfined; a Localhost profile must be loaded already.
 Where the host has no AppArmor, only a named profile is an error (Status says so).
@@ -49,9 +50,14 @@ profile {name} flags=(attach_disconnected,mediate_deleted) {{
 
   deny mount,
 
-  # /proc: a process's own directories stay writable; the kernel's files do not.
+  # /proc: a process's own directories stay writable; the kernel's files do not: none
+  # directly in /proc, none in a directory that is not a process's (/proc/NUMBER) or
+  # /proc/sys (docker-default's pattern, which misses three-letter names ending in s
+  # such as bus; the list after it names the directories known to matter).
   deny @{{PROC}}/* w,
-  deny @{{PROC}}/{{acpi,bus,driver,fs,irq,scsi,sysvipc,tty}}/** w,
+  deny @{{PROC}}/{{[^1-9/],[^1-9/][^0-9/]}}/** w,
+  deny @{{PROC}}/{{[^1-9s/][^0-9y/][^0-9s/],[^1-9/][^0-9/][^0-9/][^0-9/]*}}/** w,
+  deny @{{PROC}}/{{acpi,bus,driver,fs,irq,pressure,scsi,sysvipc,tty}}/** w,
   deny @{{PROC}}/sysrq-trigger rwklx,
   deny @{{PROC}}/kcore rwklx,
   deny @{{PROC}}/kmem rwklx,
@@ -71,6 +77,8 @@ profile {name} flags=(attach_disconnected,mediate_deleted) {{
   deny /sys/fs/c[^g]*/** wklx,
   deny /sys/fs/cg[^r]*/** wklx,
   deny /sys/firmware/** rwklx,
+  # The energy counters: reading them closely enough tells what another process computes.
+  deny /sys/devices/virtual/powercap/** rwklx,
   deny /sys/kernel/security/** rwklx,
   deny /sys/kernel/debug/** rwklx,
 }}
@@ -88,13 +96,18 @@ def enabled(enabled_file: Path = ENABLED_FILE) -> bool:
         return False
 
 
-def loaded_profiles(profiles_file: Path = PROFILES_FILE) -> set[str]:
-    """The names of the profiles the kernel has (lines such as `name (enforce)`)."""
+def loaded_profiles(profiles_file: Path = PROFILES_FILE) -> dict[str, str]:
+    """The profiles the kernel has, name to mode (from lines such as `name (enforce)`)."""
     try:
         lines = profiles_file.read_text().splitlines()
     except OSError:
-        return set()
-    return {line.rsplit(" (", 1)[0] for line in lines}
+        return {}
+    loaded = {}
+    for line in lines:
+        name, _, mode = line.rpartition(" (")
+        if name:
+            loaded[name] = mode.removesuffix(")")
+    return loaded
 
 
 class AppArmor:
@@ -120,10 +133,16 @@ class AppArmor:
         """What RuntimeDefault means on this host, for Status."""
         if not self.enabled():
             return "unconfined: AppArmor is not enabled on this host"
-        state = "loaded" if DEFAULT_PROFILE in self.loaded() else "loaded when first needed"
+        mode = self.loaded().get(DEFAULT_PROFILE)
+        if mode == "enforce":
+            state = "loaded"
+        elif mode:
+            state = f"loaded in {mode} mode: reloaded enforcing when first needed"
+        else:
+            state = "loaded when first needed"
         return f"{DEFAULT_PROFILE} ({state})"
 
-    def loaded(self) -> set[str]:
+    def loaded(self) -> dict[str, str]:
         return loaded_profiles(self._profiles_file)
 
     def profile_for(self, sc: api_pb2.LinuxContainerSecurityContext) -> str | None:
@@ -158,8 +177,17 @@ class AppArmor:
 
     def _ensure_default(self) -> None:
         with self._loading:
-            if DEFAULT_PROFILE in self.loaded():
+            mode = self.loaded().get(DEFAULT_PROFILE)
+            if mode == "enforce":
                 return
+            if mode:
+                # A profile in complain mode only logs what it would deny: containers
+                # under it would run as good as unconfined.
+                log.warning(
+                    "the AppArmor profile %s is loaded in %s mode: reloading it enforcing",
+                    DEFAULT_PROFILE,
+                    mode,
+                )
             # -K: no cache of ours in the host's; -r: replace a stale copy.
             command = [self._parser, "-Kr"]
             try:
@@ -182,4 +210,12 @@ class AppArmor:
                     f"AppArmor is enabled but {self._parser} refused the RuntimeDefault "
                     f"profile {DEFAULT_PROFILE} (exit {done.returncode}): {detail}"
                 )
-            log.info("loaded the AppArmor profile %s", DEFAULT_PROFILE)
+            mode = self.loaded().get(DEFAULT_PROFILE)
+            if mode != "enforce":
+                raise FailedPrecondition(
+                    f"AppArmor is enabled but its RuntimeDefault profile {DEFAULT_PROFILE} "
+                    f"is {f'in {mode} mode' if mode else 'not listed'} after {self._parser} "
+                    "loaded it; a container needs it enforcing (check the host's AppArmor "
+                    "settings, or ask for Unconfined)"
+                )
+            log.info("loaded the AppArmor profile %s (enforce)", DEFAULT_PROFILE)

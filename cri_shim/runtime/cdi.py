@@ -10,6 +10,15 @@ error naming both. The directories are scanned again at every resolve (a stat pe
 a file is parsed again only when its (inode, mtime, ctime, size) changed: a spec file edited
 just before a CreateContainer is always seen, which an inotify watcher, whose events arrive
 later than the write, could not promise.
+
+Spec files are written by device plugins and operators, not by us: whatever one holds, it
+can only break its own devices, and only costs what a file of its size should. A file is
+read only if it is a regular file inside its directory (a symlink out of it is refused),
+of at most `MAX_SPEC_BYTES`; once decoded it may hold at most `MAX_SPEC_VALUES` (a YAML
+alias repeats what it names: 27 KB of aliases once made 46 MB of hook arguments) nested at
+most `MAX_SPEC_DEPTH` deep. Files are parsed outside the registry's lock, in the creation's
+worker thread. A broken file is named in the errors of the devices of its kind, and of
+devices that no file defines.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
+from cri_shim.host.files import read_small_file
 
 ANNOTATION_PREFIX = "cdi.k8s.io/"
 # The versions of the spec that current device plugins write; 0.1 and 0.2 had another schema.
@@ -42,7 +52,21 @@ HOOK_NAMES = (
 _VENDOR = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 _CLASS = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?$")
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
-_INTEL_RDT_KEYS = ("closID", "l3CacheSchema", "memBwSchema", "enableCMT", "enableMBM")
+# intelRdt's keys and the kind of value each takes.
+_INTEL_RDT_KEYS: tuple[tuple[str, type, str], ...] = (
+    ("closID", str, "a string"),
+    ("l3CacheSchema", str, "a string"),
+    ("memBwSchema", str, "a string"),
+    ("enableCMT", bool, "true or false"),
+    ("enableMBM", bool, "true or false"),
+)
+# Real spec files are tens of KiB (every GPU of a node with its driver's libraries).
+MAX_SPEC_BYTES = 1 << 20
+# The decoded content's size: a value counts one and a string its length too. Without
+# aliases a file decodes to less than its own size; with them to any size.
+MAX_SPEC_VALUES = 2 * MAX_SPEC_BYTES
+# A spec's own nesting is six deep (devices[].containerEdits.deviceNodes[].path).
+MAX_SPEC_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -168,30 +192,81 @@ def _bad(path: Path, where: str, problem: str) -> InvalidArgument:
     return InvalidArgument(f"CDI spec file {path}: {where}: {problem}")
 
 
-def load_spec_file(path: Path) -> SpecFile:
-    """Read and parse one spec file (JSON, or YAML by its suffix)."""
-    return parse_spec(path, decode_spec_file(path))
+def _unusable(path: Path, problem: str) -> InvalidArgument:
+    return InvalidArgument(f"CDI spec file {path}: {problem}")
 
 
-def decode_spec_file(path: Path) -> object:
-    """One spec file's content, decoded but not checked."""
+def load_spec_file(path: Path, directory: Path | None = None) -> SpecFile:
+    """Read and parse one spec file (JSON, or YAML by its suffix) of `directory`."""
+    return parse_spec(path, decode_spec_file(path, directory))
+
+
+def read_spec_file(path: Path, directory: Path | None = None) -> bytes:
+    """A spec file's bytes: a regular file of at most MAX_SPEC_BYTES, which a symlink may
+    name only from inside `directory` (where it was found)."""
+    real = Path(os.path.realpath(path))
+    if directory is not None and not real.is_relative_to(os.path.realpath(directory)):
+        raise _unusable(path, f"a symlink to {real}, outside {directory}; not read")
     try:
-        text = path.read_bytes()
+        return read_small_file(real, MAX_SPEC_BYTES, follow_symlink=False)
     except OSError as exc:
-        raise InvalidArgument(f"CDI spec file {path}: cannot be read: {exc.strerror}") from None
-    if path.suffix == ".yaml":
-        import yaml  # only where a YAML spec exists: it costs the idle daemon memory
+        raise _unusable(path, f"cannot be read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise _unusable(path, f"cannot be read: {exc}") from None
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise InvalidArgument(f"CDI spec file {path}: not valid YAML: {exc}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise InvalidArgument(f"CDI spec file {path}: not valid JSON: {exc}") from None
+
+def decode_spec_file(path: Path, directory: Path | None = None) -> object:
+    """One spec file's content, decoded and of a sane size, but not checked."""
+    text = read_spec_file(path, directory)
+    try:
+        if path.suffix == ".yaml":
+            data = _decode_yaml(path, text)
+        else:
+            try:
+                data = json.loads(text)
+            except ValueError as exc:
+                raise _unusable(path, f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _unusable(path, "nested too deep to decode") from None
+    _check_decoded_size(path, data)
     return data
+
+
+def _decode_yaml(path: Path, text: bytes) -> object:
+    import yaml  # only where a YAML spec exists: it costs the idle daemon memory
+
+    # libyaml's loader where it is installed: ten times faster, and bounded in nesting.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        return yaml.load(text, Loader=loader)
+    except yaml.YAMLError as exc:
+        raise _unusable(path, f"not valid YAML: {exc}") from None
+
+
+def _check_decoded_size(path: Path, data: object) -> None:
+    """Refuse content past MAX_SPEC_VALUES or MAX_SPEC_DEPTH, counting each use of a
+    YAML alias as what it names (as everything downstream sees it); walked without
+    recursion, and stopped at the first value past a limit."""
+    size = 0
+    pending: list[tuple[object, int]] = [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_SPEC_DEPTH:
+            raise _unusable(path, f"nested more than {MAX_SPEC_DEPTH} deep")
+        size += 1
+        if isinstance(value, str):
+            size += len(value)
+        elif isinstance(value, dict):
+            size += sum(len(k) for k in value if isinstance(k, str))
+            pending.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            pending.extend((v, depth + 1) for v in value)
+        if size > MAX_SPEC_VALUES:
+            raise _unusable(
+                path,
+                f"decodes to more than {MAX_SPEC_VALUES} values and characters (YAML "
+                "aliases repeat what they name); refused",
+            )
 
 
 def parse_spec(path: Path, data: object) -> SpecFile:
@@ -242,7 +317,12 @@ def _edits(fields: _Fields | None) -> ContainerEdits:
     rdt = fields.nested("intelRdt")
     intel_rdt = None
     if rdt is not None:
-        intel_rdt = {k: rdt.obj[k] for k in _INTEL_RDT_KEYS if rdt.obj.get(k) is not None}
+        # Checked, as the values go into the OCI spec as they are.
+        intel_rdt = {
+            key: value
+            for key, kind, what in _INTEL_RDT_KEYS
+            if (value := rdt.get(key, kind, what)) is not None
+        }
     return ContainerEdits(env, nodes, mounts, hooks, tuple(gids), intel_rdt)
 
 
@@ -314,9 +394,9 @@ class _Cached:
     error: str = ""
 
 
-def _load(key: tuple[int, int, int, int], path: Path) -> _Cached:
+def _load(key: tuple[int, int, int, int], path: Path, directory: Path) -> _Cached:
     try:
-        data = decode_spec_file(path)
+        data = decode_spec_file(path, directory)
     except InvalidArgument as exc:
         return _Cached(key, None, error=str(exc))
     kind = data.get("kind") if isinstance(data, dict) else None
@@ -338,9 +418,9 @@ class CdiRegistry:
 
     def _scan(self) -> list[tuple[int, _Cached]]:
         """Every spec file now in the directories with its directory's priority, parsed
-        again only if it changed since the last scan."""
-        found: list[tuple[int, _Cached]] = []
-        seen: set[Path] = set()
+        again only if it changed since the last scan. Parsing is done outside the lock:
+        one creation reading a large file holds up no other."""
+        listed: list[tuple[int, Path, Path, tuple[int, int, int, int]]] = []
         for priority, directory in enumerate(self.spec_dirs):
             try:
                 names = sorted(os.listdir(directory))
@@ -357,14 +437,23 @@ class CdiRegistry:
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-                cached = self._cache.get(path)
-                if cached is None or cached.key != key:
-                    cached = _load(key, path)
-                    self._cache[path] = cached
-                seen.add(path)
-                found.append((priority, cached))
-        for gone in self._cache.keys() - seen:
-            del self._cache[gone]
+                listed.append((priority, directory, path, key))
+        with self._lock:
+            known = {path: self._cache.get(path) for _, _, path, _ in listed}
+        loaded = {}
+        for _, directory, path, key in listed:
+            cached = known[path]
+            if cached is None or cached.key != key:
+                loaded[path] = _load(key, path, directory)
+        with self._lock:
+            for gone in self._cache.keys() - known.keys():
+                del self._cache[gone]
+            self._cache.update(loaded)
+        found = []
+        for priority, _, path, _ in listed:
+            cached = loaded.get(path) or known[path]
+            assert cached is not None
+            found.append((priority, cached))
         return found
 
     def resolve(self, names: Iterable[str]) -> list[ResolvedDevice]:
@@ -375,8 +464,7 @@ class CdiRegistry:
         if not wanted:
             return []
         parsed = [(n, parse_qualified_name(n)) for n in wanted]
-        with self._lock:
-            found = self._scan()
+        found = self._scan()
         broken = [(priority, c) for priority, c in found if c.spec is None]
         # Fully-qualified name -> (priority, defining files at that priority, edits).
         table: dict[str, tuple[int, list[SpecFile], ContainerEdits]] = {}

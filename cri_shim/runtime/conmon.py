@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
@@ -46,9 +47,9 @@ from cri_shim.runtime.gvisor import (
     joining_waiter,
 )
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
-from cri_shim.runtime.oci import ExecResult, OciRuntime, runtime_error_message
+from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
-from cri_shim.runtime.stats import CgroupStats, oom_kill_count, read_cgroup_stats
+from cri_shim.runtime.stats import oom_kill_count
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class RuntimeBackend:
         create_timeout: float = CREATE_TIMEOUT,
         conmon_log_level: str = "info",
         runtime_args: Sequence[str] = (),
+        observe_call: CallObserver | None = None,
     ) -> None:
         self.handler_name = handler_name
         self.runtime_path = _executable(runtime_path, "runtime")
@@ -129,6 +131,7 @@ class RuntimeBackend:
             log_dir=state_dir / "runc-logs",
             call_timeout=call_timeout,
             extra_args=runtime_args,
+            observe_call=observe_call,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
         # What conmon runs: gVisor's containers need a process it can wait for.
@@ -274,7 +277,8 @@ class RuntimeBackend:
         )
         try:
             try:
-                done = await launch
+                with tracing.span("conmon", **{"cri.container_id": container_id}):
+                    done = await launch
             finally:
                 os.close(sync_write)
                 os.close(diagnostics)
@@ -557,16 +561,6 @@ class RuntimeBackend:
         )
         return count > 0
 
-    def cgroup_stats(self, container_id: str) -> CgroupStats:
-        meta = self._read_meta(container_id)
-        if meta is None:
-            raise NotFound(
-                f"container {container_id} is not known to runtime handler {self.handler_name}"
-            )
-        return read_cgroup_stats(
-            meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
-        )
-
     def cgroups_path(self, container_id: str) -> str | None:
         """The container's cgroup, relative to each hierarchy's root (as in its spec)."""
         meta = self._read_meta(container_id)
@@ -593,14 +587,17 @@ class RuntimeBackend:
         timeout: float | None,
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
-        return await self.oci.exec_sync(
-            container_id,
-            cmd,
-            timeout,
-            env,
-            options=self.exec_options(container_id),
-            sandboxed=self.conmon_runtime != self.runtime_path,
-        )
+        with tracing.span("exec", **{"cri.container_id": container_id}) as span:
+            result = await self.oci.exec_sync(
+                container_id,
+                cmd,
+                timeout,
+                env,
+                options=self.exec_options(container_id),
+                sandboxed=self.conmon_runtime != self.runtime_path,
+            )
+            span.set_attribute("process.exit.code", result.exit_code)
+            return result
 
     def exec_options(self, container_id: str) -> list[str]:
         """Options of `<runtime> exec` that make the process the container's (runsc's

@@ -147,13 +147,6 @@ def require_resource_updates(handler: str, features: HandlerFeatures) -> None:
         )
 
 
-def to_cri(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
-    return api_pb2.RuntimeHandlerFeatures(
-        recursive_read_only_mounts=features.recursive_read_only_mounts,
-        user_namespaces=features.user_namespaces,
-    )
-
-
 def require_pod_features(
     userns: UserNamespaceMappings | None,
     handler: str,

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
-from cri_shim.metrics import observe_call
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,10 @@ MAX_EXEC_OUTPUT = 16 * 1024 * 1024
 # After an exec'd process exited, how long to keep reading output that a background
 # child of it may still hold open, when the request has no deadline of its own.
 EXEC_OUTPUT_DRAIN = 2.0
+
+
+# Told of every call: the tool, its verb, the seconds it took and whether it succeeded.
+CallObserver = Callable[[str, str, float, bool], None]
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ class OciRuntime:
         log_dir: Path,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
         extra_args: Sequence[str] = (),
+        observe_call: CallObserver | None = None,
     ) -> None:
         self.path = path
         self.root = root
@@ -109,6 +114,8 @@ class OciRuntime:
         self.call_timeout = call_timeout
         # The handler's own global options (`runtime_args`), given to every call.
         self.extra_args = tuple(extra_args)
+        # The daemon's metrics, when it exports them.
+        self._observe_call = observe_call
 
     def conmon_runtime_args(self) -> list[str]:
         """Global options for conmon's `--runtime-arg`, so that the create it runs uses the
@@ -296,14 +303,19 @@ class OciRuntime:
             ok = False
             err_fd = os.open(err_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                done = await spawn.run(
-                    [str(program or self.path), *self._global_args(log_name), *args],
-                    input=stdin,
-                    timeout=budget,
-                    stdout=subprocess.PIPE if output else subprocess.DEVNULL,
-                    stderr=err_fd,
-                    env={**os.environ, **env} if env else None,
-                )
+                with tracing.span(
+                    f"{self.path.name} {args[0]}",
+                    **{"oci.runtime": self.path.name, "oci.command": args[0]},
+                ) as span:
+                    done = await spawn.run(
+                        [str(program or self.path), *self._global_args(log_name), *args],
+                        input=stdin,
+                        timeout=budget,
+                        stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+                        stderr=err_fd,
+                        env={**os.environ, **env} if env else None,
+                    )
+                    span.set_attribute("process.exit.code", done.returncode)
                 ok = done.returncode == 0
             except spawn.TimedOut:
                 raise DeadlineExceeded(
@@ -311,7 +323,8 @@ class OciRuntime:
                 ) from None
             finally:
                 os.close(err_fd)
-                observe_call(self.path.name, args[0], time.monotonic() - started, ok)
+                if self._observe_call is not None:
+                    self._observe_call(self.path.name, args[0], time.monotonic() - started, ok)
             returncode, out = done.returncode, done.stdout
             log.debug(
                 "%s %s: rc=%s in %.1f ms",

@@ -20,6 +20,7 @@ from typing import Any
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
+from cri_shim.pod_rules import namespaced_sysctls
 from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.capabilities import CapabilitySet, resolve_capabilities
 from cri_shim.runtime.cdi import CdiRegistry
@@ -56,21 +57,6 @@ DEFAULT_READONLY_PATHS: tuple[str, ...] = (
     "/proc/sys",
     "/proc/sysrq-trigger",
 )
-
-# Sysctls that a container namespace isolates, and which namespace that is.
-_IPC_SYSCTLS = frozenset(
-    {
-        "kernel.shmall",
-        "kernel.shmmax",
-        "kernel.shmmni",
-        "kernel.shm_rmid_forced",
-        "kernel.msgmax",
-        "kernel.msgmnb",
-        "kernel.msgmni",
-        "kernel.sem",
-    }
-)
-_UTS_SYSCTLS = frozenset({"kernel.hostname", "kernel.domainname"})
 
 _PROPAGATION = {
     api_pb2.PROPAGATION_PRIVATE: "rprivate",
@@ -417,34 +403,13 @@ def container_namespaces(
 
 
 def container_sysctls(sandbox: SandboxContext) -> dict[str, str]:
-    """Only sysctls that the container's own namespaces isolate; setting any other would
-    change the whole node."""
-    out: dict[str, str] = {}
-    for raw_name, value in sandbox.sysctls.items():
-        name = _normalize_sysctl(raw_name)
-        if name.startswith("net."):
-            if sandbox.netns_path is None:
-                raise InvalidArgument(
-                    f"sysctls: {raw_name} cannot be set in a pod on the host network"
-                )
-        elif name in _IPC_SYSCTLS or name.startswith("fs.mqueue."):
-            if sandbox.ipc_ns_path is None:
-                raise InvalidArgument(f"sysctls: {raw_name} cannot be set in a pod with host IPC")
-        elif name in _UTS_SYSCTLS:
-            if sandbox.uts_ns_path is None:
-                raise InvalidArgument(f"sysctls: {raw_name} cannot be set in a pod with host UTS")
-        else:
-            raise InvalidArgument(f"sysctls: {raw_name} is not a namespaced sysctl")
-        out[name] = value
-    return out
-
-
-def _normalize_sysctl(name: str) -> str:
-    # Kubernetes accepts "net/ipv4/ip_forward"; with slashes as separators a dot is part of
-    # a name component (an interface name such as "eth0.100").
-    if "/" in name and (("." not in name) or name.index("/") < name.index(".")):
-        return name.replace(".", "\0").replace("/", ".").replace("\0", "/")
-    return name
+    """Only sysctls that the container's own namespaces isolate (pod_rules.py)."""
+    return namespaced_sysctls(
+        sandbox.sysctls,
+        own_network=sandbox.netns_path is not None,
+        own_ipc=sandbox.ipc_ns_path is not None,
+        own_uts=sandbox.uts_ns_path is not None,
+    )
 
 
 def container_seccomp(

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.inspection.runtime_spec import process_user_of, runtime_spec_of
 from cri_shim.server import listing
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import ContainerRecord
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import RuntimeView
 
 _STATES = {
     "created": api_pb2.CONTAINER_CREATED,
@@ -29,32 +30,32 @@ def container_state(container: ContainerRecord) -> api_pb2.ContainerState.ValueT
 
 
 async def create_container(
-    services: Components, request: api_pb2.CreateContainerRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.CreateContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.CreateContainerResponse:
-    container_id = await services.containers.create(
+    container_id = await view.containers.create(
         request.pod_sandbox_id, request.config, request_deadline(context)
     )
     return api_pb2.CreateContainerResponse(container_id=container_id)
 
 
 async def start_container(
-    services: Components, request: api_pb2.StartContainerRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.StartContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StartContainerResponse:
-    await services.containers.start(request.container_id)
+    await view.containers.start(request.container_id)
     return api_pb2.StartContainerResponse()
 
 
 async def stop_container(
-    services: Components, request: api_pb2.StopContainerRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.StopContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StopContainerResponse:
-    await services.containers.stop(request.container_id, float(request.timeout))
+    await view.containers.stop(request.container_id, float(request.timeout))
     return api_pb2.StopContainerResponse()
 
 
 async def remove_container(
-    services: Components, request: api_pb2.RemoveContainerRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.RemoveContainerRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RemoveContainerResponse:
-    await services.containers.remove(request.container_id)
+    await view.containers.remove(request.container_id)
     return api_pb2.RemoveContainerResponse()
 
 
@@ -79,11 +80,9 @@ def to_container(container: ContainerRecord) -> api_pb2.Container:
     )
 
 
-def containers_listed(
-    services: Components, f: api_pb2.ContainerFilter
-) -> Iterator[api_pb2.Container]:
+def containers_listed(view: RuntimeView, f: api_pb2.ContainerFilter) -> Iterator[api_pb2.Container]:
     """The containers `f` selects, one at a time: ListContainers and StreamContainers."""
-    for container in services.containers.list(sandbox_id=f.pod_sandbox_id or None):
+    for container in view.containers.list(sandbox_id=f.pod_sandbox_id or None):
         if f.id and not container.id.startswith(f.id):
             continue
         if f.HasField("state") and f.state.state != container_state(container):
@@ -94,24 +93,24 @@ def containers_listed(
 
 
 async def list_containers(
-    services: Components, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.ListContainersRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListContainersResponse:
     items = await listing.collect(
-        containers_listed(services, request.filter),
+        containers_listed(view, request.filter),
         "ListContainers",
         "StreamContainers",
-        listing.reply_limit(services.config),
+        listing.reply_limit(view.config),
     )
     return api_pb2.ListContainersResponse(containers=items)
 
 
 async def stream_containers(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.StreamContainersRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:
     await listing.stream(
-        containers_listed(services, request.filter),
+        containers_listed(view, request.filter),
         context,
         lambda c: api_pb2.StreamContainersResponse(containers=[c]),
     )
@@ -157,16 +156,9 @@ def status_mounts(config: api_pb2.ContainerConfig) -> list[api_pb2.Mount]:
 def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:
     """Who the container's process runs as, as runc was told (the OCI spec's
     process.user): kubelet checks the effective supplemental groups against the pod's
-    SupplementalGroupsPolicy. The primary group is listed too, as `id -G` lists it.
-    Recorded in the row when the runtime made the container; a container made before
-    the daemon recorded it has it read from its bundle's config.json."""
-    try:
-        if container.process_user:
-            user = json.loads(container.process_user)
-        else:
-            spec = json.loads((container.bundle_dir / "config.json").read_text())
-            user = spec["process"]["user"]
-    except (OSError, ValueError, KeyError, TypeError):
+    SupplementalGroupsPolicy. The primary group is listed too, as `id -G` lists it."""
+    user = process_user_of(container)
+    if user is None:
         return None  # no spec (yet): nothing to report rather than a guess
     gid = int(user.get("gid", 0))
     groups = list(dict.fromkeys([gid, *(int(g) for g in user.get("additionalGids") or [])]))
@@ -178,12 +170,11 @@ def container_user(container: ContainerRecord) -> api_pb2.ContainerUser | None:
 
 
 async def container_status(
-    services: Components, request: api_pb2.ContainerStatusRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.ContainerStatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ContainerStatusResponse:
-    container = services.containers.get(request.container_id)
+    container = view.containers.get(request.container_id)
     response = api_pb2.ContainerStatusResponse(status=to_status(container))
     if request.verbose:
-        spec_path = container.bundle_dir / "config.json"
         info = {
             "id": container.id,
             "name": container.name,
@@ -191,16 +182,16 @@ async def container_status(
             "pid": container.pid,
             "bundle": str(container.bundle_dir),
             "rootfs": str(container.rootfs),
-            "runtimeSpec": json.loads(spec_path.read_text()) if spec_path.exists() else None,
+            "runtimeSpec": runtime_spec_of(container),
         }
         response.info["info"] = json.dumps(info, sort_keys=True)
     return response
 
 
 async def exec_sync(
-    services: Components, request: api_pb2.ExecSyncRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.ExecSyncRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ExecSyncResponse:
-    result = await services.containers.exec_sync(
+    result = await view.containers.exec_sync(
         request.container_id, list(request.cmd), float(request.timeout)
     )
     return api_pb2.ExecSyncResponse(
@@ -209,18 +200,18 @@ async def exec_sync(
 
 
 async def reopen_container_log(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.ReopenContainerLogRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ReopenContainerLogResponse:
-    await services.containers.reopen_log(request.container_id)
+    await view.containers.reopen_log(request.container_id)
     return api_pb2.ReopenContainerLogResponse()
 
 
 async def update_container_resources(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.UpdateContainerResourcesRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.UpdateContainerResourcesResponse:
-    await services.containers.update_resources(request.container_id, request.linux)
+    await view.containers.update_resources(request.container_id, request.linux)
     return api_pb2.UpdateContainerResourcesResponse()

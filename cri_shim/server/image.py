@@ -17,7 +17,7 @@ from cri_shim.server import listing
 from cri_shim.state.records import ImageRecord
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import ImageView
 
 log = logging.getLogger("cri_shim.server")
 
@@ -56,38 +56,38 @@ def cri_image(record: ImageRecord) -> api_pb2.Image:
     return image
 
 
-def images_listed(services: Components, f: api_pb2.ImageFilter) -> Iterator[api_pb2.Image]:
+def images_listed(view: ImageView, f: api_pb2.ImageFilter) -> Iterator[api_pb2.Image]:
     """The images `f` selects, one at a time: ListImages and StreamImages."""
-    for record in services.images.list(f.image.image.strip() or None):
+    for record in view.images.list(f.image.image.strip() or None):
         yield cri_image(record)
 
 
 async def list_images(
-    services: Components, request: api_pb2.ListImagesRequest, context: grpc.aio.ServicerContext
+    view: ImageView, request: api_pb2.ListImagesRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListImagesResponse:
     items = await listing.collect(
-        images_listed(services, request.filter),
+        images_listed(view, request.filter),
         "ListImages",
         "StreamImages",
-        listing.reply_limit(services.config),
+        listing.reply_limit(view.config),
     )
     return api_pb2.ListImagesResponse(images=items)
 
 
 async def stream_images(
-    services: Components, request: api_pb2.StreamImagesRequest, context: grpc.aio.ServicerContext
+    view: ImageView, request: api_pb2.StreamImagesRequest, context: grpc.aio.ServicerContext
 ) -> None:
     await listing.stream(
-        images_listed(services, request.filter),
+        images_listed(view, request.filter),
         context,
         lambda image: api_pb2.StreamImagesResponse(images=[image]),
     )
 
 
 async def image_status(
-    services: Components, request: api_pb2.ImageStatusRequest, context: grpc.aio.ServicerContext
+    view: ImageView, request: api_pb2.ImageStatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ImageStatusResponse:
-    record = services.images.get(_image_ref(request.image, "ImageStatus"))
+    record = view.images.get(_image_ref(request.image, "ImageStatus"))
     if record is None:
         # Not an error: kubelet asks before pulling, and reads "no image" as "pull it".
         return api_pb2.ImageStatusResponse()
@@ -106,7 +106,7 @@ async def image_status(
 
 
 async def pull_image(
-    services: Components, request: api_pb2.PullImageRequest, context: grpc.aio.ServicerContext
+    view: ImageView, request: api_pb2.PullImageRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.PullImageResponse:
     # The registry client is imported by the first pull (images/on_demand.py).
     from cri_shim.images.auth import Credentials
@@ -121,23 +121,23 @@ async def pull_image(
         registry_token=auth.registry_token,
     )
     log.info("PullImage %s (%s)", ref, credentials.kind)
-    record = await services.puller.pull(ref, credentials)
+    record = await view.puller.pull(ref, credentials)
     return api_pb2.PullImageResponse(image_ref=record.id)
 
 
 async def remove_image(
-    services: Components, request: api_pb2.RemoveImageRequest, context: grpc.aio.ServicerContext
+    view: ImageView, request: api_pb2.RemoveImageRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RemoveImageResponse:
     # Any reference removes the image with every tag; an unknown image is success, since
     # kubelet's image GC may retry a removal whose answer it lost.
-    await asyncio.to_thread(services.images.remove, _image_ref(request.image, "RemoveImage"))
+    await asyncio.to_thread(view.images.remove, _image_ref(request.image, "RemoveImage"))
     return api_pb2.RemoveImageResponse()
 
 
 async def image_fs_info(
-    services: Components, request: api_pb2.ImageFsInfoRequest, context: grpc.aio.ServicerContext
+    view: ImageView, request: api_pb2.ImageFsInfoRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ImageFsInfoResponse:
-    info = await asyncio.to_thread(services.images.fs_info)
+    info = await asyncio.to_thread(view.images.fs_info)
     usage = api_pb2.FilesystemUsage(
         timestamp=time.time_ns(),
         fs_id=api_pb2.FilesystemIdentifier(mountpoint=str(info.mountpoint)),

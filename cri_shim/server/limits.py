@@ -1,4 +1,4 @@
-"""Admission of CRI calls (issue 9): validation first, then a bounded number in flight.
+"""Admission of CRI calls: validation first, then a bounded number in flight.
 
 A flood must neither crash the daemon nor starve the work already running. Calls are
 split by what they cost:
@@ -8,6 +8,11 @@ split by what they cost:
   both full is refused at once with RESOURCE_EXHAUSTED, which kubelet retries.
 - *read* calls (list, status, stats, version) are answered from memory and the database:
   they never wait behind work calls, and only their number in flight is capped.
+- *streaming lists* (StreamContainers, ...) last as long as their client takes to read
+  them: a client that opens streams and reads nothing holds them open. They are counted
+  apart (`max_streams_in_flight`), so that they can never use up the reads' places, and
+  each of their messages waits at most `stream_write_timeout` for the client to read
+  (server/listing.py).
 - Creations outlive their requests (DESIGN §2: a timed-out RunPodSandbox goes on). A slot
   freed by a timed-out request must not let the next one start yet another creation
   without bound, so a new creation is refused while `max_in_flight` creations are still
@@ -26,10 +31,11 @@ import grpc
 
 from cri_shim.config import RequestsConfig
 from cri_shim.errors import DeadlineExceeded, ResourceExhausted
+from cri_shim.server.listing import StreamContext
 from cri_shim.server.validation import validate_request
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import EdgeView
 
 READ_RPCS = frozenset(
     {
@@ -49,17 +55,21 @@ READ_RPCS = frozenset(
         "ImageFsInfo",
         "ListMetricDescriptors",
         "ListPodSandboxMetrics",
-        # The list RPCs' streaming twins (server/listing.py): bounded by their list.
+        # These only hand out a URL of the streaming server, which has its own limits.
+        "Exec",
+        "Attach",
+        "PortForward",
+    }
+)
+# The list RPCs' streaming twins (server/listing.py).
+LIST_STREAM_RPCS = frozenset(
+    {
         "StreamPodSandboxes",
         "StreamContainers",
         "StreamContainerStats",
         "StreamPodSandboxStats",
         "StreamPodSandboxMetrics",
         "StreamImages",
-        # These only hand out a URL of the streaming server, which has its own limits.
-        "Exec",
-        "Attach",
-        "PortForward",
     }
 )
 STREAM_RPCS = frozenset({"GetContainerEvents"})
@@ -78,6 +88,7 @@ class RequestLimiter:
         self.working = 0
         self.queued = 0
         self.reading = 0
+        self.streaming = 0
         self.refused = 0
 
     @asynccontextmanager
@@ -86,26 +97,32 @@ class RequestLimiter:
         event loop's clock (None: the caller set none)."""
         if rpc in STREAM_RPCS:
             yield
+        elif rpc in LIST_STREAM_RPCS:
+            streams = "streaming lists are open (read or cancel them)"
+            async with self._counted(rpc, "streaming", "max_streams_in_flight", streams):
+                yield
         elif rpc in READ_RPCS:
-            async with self._read(rpc):
+            reads = "read calls are in flight"
+            async with self._counted(rpc, "reading", "max_reads_in_flight", reads):
                 yield
         else:
             async with self._work(rpc, deadline):
                 yield
 
     @asynccontextmanager
-    async def _read(self, rpc: str) -> AsyncIterator[None]:
-        if self.reading >= self.config.max_reads_in_flight:
+    async def _counted(self, rpc: str, counter: str, key: str, what: str) -> AsyncIterator[None]:
+        """A place among at most `[requests] key` calls, counted in `self.<counter>`."""
+        held: int = getattr(self, counter)
+        if held >= getattr(self.config, key):
             self.refused += 1
             raise ResourceExhausted(
-                f"{rpc}: {self.reading} read calls are in flight, the most allowed "
-                "([requests] max_reads_in_flight); retry shortly"
+                f"{rpc}: {held} {what}, the most allowed ([requests] {key}); retry shortly"
             )
-        self.reading += 1
+        setattr(self, counter, held + 1)
         try:
             yield
         finally:
-            self.reading -= 1
+            setattr(self, counter, getattr(self, counter) - 1)
 
     @asynccontextmanager
     async def _work(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
@@ -145,8 +162,8 @@ class RequestLimiter:
 
 
 async def admitted(
-    handler: Callable[[Components, Any, grpc.aio.ServicerContext], Awaitable[Any]],
-    services: Components,
+    handler: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    services: EdgeView,
     request: Any,
     context: grpc.aio.ServicerContext,
     deadline: float | None,
@@ -165,6 +182,12 @@ async def admitted(
     else:
         validate_request(rpc, request)
     async with services.limiter.admit(rpc, deadline):
+        if rpc in LIST_STREAM_RPCS or rpc in STREAM_RPCS:
+            # Streams' writes end quietly when the client goes; a list's have a deadline.
+            # The event stream has none: a subscriber that does not read loses its oldest
+            # events instead (lifecycle/events.py).
+            timeout = services.config.requests.stream_write_timeout
+            context = StreamContext(context, rpc, timeout if rpc in LIST_STREAM_RPCS else None)
         return await handler(services, request, context)
 
 

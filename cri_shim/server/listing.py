@@ -6,11 +6,14 @@ reply and refuses, naming the streaming twin, a reply that would pass the messag
 otherwise gRPC fails it with a size error on the client that says nothing of what to do.
 The streaming RPC sends each item as it is made, one per message, and waits for the
 transport to take it before it makes the next: a slow reader holds at most an HTTP/2
-window of items, never the whole list.
+window of items, never the whole list. A reader that reads nothing would hold the stream
+(and its place, server/limits.py) for ever, so each message waits at most
+`[requests] stream_write_timeout` (`StreamContext`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -73,14 +76,59 @@ async def stream(
     """Send each of `items` wrapped by `message`, one per message; the count sent."""
     sent = 0
     async for item in each(items):
-        try:
-            # write() returns once the transport has taken the message: flow control
-            # holds the listing here while the client does not read.
-            await context.write(message(item))
-        except Exception:
-            if context.done():  # the client went away: there is nobody left to answer
-                log.debug("listing stopped after %d items: the client has gone", sent)
-                return sent
-            raise
+        # write() returns once the transport has taken the message: flow control holds
+        # the listing here while the client does not read.
+        await context.write(message(item))
         sent += 1
     return sent
+
+
+class StreamStalled(asyncio.CancelledError):
+    """A streaming call cancelled because its client did not read in time."""
+
+
+class StreamContext:
+    """The context of a server-streaming call (server/limits.py wraps it in this), whose
+    write() waits for the client at most `write_timeout` seconds (None: for ever) and
+    ends the call quietly once the client has gone."""
+
+    def __init__(
+        self, context: grpc.aio.ServicerContext, rpc: str, write_timeout: float | None
+    ) -> None:
+        self._context = context
+        self._rpc = rpc
+        self._write_timeout = write_timeout
+        self.sent = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._context, name)
+
+    async def write(self, message: Message) -> None:
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                await self._context.write(message)
+        except TimeoutError:
+            # The message stays queued in the transport, which sends no status after it:
+            # only cancelling the call frees the stream, and the client sees CANCELLED.
+            log.info(
+                "%s: the client read nothing for %g s ([requests] stream_write_timeout); "
+                "the stream is cancelled after %d messages",
+                self._rpc,
+                self._write_timeout,
+                self.sent,
+            )
+            raise StreamStalled from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # A write fails once the call is over: the client cancelled it, went away or
+            # let its deadline pass. That is normal and nobody is left to answer: end as
+            # gRPC ends a handler whose call is cancelled while it waits.
+            log.debug(
+                "%s ended after %d messages: the client has gone (%s)",
+                self._rpc,
+                self.sent,
+                type(exc).__name__,
+            )
+            raise asyncio.CancelledError from exc
+        self.sent += 1

@@ -4,7 +4,8 @@ container metrics over CRI.
 kubelet (PodAndContainerStatsFromCRI) serves /metrics/cadvisor from these instead of
 running cAdvisor. Names, help texts and label names follow cAdvisor, so dashboards and
 alerts keep working. CRI carries integers: CPU seconds are whole seconds, as CRI-O sends
-them. Values are read live at each call (timestamp 0, as the CRI asks for live values).
+them. Values are read live at each call (timestamp 0, as the CRI asks for live values),
+by inspection/usage.py; this module only declares the metrics and renders them.
 
 Container metrics come from each running container's cgroup; network metrics belong to
 the pod (its network namespace), reported once per interface under the pod's own ID.
@@ -12,34 +13,20 @@ the pod (its network namespace), reported once per interface under the pod's own
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import grpc
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.logcontext import object_fields
-from cri_shim.network.netdev import InterfaceCounters, read_netns_counters
-from cri_shim.runtime.cgroup_metrics import (
-    CgroupFigures,
-    block_device_name,
-    count_descriptors,
-    read_cgroup_figures,
-)
-from cri_shim.runtime.stats import writable_layer_usage
+from cri_shim.inspection.host import ContainerFigures, Filesystem, InterfaceCounters
 from cri_shim.server import listing
-from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
-
-log = logging.getLogger("cri_shim.server")
+    from cri_shim.inspection.host import CgroupFigures, Device
+    from cri_shim.inspection.usage import PodFigures
+    from cri_shim.server.views import RuntimeView
 
 LABELS = ("container", "id", "image", "name", "namespace", "pod")
 NETWORK_LABELS = (*LABELS, "interface")
@@ -77,27 +64,6 @@ class _Spec(Generic[_S]):
             )
 
 
-@dataclass(frozen=True)
-class _Filesystem:
-    """The filesystem that holds a container's writable layer."""
-
-    device: str
-    limit_bytes: int
-    inodes_total: int
-    inodes_free: int
-    usage_bytes: int
-
-
-class _Running(NamedTuple):
-    """What a container's metrics are read from."""
-
-    figures: CgroupFigures
-    record: ContainerRecord
-    filesystem: _Filesystem | None
-    descriptors: tuple[int, int]  # open files, sockets
-    seen_at: int  # seconds since the epoch
-
-
 def _single(
     read: Callable[[_S], int | None],
 ) -> Callable[[_S], list[tuple[Mapping[str, str], int]]]:
@@ -109,15 +75,18 @@ def _single(
 
 
 def _container(
-    name: str, help: str, kind: api_pb2.MetricType.ValueType, read: Callable[[_Running], int | None]
-) -> _Spec[_Running]:
+    name: str,
+    help: str,
+    kind: api_pb2.MetricType.ValueType,
+    read: Callable[[ContainerFigures], int | None],
+) -> _Spec[ContainerFigures]:
     return _Spec(name, help, kind, LABELS, _single(read))
 
 
 def _on_filesystem(
-    name: str, help: str, kind: api_pb2.MetricType.ValueType, read: Callable[[_Filesystem], int]
-) -> _Spec[_Running]:
-    def series(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+    name: str, help: str, kind: api_pb2.MetricType.ValueType, read: Callable[[Filesystem], int]
+) -> _Spec[ContainerFigures]:
+    def series(r: ContainerFigures) -> list[tuple[Mapping[str, str], int]]:
         fs = r.filesystem
         return [] if fs is None else [({"device": fs.device}, read(fs))]
 
@@ -127,14 +96,14 @@ def _on_filesystem(
 def _per_device(
     name: str,
     help: str,
-    figures: Callable[[CgroupFigures], dict[tuple[int, int], dict[str, int]]],
+    figures: Callable[[CgroupFigures], dict[Device, dict[str, int]]],
     operation: str,
-) -> _Spec[_Running]:
+) -> _Spec[ContainerFigures]:
     """A block I/O counter of one operation, per device (cAdvisor's container_fs_*)."""
 
-    def series(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+    def series(r: ContainerFigures) -> list[tuple[Mapping[str, str], int]]:
         return [
-            ({"device": block_device_name(*device)}, ops[operation])
+            ({"device": r.device_names[device]}, ops[operation])
             for device, ops in sorted(figures(r.figures).items())
             if operation in ops
         ]
@@ -142,11 +111,11 @@ def _per_device(
     return _Spec(name, help, COUNTER, (*LABELS, "device"), series)
 
 
-def _blkio_usage(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+def _blkio_usage(r: ContainerFigures) -> list[tuple[Mapping[str, str], int]]:
     return [
         (
             {
-                "device": block_device_name(*device),
+                "device": r.device_names[device],
                 "major": str(device[0]),
                 "minor": str(device[1]),
                 "operation": operation,
@@ -158,7 +127,7 @@ def _blkio_usage(r: _Running) -> list[tuple[Mapping[str, str], int]]:
     ]
 
 
-def _page_faults(r: _Running) -> list[tuple[Mapping[str, str], int]]:
+def _page_faults(r: ContainerFigures) -> list[tuple[Mapping[str, str], int]]:
     return [
         ({"failure_type": fault, "scope": scope}, value)
         for (fault, scope), value in sorted(r.figures.page_faults.items())
@@ -457,112 +426,66 @@ def _samples(
 
 
 async def list_metric_descriptors(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.ListMetricDescriptorsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListMetricDescriptorsResponse:
     return api_pb2.ListMetricDescriptorsResponse(descriptors=metric_descriptors())
 
 
-async def pod_sandbox_metrics_listed(
-    services: Components,
-) -> AsyncIterator[api_pb2.PodSandboxMetrics]:
+def pod_sandbox_metrics_listed(view: RuntimeView) -> AsyncIterator[api_pb2.PodSandboxMetrics]:
     """Each ready pod's metrics, read when it is its turn: ListPodSandboxMetrics and
     StreamPodSandboxMetrics."""
-    for sandbox in services.sandboxes.list():
-        if not sandbox.ready:
-            continue  # a stopped pod has no processes and no network left to measure
-        containers = services.containers.list(sandbox_id=sandbox.id)
-        # cgroup files and a namespace switch: off the event loop.
-        yield await asyncio.to_thread(_pod_metrics, services, sandbox, containers)
+    return view.usage.pods_figures(_pod_metrics)
 
 
 async def list_pod_sandbox_metrics(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.ListPodSandboxMetricsRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.ListPodSandboxMetricsResponse:
     pods = await listing.collect(
-        pod_sandbox_metrics_listed(services),
+        pod_sandbox_metrics_listed(view),
         "ListPodSandboxMetrics",
         "StreamPodSandboxMetrics",
-        listing.reply_limit(services.config),
+        listing.reply_limit(view.config),
     )
     return api_pb2.ListPodSandboxMetricsResponse(pod_metrics=pods)
 
 
 async def stream_pod_sandbox_metrics(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.StreamPodSandboxMetricsRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:
     await listing.stream(
-        pod_sandbox_metrics_listed(services),
+        pod_sandbox_metrics_listed(view),
         context,
         lambda pod: api_pb2.StreamPodSandboxMetricsResponse(pod_sandbox_metrics=[pod]),
     )
 
 
-def _pod_metrics(
-    services: Components, sandbox: SandboxRecord, containers: list[ContainerRecord]
-) -> api_pb2.PodSandboxMetrics:
+def _pod_metrics(pod: PodFigures) -> api_pb2.PodSandboxMetrics:
+    sandbox = pod.record
     meta = sandbox.config.metadata
-    pod = {"namespace": meta.namespace, "pod": meta.name}
+    labels = {"namespace": meta.namespace, "pod": meta.name}
     metrics = api_pb2.PodSandboxMetrics(pod_sandbox_id=sandbox.id)
-    if sandbox.netns_path is not None:
-        try:
-            interfaces = read_netns_counters(sandbox.netns_path)
-        except (OSError, TimeoutError) as err:
-            log.warning(
-                "network metrics of pod %s: %s",
-                sandbox.id,
-                err,
-                extra=object_fields("sandbox", sandbox.id, sandbox.name),
-            )
-            interfaces = {}
-        labels = {**pod, "container": "POD", "id": sandbox.id, "image": "", "name": sandbox.name}
-        for interface, counters in sorted(interfaces.items()):
-            with_interface = {**labels, "interface": interface}
-            metrics.metrics.extend(_samples(_NETWORK_METRICS, with_interface, counters))
-    for container in containers:
-        if container.state != "running":
-            continue
-        backend = services.containers.backend_of(container)
-        path = backend.cgroups_path(container.id)
-        if path is None:
-            continue
-        figures = read_cgroup_figures(path, backend.cgroup_root, cgroup_v2=backend.cgroup_v2)
-        running = _Running(
-            figures,
-            container,
-            _writable_layer_filesystem(container.bundle_dir / "upper"),
-            count_descriptors(figures.pids),
-            int(time.time()),
+    own = {**labels, "container": "POD", "id": sandbox.id, "image": "", "name": sandbox.name}
+    for interface, counters in sorted(pod.interfaces.items()):
+        metrics.metrics.extend(
+            _samples(_NETWORK_METRICS, {**own, "interface": interface}, counters)
         )
-        labels = {
-            **pod,
+    for running in pod.containers:
+        container = running.record
+        of_container = {
+            **labels,
             "container": container.config.metadata.name,
             "id": container.id,
             "image": container.image_ref,
             "name": container.name,
         }
-        values = _samples(_CONTAINER_METRICS, labels, running)
+        values = _samples(_CONTAINER_METRICS, of_container, running)
         metrics.container_metrics.append(
             api_pb2.ContainerMetrics(container_id=container.id, metrics=values)
         )
     return metrics
-
-
-def _writable_layer_filesystem(upper: Path) -> _Filesystem | None:
-    try:
-        info = os.statvfs(upper)
-        device = upper.stat().st_dev
-    except OSError:
-        return None
-    return _Filesystem(
-        device=block_device_name(os.major(device), os.minor(device)),
-        limit_bytes=info.f_blocks * info.f_frsize,
-        inodes_total=info.f_files,
-        inodes_free=info.f_ffree,
-        usage_bytes=writable_layer_usage(upper).used_bytes,
-    )

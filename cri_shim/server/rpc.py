@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cri_shim import errors, logcontext
+from cri_shim import errors, logcontext, tracing
 from cri_shim.server.limits import admitted
+from cri_shim.server.listing import StreamStalled
 from cri_shim.server.wire import LargeRequest
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import EdgeView, ObjectNames
 
 log = logging.getLogger("cri_shim.server")
 
@@ -55,21 +56,20 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
     return asyncio.get_running_loop().time() + max(0.0, remaining - DEADLINE_MARGIN)
 
 
-Handler = Callable[["Components", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 # The request fields that name an object, and the kind of object each names.
 _OBJECT_FIELDS = (("pod_sandbox_id", "sandbox"), ("container_id", "container"))
 
 
-def bind_request_objects(services: Components, request: Any) -> None:
+def bind_request_objects(names: ObjectNames, request: Any) -> None:
     """Bind the objects the request names by ID to the log context, with their names
     (and full IDs, for an ID prefix) when the daemon knows them."""
     for field, kind in _OBJECT_FIELDS:
         ref = getattr(request, field, "")
         if not isinstance(ref, str) or not ref:
             continue
-        coordinator = (services.sandboxes if kind == "sandbox" else services.containers).coordinator
-        object_id, name = coordinator.identify(ref) or (ref, "")
+        object_id, name = names.identify(kind, ref) or (ref, "")
         logcontext.bind_object(kind, object_id, name)
 
 
@@ -83,35 +83,45 @@ def cri_method_name(name: str) -> str:
 
 
 def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """Wrap a handler(services, request, context) as the servicer method of the same CRI
-    name."""
+    """Wrap a handler(view, request, context) as the servicer method of the same CRI
+    name: `view` is the servicer's (server/views.py)."""
     name = cri_method_name(handler.__name__)
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        services: Components | None = self.services
-        if services is None:
+        view: EdgeView | None = self.services
+        if view is None:
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
             raise AssertionError("abort returns by raising")
         started = time.perf_counter()
         code = grpc.StatusCode.OK
-        with logcontext.scope():  # what the request binds ends with it
+        with (
+            logcontext.scope(),  # what the request binds ends with it
+            tracing.serving(
+                view.tracer, name, _metadata(context), _span_attributes(request)
+            ) as span,
+        ):
             try:
                 large = isinstance(request, LargeRequest)
                 if large:
                     request = await _parse_off_loop(name, request)
-                bind_request_objects(services, request)
-                # Validated and admitted first (issue 9): a bad or surplus call does nothing.
-                return await admitted(
-                    handler, services, request, context, request_deadline(context), large
+                bind_request_objects(view.names, request)
+                # Validated and admitted first: a bad or surplus call does nothing, not even
+                # reserve a name or hold a slot that a good call needs.
+                response = await admitted(
+                    handler, view, request, context, request_deadline(context), large
                 )
+                _note_response(span, response)
+                return response
             except errors.CriError as exc:
                 code = status_code(exc)
                 log.info("%s: %s: %s", name, code.name, exc)
                 await context.abort(code, str(exc))
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+            except asyncio.CancelledError as exc:
+                # The client went away, or a stream's client stopped reading (logged).
+                stalled = isinstance(exc, StreamStalled)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if stalled else grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
@@ -120,11 +130,48 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 log.exception("%s failed unexpectedly", name)
                 await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
             finally:
-                if services.metrics is not None:
-                    services.metrics.observe_rpc(name, code.name, time.perf_counter() - started)
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                if code is not grpc.StatusCode.OK:
+                    span.fail(code.name)
+                if view.rpc_metrics is not None:
+                    view.rpc_metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 
     method.__name__ = name
     return method
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's metadata as text (where a caller's `traceparent` is)."""
+    return {
+        key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)
+    }
+
+
+def _span_attributes(request: Any) -> dict[str, str]:
+    """What a call's span says it is about: the IDs and names the request carries."""
+    attributes: dict[str, str] = {}
+    for field, kind in _OBJECT_FIELDS:
+        value = getattr(request, field, "")
+        if isinstance(value, str) and value:
+            attributes[f"cri.{kind}_id"] = value
+    config = getattr(request, "config", None)
+    metadata: Any = getattr(config, "metadata", None)
+    name = getattr(metadata, "name", None)
+    if isinstance(name, str) and name:
+        kind = "sandbox" if hasattr(metadata, "namespace") else "container"
+        attributes[f"cri.{kind}_name"] = name
+        if kind == "sandbox":
+            attributes["k8s.namespace.name"] = metadata.namespace
+            attributes["k8s.pod.uid"] = metadata.uid
+    return attributes
+
+
+def _note_response(span: tracing.Span, response: Any) -> None:
+    """The ID a creation answered with (RunPodSandbox, CreateContainer)."""
+    for field, kind in _OBJECT_FIELDS:
+        value = getattr(response, field, "")
+        if isinstance(value, str) and value:
+            span.set_attribute(f"cri.{kind}_id", value)
 
 
 async def _parse_off_loop(name: str, request: LargeRequest) -> Any:

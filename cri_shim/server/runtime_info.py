@@ -10,10 +10,9 @@ import grpc
 
 from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
-from cri_shim.runtime.features import handler_features, to_cri
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import HandlerFeatures, RuntimeView
 
 log = logging.getLogger("cri_shim.server")
 
@@ -22,7 +21,7 @@ KUBE_API_VERSION = "0.1.0"
 
 
 async def version(
-    services: Components, request: api_pb2.VersionRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.VersionRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.VersionResponse:
     return api_pb2.VersionResponse(
         version=KUBE_API_VERSION,
@@ -33,10 +32,10 @@ async def version(
 
 
 async def status(
-    services: Components, request: api_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.StatusRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StatusResponse:
-    net_ready, net_reason, net_message = services.sandboxes.network_status()
-    backends = services.containers.backends
+    net_ready, net_reason, net_message = view.sandboxes.network_status()
+    handlers = view.containers.backends
     conditions = [
         api_pb2.RuntimeCondition(type="RuntimeReady", status=True),
         api_pb2.RuntimeCondition(
@@ -45,14 +44,14 @@ async def status(
     ]
     # Clients look the default handler up under the empty name (a request naming no
     # handler), so it is listed under "" too, beside its own name.
-    default = services.config.runtime.default_handler
-    names = ([""] if default in backends else []) + sorted(backends)
+    default = view.config.runtime.default_handler
+    names = ([""] if default in handlers else []) + sorted(handlers)
     response = api_pb2.StatusResponse(
         status=api_pb2.RuntimeStatus(conditions=conditions),
         runtime_handlers=[
             api_pb2.RuntimeHandler(
                 name=name,
-                features=to_cri(handler_features(backends[name or default].runtime_path)),
+                features=_features(view.containers.features_of(name or default)),
             )
             for name in names
         ],
@@ -62,39 +61,48 @@ async def status(
         ),
     )
     if request.verbose:
-        apparmor = services.containers.apparmor
+        apparmor = view.containers.apparmor
         info = {
             "config": {
-                "root": str(services.config.root),
-                "run_root": str(services.config.run_root),
-                "cgroup_manager": services.config.cgroup_manager,
-                "keep_on_timeout": services.config.creation.keep_on_timeout,
-                "hand_off": services.config.creation.hand_off,
+                "root": str(view.config.root),
+                "run_root": str(view.config.run_root),
+                "cgroup_manager": view.config.cgroup_manager,
+                "keep_on_timeout": view.config.creation.keep_on_timeout,
+                "hand_off": view.config.creation.hand_off,
             },
-            "creation": services.creation_stats(),
+            "creation": view.census.creation_stats(),
             # RuntimeDefault is the runtime's own profile; unconfined where AppArmor is off.
             "apparmor": {
                 "enabled": apparmor.enabled(),
                 "runtime_default": apparmor.runtime_default(),
             },
         }
-        if services.loop_monitor is not None:
-            info["eventLoop"] = services.loop_monitor.report()
+        if view.census.loop_monitor is not None:
+            info["eventLoop"] = view.census.loop_monitor.report()
+        if tracing := view.tracer.figures():
+            info["tracing"] = tracing
         response.info["info"] = json.dumps(info, sort_keys=True)
     return response
 
 
+def _features(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
+    return api_pb2.RuntimeHandlerFeatures(
+        recursive_read_only_mounts=features.recursive_read_only_mounts,
+        user_namespaces=features.user_namespaces,
+    )
+
+
 async def runtime_config(
-    services: Components, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RuntimeConfigResponse:
-    driver = api_pb2.SYSTEMD if services.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
+    driver = api_pb2.SYSTEMD if view.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
     return api_pb2.RuntimeConfigResponse(
         linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver)
     )
 
 
 async def update_runtime_config(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.UpdateRuntimeConfigRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.UpdateRuntimeConfigResponse:

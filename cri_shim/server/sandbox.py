@@ -10,37 +10,37 @@ from typing import TYPE_CHECKING
 import grpc
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.lifecycle.pod_resources import recorded_pod_resources
 from cri_shim.server import listing
+from cri_shim.server.container import to_status
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import SandboxRecord
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import RuntimeView
 
 
 async def run_pod_sandbox(
-    services: Components, request: api_pb2.RunPodSandboxRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.RunPodSandboxRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RunPodSandboxResponse:
-    sandbox_id = await services.sandboxes.run(
+    sandbox_id = await view.sandboxes.run(
         request.config, request.runtime_handler, request_deadline(context)
     )
     return api_pb2.RunPodSandboxResponse(pod_sandbox_id=sandbox_id)
 
 
 async def stop_pod_sandbox(
-    services: Components, request: api_pb2.StopPodSandboxRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.StopPodSandboxRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.StopPodSandboxResponse:
-    await services.sandboxes.stop(request.pod_sandbox_id)
+    await view.sandboxes.stop(request.pod_sandbox_id)
     return api_pb2.StopPodSandboxResponse()
 
 
 async def remove_pod_sandbox(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.RemovePodSandboxRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.RemovePodSandboxResponse:
-    await services.sandboxes.remove(request.pod_sandbox_id)
+    await view.sandboxes.remove(request.pod_sandbox_id)
     return api_pb2.RemovePodSandboxResponse()
 
 
@@ -71,11 +71,11 @@ def to_pod_sandbox_status(sandbox: SandboxRecord) -> api_pb2.PodSandboxStatus:
 
 
 async def pod_sandbox_status(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.PodSandboxStatusRequest,
     context: grpc.aio.ServicerContext,
 ) -> api_pb2.PodSandboxStatusResponse:
-    sandbox = services.sandboxes.get(request.pod_sandbox_id)
+    sandbox = view.sandboxes.get(request.pod_sandbox_id)
     response = api_pb2.PodSandboxStatusResponse(status=to_pod_sandbox_status(sandbox))
     if request.verbose:
         info = {
@@ -90,19 +90,23 @@ async def pod_sandbox_status(
             "ips": sandbox.ips,
             "cniResult": sandbox.cni_result,
             "hostNetwork": sandbox.host_network,
-            "resources": recorded_pod_resources(sandbox.sandbox_dir),
+            "resources": view.pod_resources.recorded(sandbox),
         }
         response.info["info"] = json.dumps(info, sort_keys=True)
     # Evented PLEG (kubelet) reads the pod's container statuses from this response.
-    response.containers_statuses.extend(services.container_statuses_of(sandbox.id))
+    response.containers_statuses.extend(container_statuses(view, sandbox.id))
     return response
 
 
+def container_statuses(view: RuntimeView, sandbox_id: str) -> list[api_pb2.ContainerStatus]:
+    return [to_status(c) for c in view.containers.list(sandbox_id=sandbox_id)]
+
+
 def pod_sandboxes_listed(
-    services: Components, f: api_pb2.PodSandboxFilter
+    view: RuntimeView, f: api_pb2.PodSandboxFilter
 ) -> Iterator[api_pb2.PodSandbox]:
     """The sandboxes `f` selects, one at a time: ListPodSandbox and StreamPodSandboxes."""
-    for sandbox in services.sandboxes.list():
+    for sandbox in view.sandboxes.list():
         if f.id and not sandbox.id.startswith(f.id):
             continue
         if f.HasField("state") and f.state.state != _state(sandbox):
@@ -121,24 +125,24 @@ def pod_sandboxes_listed(
 
 
 async def list_pod_sandbox(
-    services: Components, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.ListPodSandboxRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ListPodSandboxResponse:
     items = await listing.collect(
-        pod_sandboxes_listed(services, request.filter),
+        pod_sandboxes_listed(view, request.filter),
         "ListPodSandbox",
         "StreamPodSandboxes",
-        listing.reply_limit(services.config),
+        listing.reply_limit(view.config),
     )
     return api_pb2.ListPodSandboxResponse(items=items)
 
 
 async def stream_pod_sandboxes(
-    services: Components,
+    view: RuntimeView,
     request: api_pb2.StreamPodSandboxesRequest,
     context: grpc.aio.ServicerContext,
 ) -> None:
     await listing.stream(
-        pod_sandboxes_listed(services, request.filter),
+        pod_sandboxes_listed(view, request.filter),
         context,
         lambda s: api_pb2.StreamPodSandboxesResponse(pod_sandboxes=[s]),
     )

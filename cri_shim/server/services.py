@@ -22,20 +22,18 @@ from cri_shim.server.rpc import rpc, unimplemented
 from cri_shim.server.wire import deserializer
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import ImageView, RuntimeView
 
 _PENDING = {
     "CheckpointContainer": "checkpointing",
 }
 
 
-class _Servicer:
+class RuntimeService(api_pb2_grpc.RuntimeServiceServicer):
     def __init__(self) -> None:
         # None until restore has finished; every call answers UNAVAILABLE until then.
-        self.services: Components | None = None
+        self.services: RuntimeView | None = None
 
-
-class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):
     Version = rpc(runtime_info.version)
     Status = rpc(runtime_info.status)
     RuntimeConfig = rpc(runtime_info.runtime_config)
@@ -72,7 +70,11 @@ class RuntimeService(_Servicer, api_pb2_grpc.RuntimeServiceServicer):
     StreamPodSandboxMetrics = rpc(metrics_cri.stream_pod_sandbox_metrics)
 
 
-class ImageService(_Servicer, api_pb2_grpc.ImageServiceServicer):
+class ImageService(api_pb2_grpc.ImageServiceServicer):
+    def __init__(self) -> None:
+        # None until restore has finished, as RuntimeService's.
+        self.services: ImageView | None = None
+
     ListImages = rpc(image.list_images)
     StreamImages = rpc(image.stream_images)
     ImageStatus = rpc(image.image_status)

@@ -9,26 +9,26 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 
 if TYPE_CHECKING:
-    from cri_shim.server.components import Components
+    from cri_shim.server.views import RuntimeView
 
 
 async def exec_(
-    services: Components, request: api_pb2.ExecRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.ExecRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.ExecResponse:
-    services.containers.get_running(request.container_id)
-    return api_pb2.ExecResponse(url=(await services.streaming.server()).get_exec_url(request))
+    view.containers.get_running(request.container_id)
+    return api_pb2.ExecResponse(url=(await view.streaming.server()).get_exec_url(request))
 
 
 async def attach(
-    services: Components, request: api_pb2.AttachRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.AttachRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.AttachResponse:
-    services.containers.get_running(request.container_id)
-    return api_pb2.AttachResponse(url=(await services.streaming.server()).get_attach_url(request))
+    view.containers.get_running(request.container_id)
+    return api_pb2.AttachResponse(url=(await view.streaming.server()).get_attach_url(request))
 
 
 async def port_forward(
-    services: Components, request: api_pb2.PortForwardRequest, context: grpc.aio.ServicerContext
+    view: RuntimeView, request: api_pb2.PortForwardRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.PortForwardResponse:
-    services.sandboxes.pods.netns_of(request.pod_sandbox_id)
-    server = await services.streaming.server()
+    view.pods.netns_of(request.pod_sandbox_id)
+    server = await view.streaming.server()
     return api_pb2.PortForwardResponse(url=server.get_portforward_url(request))

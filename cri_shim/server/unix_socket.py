@@ -1,4 +1,4 @@
-"""The CRI socket's file (issue 9): created 0660, owned by root and `socket_group`, in a
+"""The CRI socket's file: created 0660, owned by root and `socket_group`, in a
 directory nobody else can write to.
 
 Whoever can connect to the socket can run containers as root, so:

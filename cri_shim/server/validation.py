@@ -1,4 +1,4 @@
-"""Request validation at the gRPC edge (issue 9): every call is checked here before any
+"""Request validation at the gRPC edge: every call is checked here before any
 handler runs, so that a hostile or broken request is refused with INVALID_ARGUMENT naming
 the field, and nothing is reserved, created or written for it.
 
@@ -21,7 +21,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -29,8 +29,7 @@ from google.protobuf.message import Message
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
-from cri_shim.runtime.spec import SandboxContext, container_sysctls
-from cri_shim.state.records import host_network
+from cri_shim.pod_rules import host_network, namespaced_sysctls
 
 # Kubernetes' own limit on the total size of an object's annotations (and we hold labels
 # to it too): both go into the state database and the OCI spec of every container.
@@ -254,23 +253,21 @@ def _dns(dns: api_pb2.DNSConfig, field: str) -> None:
 def _sysctls(config: api_pb2.PodSandboxConfig, hostnet: bool, field: str) -> None:
     """Only sysctls that the pod's own namespaces isolate (net.* only off the host
     network, IPC ones only with a private IPC namespace): the rules are the spec
-    builder's, applied here before the pod exists rather than at its first container."""
+    builder's (pod_rules.py), applied here before the pod exists rather than at its first
+    container."""
     for name, value in config.linux.sysctls.items():
         if len(name) > MAX_NAME or not _SYSCTL.match(name):
             raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl name")
         if "\n" in value or len(value) > MAX_PATH:
             raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl value")
     options = config.linux.security_context.namespace_options
-    pinned = Path("/pinned")  # only whether the namespace is the pod's own matters here
-    context = SandboxContext(
-        pod_id="",
-        netns_path=None if hostnet else pinned,
-        uts_ns_path=None if hostnet else pinned,
-        ipc_ns_path=None if options.ipc == api_pb2.NODE else pinned,
-        sysctls=dict(config.linux.sysctls),
-    )
     try:
-        container_sysctls(context)
+        namespaced_sysctls(
+            config.linux.sysctls,
+            own_network=not hostnet,
+            own_ipc=options.ipc != api_pb2.NODE,
+            own_uts=not hostnet,
+        )
     except InvalidArgument as exc:
         raise InvalidArgument(f"{field}: {str(exc).removeprefix('sysctls: ')}") from None
 

@@ -10,9 +10,14 @@ slice, so that the loop gets the interpreter back between slices.
 Slicing relies on protobuf's own rule that parsing two serialized fragments one after the
 other into the same message is the same as parsing their concatenation: the message's
 fields are walked on the wire, consecutive fields are merged a few hundred KiB at a time,
-and a singular sub-message field bigger than a slice (CreateContainer's `config`) is
-itself merged into in slices. Repeated fields (argv, environment, mounts) are one wire
-field per element, so they slice naturally.
+and a sub-message field bigger than a slice (CreateContainer's `config`, or one element of
+a repeated message field such as a mount with a million ID mappings) is itself merged
+into in slices. Repeated fields (argv, environment, mounts) are one wire field per
+element, so they slice naturally.
+
+Groups (wire types 3 and 4) are refused: no CRI message has one, and the parser takes a
+group, however long, in one piece (a 14 MiB request behind a leading empty group was
+parsed in one 130 ms slice).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ LARGE_REQUEST = 256 * 1024
 # About a millisecond of parsing: the longest the loop waits for the interpreter.
 SLICE = 256 * 1024
 
-_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+_VARINT, _FIXED64, _LENGTH_DELIMITED, _START_GROUP, _END_GROUP, _FIXED32 = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +90,10 @@ def _merge(message: Message, data: memoryview) -> None:
             payload = position
             position += length
             if length > SLICE and position <= end:
-                field = fields.get(key >> 3)
-                if _singular_message(field):
-                    assert field is not None
+                target = _sub_message(message, fields.get(key >> 3))
+                if target is not None:
                     _merge_slice(message, data[pending:field_start])
-                    _merge(getattr(message, field.name), data[payload:position])
+                    _merge(target(), data[payload:position])
                     pending = position
                     continue
         elif wire_type == _VARINT:
@@ -98,9 +102,16 @@ def _merge(message: Message, data: memoryview) -> None:
             position += 8
         elif wire_type == _FIXED32:
             position += 4
+        elif wire_type in (_START_GROUP, _END_GROUP):
+            raise DecodeError(
+                f"field {key >> 3} of {message.DESCRIPTOR.name} is a group (wire type "
+                f"{wire_type}), which no CRI message has"
+            )
         else:
-            # Groups are not in the CRI; the parser says what is wrong with the bytes.
-            break
+            raise DecodeError(
+                f"field {key >> 3} of {message.DESCRIPTOR.name} has wire type {wire_type}, "
+                "which protobuf does not have"
+            )
         if position - pending >= SLICE:
             _merge_slice(message, data[pending:position])
             pending = position
@@ -114,10 +125,17 @@ def _merge_slice(message: Message, data: memoryview) -> None:
         message.MergeFromString(bytes(data))
 
 
-def _singular_message(field: Any) -> bool:
-    return (
-        field is not None and field.type == FieldDescriptor.TYPE_MESSAGE and not field.is_repeated
-    )
+def _sub_message(message: Message, field: Any) -> Callable[[], Message] | None:
+    """What a message field's next occurrence on the wire merges into: the sub-message of
+    a singular field, a new element of a repeated one; None for any other field (a map
+    entry holds strings here, and an unknown field's bytes are only copied)."""
+    if field is None or field.type != FieldDescriptor.TYPE_MESSAGE:
+        return None
+    if not field.is_repeated:
+        return lambda: getattr(message, field.name)
+    if field.message_type.GetOptions().map_entry:
+        return None
+    return getattr(message, field.name).add  # type: ignore[no-any-return]
 
 
 def _varint(data: memoryview, position: int) -> tuple[int, int]:

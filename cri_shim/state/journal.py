@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cri_shim.faults import fault_point
+from cri_shim import tracing
+from cri_shim.faults import fault_point, undo_point
 from cri_shim.state.db import Database
 
 log = logging.getLogger("cri_shim.journal")
@@ -56,6 +57,10 @@ class Journal:
 
     def register(self, action: str, undo: UndoAction) -> None:
         self._actions[action] = undo
+
+    def actions(self) -> frozenset[str]:
+        """The undo actions registered, each a step the journal may record and run."""
+        return frozenset(self._actions)
 
     def record(self, object_id: str, action: str, **args: Any) -> int:
         """Record the inverse of a step that is about to be (or was just) done; returns its seq."""
@@ -131,8 +136,11 @@ class Journal:
         for step in reversed(self.steps(object_id)):
             if (wanted is not None and step.action not in wanted) or step.action in skipped:
                 continue
-            fault_point(f"undo:{step.action}")
-            error = await self._run_with_retries(step, deadline)
+            fault_point(undo_point(step.action))
+            with tracing.span(f"undo {step.action}", **{"cri.undo.action": step.action}) as span:
+                error = await self._run_with_retries(step, deadline)
+                if error is not None:
+                    span.fail(error)
             if error is not None:
                 failures.append((step, error))
                 self._queue_for_gc(step, error)

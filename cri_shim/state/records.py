@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.pod_rules import host_network, pod_hostname
 
 
 @dataclass
@@ -63,22 +63,6 @@ class SandboxRecord:
     @property
     def hostname(self) -> str:
         return pod_hostname(self.config, self.id)
-
-
-def host_network(config: api_pb2.PodSandboxConfig) -> bool:
-    options = config.linux.security_context.namespace_options
-    return bool(options.network == api_pb2.NODE)
-
-
-def pod_hostname(config: api_pb2.PodSandboxConfig, sandbox_id: str) -> str:
-    """The pod's hostname: the one asked for; else, as CRI-O does, the node's for a
-    host-network pod and the sandbox ID's first 12 characters for a pod with its own UTS
-    namespace (a pod's name may be longer than a hostname may be)."""
-    if config.hostname:
-        return config.hostname
-    if host_network(config):
-        return os.uname().nodename
-    return sandbox_id[:12]
 
 
 def _path(value: str | None) -> Path | None:

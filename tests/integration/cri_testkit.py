@@ -133,7 +133,7 @@ def exec_sync(daemon: Daemon, container_id: str, cmd: list[str]) -> api_pb2.Exec
 
 def output(st: api_pb2.ContainerStatus, stream: str = "stdout") -> list[str]:
     """The container's logical output lines on one stream (partial records joined)."""
-    from cri_shim.logs.crilog import join_partials, read_records
+    from tests.crilog import join_partials, read_records
 
     messages = join_partials(read_records(Path(st.log_path)))
     return [m.content.decode() for m in messages if m.stream == stream]

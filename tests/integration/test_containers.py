@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.logs.crilog import join_partials, read_records
+from tests.crilog import join_partials, read_records
 from tests.harness import REPO, Daemon, import_image, pod_config, wait_until
 from tests.integration import cri_testkit
 from tests.integration.cri_testkit import create, start, status

@@ -143,3 +143,79 @@ def test_an_edited_spec_file_is_used_by_the_next_creation(
     assert output(run_to_exit(cdi_daemon, p, config("before"))) == ["null0"]
     (spec_dir / "vendor.json").write_text(json.dumps(vendor_spec(host_dir, visible="edited")))
     assert output(run_to_exit(cdi_daemon, p, config("after"))) == ["edited"]
+
+
+def alias_bomb(kind: str, aliases: int = 3400) -> str:
+    """27 KB of YAML: one 13.6 KB string, and a hook whose arguments name it `aliases`
+    times, 46 MB once each alias is written out (as runc's config.json would have it)."""
+    names = ", ".join(["*s"] * aliases)
+    return (
+        f'cdiVersion: "0.6.0"\nkind: {kind}\ndevices:\n- name: b0\n  containerEdits:\n'
+        f"    hooks:\n    - hookName: poststop\n      path: /bin/true\n"
+        f'      args: [&s "{"v" * aliases * 4}", {names}]\n'
+    )
+
+
+def small_spec(kind: str, device: str) -> str:
+    edits = {"env": [f"FROM={device}"]}
+    return json.dumps(
+        {
+            "cdiVersion": "0.6.0",
+            "kind": kind,
+            "devices": [{"name": device, "containerEdits": edits}],
+        }
+    )
+
+
+def test_hostile_spec_files_break_only_their_own_devices(
+    cdi_daemon: Daemon,
+    cdi_dirs: tuple[Path, Path],
+    p: tuple[str, api_pb2.PodSandboxConfig],
+    short_tmp: Path,
+) -> None:
+    spec_dir, _ = cdi_dirs
+    (spec_dir / "bomb.yaml").write_text(alias_bomb("vendor.example/bomb"))
+    (spec_dir / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (spec_dir / "huge.json").write_text(small_spec("vendor.example/huge", "h0") + " " * (2 << 20))
+    outside = short_tmp / "outside.json"
+    outside.write_text(small_spec("vendor.example/outside", "o0"))
+    (spec_dir / "escape.json").symlink_to(outside)
+    # A symlink that stays inside the directory is read as the file it names.
+    (spec_dir / "versions").mkdir()
+    (spec_dir / "versions" / "v2.json").write_text(small_spec("vendor.example/linked", "l0"))
+    (spec_dir / "linked.json").symlink_to("versions/v2.json")
+
+    # Every other vendor's devices resolve as before.
+    st = run_to_exit(
+        cdi_daemon, p, container_config("good", SCRIPT, CDI_devices=[{"name": DEVICE}])
+    )
+    assert output(st)[-1] == "env null0 dev", output(st, "stderr")
+    linked = container_config(
+        "linked", "echo $FROM", CDI_devices=[{"name": "vendor.example/linked=l0"}]
+    )
+    assert output(run_to_exit(cdi_daemon, p, linked)) == ["l0"]
+
+    refused = {
+        "vendor.example/bomb=b0": ("bomb.yaml", "YAML aliases repeat what they name"),
+        "vendor.example/outside=o0": ("escape.json", f"a symlink to {outside}, outside {spec_dir}"),
+        "vendor.example/huge=h0": ("huge.json", f"larger than {1 << 20} bytes"),
+    }
+    for device, (name, problem) in refused.items():
+        config = container_config(device.split("/")[1][:4], "true", CDI_devices=[{"name": device}])
+        with pytest.raises(grpc.RpcError) as err:
+            create(cdi_daemon, p, config)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        # Every unusable file is named, with what is wrong with it, the deep one too.
+        named = blamed_files(err.value.details())
+        assert problem in named[spec_dir / name], named
+        assert "nested too deep to decode" in named[spec_dir / "deep.json"], named
+    assert len(cdi_daemon.rows("containers")) == 2
+
+
+def blamed_files(details: str) -> dict[Path, str]:
+    """What an error says of each spec file it names ("CDI spec file PATH: problem")."""
+    named = {}
+    for part in details.split("CDI spec file ")[1:]:
+        path, _, problem = part.partition(": ")
+        named[Path(path)] = problem
+    return named

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
+import threading
 import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -18,8 +20,12 @@ import pytest
 from google.protobuf.message import Message
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.nri import mux, ttrpc
+from cri_shim.nri.adaptation import RUNTIME_SERVICE
 from cri_shim.nri.api import api_pb2 as nri
-from tests.harness import Daemon
+from cri_shim.nri.api import ttrpc_pb2
+from cri_shim.nri.ttrpc import CallError, Code
+from tests.harness import Daemon, pod_config
 from tests.integration.cri_testkit import (
     container_config,
     create,
@@ -28,6 +34,8 @@ from tests.integration.cri_testkit import (
     output,
     pod,
     remove,
+    remove_pod,
+    run_pod,
     run_to_exit,
     start,
 )
@@ -54,14 +62,22 @@ def adjust(request: Message) -> Message:
     return response
 
 
-@pytest.fixture
-def nri_daemon(make_daemon: Any, short_tmp: Path, busybox_layout: Path) -> Daemon:
+def nri_daemon_with(
+    make_daemon: Any, short_tmp: Path, image: Path | None = None, **nri: Any
+) -> Daemon:
+    """A daemon serving NRI on short_tmp/nri.sock, with these [nri] settings."""
     daemon: Daemon = make_daemon(
-        settings={"nri": {"enable": True, "socket_path": str(short_tmp / "nri.sock")}}
+        settings={"nri": {"enable": True, "socket_path": str(short_tmp / "nri.sock"), **nri}}
     )
     daemon.start()
-    import_image(daemon, busybox_layout)
+    if image is not None:
+        import_image(daemon, image)
     return daemon
+
+
+@pytest.fixture
+def nri_daemon(make_daemon: Any, short_tmp: Path, busybox_layout: Path) -> Daemon:
+    return nri_daemon_with(make_daemon, short_tmp, busybox_layout)
 
 
 def plugin_call(plugin: RecordingPlugin, call: Coroutine[Any, Any, T]) -> T:
@@ -367,18 +383,13 @@ def test_a_pre_installed_plugin_is_launched_configured_served_and_stopped(
     script.chmod(0o755)
     (plugins / "not-a-plugin").write_text("")
     (configs / "launched.conf").write_text("answer = 42")
-    daemon: Daemon = make_daemon(
-        settings={
-            "nri": {
-                "enable": True,
-                "socket_path": str(short_tmp / "nri.sock"),
-                "plugin_path": str(plugins),
-                "plugin_config_path": str(configs),
-            }
-        }
+    daemon = nri_daemon_with(
+        make_daemon,
+        short_tmp,
+        busybox_layout,
+        plugin_path=str(plugins),
+        plugin_config_path=str(configs),
     )
-    daemon.start()
-    import_image(daemon, busybox_layout)
     calls = out / "calls"
 
     def seen() -> list[str]:
@@ -401,3 +412,215 @@ def test_a_pre_installed_plugin_is_launched_configured_served_and_stopped(
     daemon.stop()
     assert seen()[-1] == "Shutdown"
     assert not Path(f"/proc/{pid}").exists()
+
+
+# ---- a plugin can slow one event, never the node ------------------------------------
+
+
+def heavy_pod(name: str, log_dir: Path) -> api_pb2.PodSandboxConfig:
+    """A pod with as many bytes of labels and of annotations as kubelet lets through
+    (256 KiB each): about 500 KiB to describe."""
+    notes = {f"example.com/note-{i}": "x" * 60_000 for i in range(4)}
+    return pod_config(
+        name, uid=f"uid-{name}", log_directory=str(log_dir / name), labels=notes, annotations=notes
+    )
+
+
+def test_a_plugin_that_stops_reading_is_dropped_and_the_creation_goes_on(
+    nri_daemon: Daemon, short_tmp: Path
+) -> None:
+    thread = PluginThread(RecordingPlugin(name="wedged"), short_tmp / "nri.sock")
+    plugin = thread.start()
+    try:
+        wait_until(lambda: "Synchronize" in plugin.methods)
+        assert plugin.loop is not None
+        plugin.loop.call_soon_threadsafe(plugin.stop_reading)
+        # Bigger than the socket's buffers: the daemon cannot even send this RunPodSandbox.
+        config = heavy_pod("heavy", short_tmp)
+        sandbox_id = (
+            nri_daemon.runtime()
+            .RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30)
+            .pod_sandbox_id
+        )
+        # Dropped once its budget (sending included) was spent, whatever the socket's
+        # buffers took of the request.
+        assert "NRI: plugin 10-wedged dropped: DEADLINE_EXCEEDED" in nri_daemon.log()
+        # And the next pod is not held behind it.
+        with pod(nri_daemon, "next", short_tmp):
+            pass
+        remove_pod(nri_daemon, sandbox_id)
+    finally:
+        thread.stop()
+    assert nri_daemon.leaks() == {}
+
+
+def test_state_over_one_message_is_synchronized_split_and_an_oversized_event_refused(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+) -> None:
+    daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout)
+    pods = []
+    try:
+        for i in range(10):  # about 10 x 500 KiB: more than the 4 MiB of one message
+            pods.append(run_pod(daemon, heavy_pod(f"heavy-{i}", short_tmp)))
+        thread = PluginThread(RecordingPlugin(name="late"), short_tmp / "nri.sock")
+        plugin = thread.start()
+        try:
+            wait_until(lambda: _registered_as(daemon, plugin))
+            syncs = [r for m, r in plugin.calls if m == "Synchronize"]
+            assert len(syncs) > 1
+            assert [s.more for s in syncs] == [True] * (len(syncs) - 1) + [False]
+            assert sorted(plugin.told("pod")) == sorted(pods)
+
+            # A container whose description is over a message (its environment alone):
+            # refused, naming the plugin and the size.
+            envs = [api_pb2.KeyValue(key=f"V{i}", value=b"x" * 100_000) for i in range(50)]
+            big = container_config("huge", "true", envs=envs)
+            with pytest.raises(grpc.RpcError) as err:
+                create(daemon, (pods[0], heavy_pod("heavy-0", short_tmp)), big)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            details = err.value.details()
+            assert "NRI plugin 10-late: CreateContainer request of" in details
+            assert "over the 4194304-byte limit of a message" in details
+            assert "CreateContainer" not in plugin.methods
+            assert not daemon.rows("containers")
+        finally:
+            thread.stop()
+    finally:
+        for sandbox_id in pods:
+            remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}
+
+
+def test_plugins_being_admitted_hold_no_creation_and_miss_no_container(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+) -> None:
+    # A budget far longer than the test: only the plugins' answers end their Synchronize.
+    daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout, plugin_request_timeout="60s")
+    socket = short_tmp / "nri.sock"
+    with pod(daemon, "admitted", short_tmp) as p:
+        before = create(daemon, p, container_config("before", "sleep 60"))
+        release = threading.Event()
+        threads = [
+            PluginThread(
+                RecordingPlugin(name=f"joining-{i}", holds={"Synchronize": release}), socket
+            )
+            for i in range(3)
+        ]
+        try:
+            plugins = [thread.start() for thread in threads]
+            wait_until(lambda: all("Synchronize" in plugin.methods for plugin in plugins))
+            # Every plugin holds its Synchronize: a pod and containers are made all the same.
+            during = [
+                create(daemon, p, container_config(f"during-{i}", "sleep 60")) for i in range(3)
+            ]
+            with pod(daemon, "unrelated", short_tmp) as other:
+                assert all(plugin.methods == ["Configure", "Synchronize"] for plugin in plugins)
+                release.set()
+                wait_until(lambda: all(_registered_as(daemon, plugin) for plugin in plugins))
+                after = create(daemon, p, container_config("after", "sleep 60"))
+                wait_until(lambda: all(after in plugin.told() for plugin in plugins))
+                for plugin in plugins:
+                    # Each container and pod reached each plugin once, by one way or the other.
+                    assert sorted(plugin.told()) == sorted([before, *during, after])
+                    assert sorted(plugin.told("pod")) == sorted([p[0], other[0]])
+                    # What came while it synchronized came after its Synchronize, in order.
+                    created = [c for c in plugin.told() if c in during]
+                    assert created == during
+                for container_id in [before, *during, after]:
+                    remove(daemon, container_id)
+        finally:
+            release.set()
+            for thread in threads:
+                thread.stop()
+    assert daemon.leaks() == {}
+
+
+def _registered_as(daemon: Daemon, plugin: RecordingPlugin) -> bool:
+    return f"NRI: plugin {plugin.index}-{plugin.name} registered" in daemon.log()
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+def test_a_method_nobody_serves_is_refused_without_its_name(
+    nri_daemon: Daemon, plugin: RecordingPlugin
+) -> None:
+    wait_until(lambda: _registered_as(nri_daemon, plugin))
+    assert plugin.connection is not None
+    # Named with a megabyte: the answer does not carry it back.
+    with pytest.raises(CallError) as unknown:
+        plugin_call(
+            plugin,
+            plugin.connection.call(RUNTIME_SERVICE, "x" * (1 << 20), nri.Empty(), nri.Empty(), 10),
+        )
+    assert unknown.value.code == Code.UNIMPLEMENTED
+    assert len(unknown.value.message) < 100
+
+
+def test_a_peer_that_sends_and_never_reads_cannot_grow_the_daemon(
+    nri_daemon: Daemon, short_tmp: Path
+) -> None:
+    assert nri_daemon.proc is not None
+    thread = PluginThread(RecordingPlugin(name="flood"), short_tmp / "nri.sock")
+    plugin = thread.start()
+    try:
+        wait_until(lambda: _registered_as(nri_daemon, plugin))
+        assert plugin.loop is not None
+        before = rss_kib(nri_daemon.proc.pid)
+        # 64 MiB of requests, and not one answer read.
+        envelope = ttrpc_pb2.Request(service=RUNTIME_SERVICE, method="Nothing").SerializeToString()
+        flood = b"".join(
+            mux.encode(
+                mux.RUNTIME_SERVICE_CONN,
+                ttrpc.encode_message(stream_id, ttrpc.MessageType.REQUEST, envelope),
+            )
+            for stream_id in range(1, 2 * 100_000, 2)
+        )
+        writer = plugin._writer
+        assert writer is not None
+
+        def write_flood() -> None:
+            plugin.stop_reading()
+            for _ in range((64 << 20) // len(flood)):
+                writer.write(flood)
+
+        plugin.loop.call_soon_threadsafe(write_flood)
+        held: list[int] = []
+
+        def settled() -> bool:
+            held.append(writer.transport.get_write_buffer_size())
+            return len(held) > 20 and len(set(held[-20:])) == 1
+
+        wait_until(settled, timeout=120)
+        # The daemon stopped reading: what it would have had to answer waits in the peer.
+        assert held[-1] > 32 << 20
+        assert rss_kib(nri_daemon.proc.pid) - before < 32 << 10
+    finally:
+        thread.stop()
+
+
+def test_a_plugin_configuration_that_is_not_a_regular_file_is_refused(
+    make_daemon: Any, short_tmp: Path
+) -> None:
+    plugins, configs, out = short_tmp / "plugins", short_tmp / "conf.d", short_tmp / "out"
+    for directory in (plugins, configs, out):
+        directory.mkdir()
+    for name in ("20-piped", "30-huge", "40-fine"):
+        script = plugins / name
+        script.write_text(f"#!/bin/sh\ntouch {out}/{name}\nexec sleep 60\n")
+        script.chmod(0o755)
+    os.mkfifo(configs / "20-piped.conf")  # opened for reading, it would wait for a writer
+    (configs / "30-huge.conf").write_bytes(b"x" * (2 << 20))
+    (configs / "40-fine.conf").write_text("fine")
+    # Serving: the FIFO held nothing up.
+    daemon = nri_daemon_with(
+        make_daemon, short_tmp, plugin_path=str(plugins), plugin_config_path=str(configs)
+    )
+    wait_until(lambda: (out / "40-fine").exists())
+    log = daemon.log()
+    assert f"not starting plugin {plugins}/20-piped: its configuration: " in log
+    assert f"{configs}/20-piped.conf is not a regular file" in log
+    assert f"{configs}/30-huge.conf is larger than 1048576 bytes" in log
+    assert not (out / "20-piped").exists() and not (out / "30-huge").exists()

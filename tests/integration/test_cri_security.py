@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -113,27 +113,34 @@ def test_runtime_default_refuses_what_unconfined_allows(
     assert output(unconfined) == ["allowed"]
 
 
+def probe_runner(
+    daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path, program: str
+) -> Callable[[str, api_pb2.LinuxContainerConfig], list[str]]:
+    """run(name, linux): the output of `tests/fixtures/programs/<program>.c`, built static,
+    run in a container of pod `p` with `linux`."""
+    binary = short_tmp / program
+    source = PROGRAMS / f"{program}.c"
+    subprocess.run(["gcc", "-static", "-O", "-o", str(binary), str(source)], check=True)
+    layout = build_oci_layout(
+        short_tmp / f"{program}-layout",
+        tag=program,
+        extra_files={f"bin/{program}": binary.read_bytes()},
+    )
+    image = f"docker.io/library/busybox:{program.replace('_', '-')}"
+    import_image(daemon, layout, image)
+
+    def run(name: str, linux: api_pb2.LinuxContainerConfig) -> list[str]:
+        script = f"chmod +x /bin/{program} && /bin/{program}"
+        config = container_config(name, script, image=image, linux=linux)
+        return output(run_to_exit(daemon, p, config))
+
+    return run
+
+
 def test_runtime_default_refuses_clone_into_a_new_namespace(
     daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
 ) -> None:
-    probe = short_tmp / "clone_probe"
-    subprocess.run(
-        ["gcc", "-static", "-O", "-o", str(probe), str(PROGRAMS / "clone_probe.c")], check=True
-    )
-    layout = build_oci_layout(
-        short_tmp / "probe-layout", tag="probe", extra_files={"bin/clone_probe": probe.read_bytes()}
-    )
-    import_image(daemon, layout, "docker.io/library/busybox:probe")
-
-    def probe_in(name: str, linux: api_pb2.LinuxContainerConfig) -> list[str]:
-        config = container_config(
-            name,
-            "chmod +x /bin/clone_probe && /bin/clone_probe",
-            image="docker.io/library/busybox:probe",
-            linux=linux,
-        )
-        return output(run_to_exit(daemon, p, config))
-
+    probe_in = probe_runner(daemon, p, short_tmp, "clone_probe")
     default = _seccomp(api_pb2.SecurityProfile.RuntimeDefault)
     assert probe_in("cloner", default) == [
         "clone(CLONE_NEWUSER): Operation not permitted",
@@ -145,20 +152,52 @@ def test_runtime_default_refuses_clone_into_a_new_namespace(
     assert unconfined[2] != "clone3: Function not implemented"
 
 
-def test_a_missing_localhost_profile_is_refused_by_name(
+def test_runtime_default_refuses_io_uring(
     daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
 ) -> None:
-    missing = short_tmp / "missing.json"
+    """io_uring's calls reach kernel code that has been the way out of containers again
+    and again; Docker and containerd refuse them by default too."""
+    probe_in = probe_runner(daemon, p, short_tmp, "io_uring_probe")
+    assert probe_in("uring", _seccomp(api_pb2.SecurityProfile.RuntimeDefault)) == [
+        "io_uring_setup: Operation not permitted",
+        "io_uring_enter: Operation not permitted",
+        "io_uring_register: Operation not permitted",
+    ]
+    # Even CAP_SYS_ADMIN does not bring them back: no capability makes them safe.
+    admin = _seccomp(api_pb2.SecurityProfile.RuntimeDefault)
+    admin.security_context.capabilities.add_capabilities.append("SYS_ADMIN")
+    assert probe_in("uring-admin", admin)[0] == "io_uring_setup: Operation not permitted"
+    # Unconfined, the kernel answers: a ring, and EBADF or EINVAL for the bogus calls.
+    unconfined = probe_in("uring-unconfined", _seccomp(api_pb2.SecurityProfile.Unconfined))
+    assert unconfined[0] == "io_uring_setup: ok", unconfined
+    assert not any("Operation not permitted" in line for line in unconfined), unconfined
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,  # missing
+        "[" * 100_000 + "]" * 100_000,  # too deep for the decoder
+        '{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["kill"]}]}',  # no action
+    ],
+    ids=["missing", "deep", "no-action"],
+)
+def test_a_missing_or_malformed_localhost_profile_is_refused_by_name(
+    daemon: Daemon, p: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path, content: str | None
+) -> None:
+    profile = short_tmp / "profile.json"
+    if content is not None:
+        profile.write_text(content)
     with pytest.raises(grpc.RpcError) as failure:
         create(
             daemon,
             p,
             container_config(
-                "missing", "true", linux=_seccomp(api_pb2.SecurityProfile.Localhost, str(missing))
+                "refused", "true", linux=_seccomp(api_pb2.SecurityProfile.Localhost, str(profile))
             ),
         )
-    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert str(missing) in failure.value.details()
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+    assert str(profile) in failure.value.details()
 
 
 # ---- AppArmor --------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """The README's crictl session, run with the real crictl against the real daemon.
 
-The session is read from the README (its files and its command lines) and every command
-line the test runs is checked against it, so the README stays what a user can type. The
-image is built by the test and pushed to a docker-registry on 127.0.0.1. crictl comes
-from the conformance kit beside the repository (`../shared/conformance/bin/crictl`);
-without it the tests skip.
+The session is read from the README (its set-up lines, its files and its command lines)
+and every command line the test runs is checked against it, so the README stays what a
+user can type. The image and its registry come from the README's `scripts/demo-registry`,
+run on a free port with a directory of the test's own; crictl's configuration is the file
+the README installs. crictl comes from the conformance kit beside the repository
+(`../shared/conformance/bin/crictl`); without it the tests skip.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from tests.conformance import DEFAULT_KIT
 from tests.harness import REPO, Daemon, wait_until
-from tests.imagebuild import build_image
 from tests.integration.cri_testkit import remove_pod, status
-from tests.registry import RegistryServer, free_port, start_registry
+from tests.registry import free_port
 
 CRICTL = DEFAULT_KIT / "bin" / "crictl"
 COMMAND_TIMEOUT = 60.0
@@ -45,21 +45,31 @@ README_SOCKET = "/run/cri-shim/cri-shim.sock"
 README_REGISTRY = "127.0.0.1:5000"
 README_LOG_DIR = "/tmp/web-logs"
 README_LOCAL_PORT = "8081:"
-INDEX_HTML = b"hello from the pod\n"
+INDEX_HTML = b"hello from the pod\n"  # what scripts/demo-registry puts in /www/index.html
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 
 @dataclass
 class ReadmeSession:
-    """The shell block of the README's crictl section: its here-documents and the command
-    lines (comments stripped) that run crictl, in order."""
+    """The shell block of the README's crictl section: the set-up lines before the
+    session, its here-documents and the command lines that run crictl, in order (comments
+    stripped)."""
 
+    setup: list[str]
     files: dict[str, str]
     commands: list[str]
+
+    def setup_line(self, pattern: str) -> re.Match[str]:
+        """The set-up line matching `pattern` (a whole line)."""
+        found = [m for line in self.setup if (m := re.fullmatch(pattern, line))]
+        assert len(found) == 1, (pattern, self.setup)
+        return found[0]
 
 
 def readme_session() -> ReadmeSession:
     section = (REPO / "README.md").read_text().split("## Using it with crictl\n", 1)[1]
     block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    setup: list[str] = []
     files: dict[str, str] = {}
     commands: list[str] = []
     lines = iter(block.splitlines())
@@ -73,7 +83,9 @@ def readme_session() -> ReadmeSession:
             files[Path(heredoc[1]).name] = "\n".join(body) + "\n"
         elif "crictl " in line:
             commands.append(re.sub(r"\s+#\s.*$", "", line).strip())
-    return ReadmeSession(files, commands)
+        elif not files and not commands:
+            setup.append(re.sub(r"\s+#\s.*$", "", line).strip())
+    return ReadmeSession(setup, files, commands)
 
 
 @dataclass
@@ -161,11 +173,33 @@ class Session:
                 proc.stdout.close()
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
-    server = start_registry(tmp_path_factory.mktemp("registry"))
-    yield server
-    server.stop()
+@dataclass
+class DemoRegistry:
+    """What the README's `scripts/demo-registry` made: a registry and web:1 in it."""
+
+    host: str
+    manifest_digest: str
+    image_id: str
+
+
+@pytest.fixture
+def registry(short_tmp: Path) -> Iterator[DemoRegistry]:
+    """The README's `scripts/demo-registry` line, on a free port and a directory of the
+    test's own (the README's 127.0.0.1:5000 may be taken on this machine)."""
+    command = readme_session().setup_line(r"scripts/demo-registry")[0]
+    host = f"127.0.0.1:{free_port()}"
+    own = ["--address", host, "--dir", str(short_tmp / "demo-registry")]
+    run = [str(REPO / command), *own]
+    subprocess.run(run, check=True, cwd=REPO, capture_output=True, timeout=120)
+    try:
+        # The image as the registry serves it: the manifest's digest and its config's.
+        manifest = httpx.get(
+            f"http://{host}/v2/web/manifests/1", headers={"Accept": OCI_MANIFEST}, timeout=10
+        ).raise_for_status()
+        config_digest = manifest.json()["config"]["digest"]
+        yield DemoRegistry(host, manifest.headers["Docker-Content-Digest"], config_digest)
+    finally:
+        subprocess.run([*run, "stop"], check=True, cwd=REPO, capture_output=True, timeout=60)
 
 
 def _remove_everything(daemon: Daemon) -> None:
@@ -176,10 +210,14 @@ def _remove_everything(daemon: Daemon) -> None:
 
 
 def start_session(daemon: Daemon, workdir: Path, substitutions: dict[str, str]) -> Session:
-    """A session in `workdir` (made here) with the README's files, pointed at `daemon`."""
+    """A session in `workdir` (made here) with the README's files, pointed at `daemon`
+    by the crictl configuration the README installs (into the workdir, not /etc)."""
     substitutions = {README_SOCKET: str(daemon.socket), **substitutions}
     workdir.mkdir()
-    for name, content in readme_session().files.items():
+    readme = readme_session()
+    installed = readme.setup_line(r"\[ -e /etc/crictl\.yaml \] \|\| cp (\S+) /etc/crictl\.yaml")
+    files = {"crictl.yaml": (REPO / installed[1]).read_text(), **readme.files}
+    for name, content in files.items():
         for old, new in substitutions.items():
             content = content.replace(old, new)
         (workdir / name).write_text(content)
@@ -188,7 +226,7 @@ def start_session(daemon: Daemon, workdir: Path, substitutions: dict[str, str]) 
 
 @pytest.fixture
 def session(
-    make_daemon: Any, registry: RegistryServer, short_tmp: Path
+    make_daemon: Any, registry: DemoRegistry, short_tmp: Path
 ) -> Iterator[tuple[Session, Daemon]]:
     daemon: Daemon = make_daemon(settings={"images": {"insecure_registries": [registry.host]}})
     daemon.start()
@@ -216,11 +254,9 @@ def _http_get(url: str) -> bytes | None:
 
 
 def test_the_readme_session_with_crictl(
-    session: tuple[Session, Daemon], registry: RegistryServer
+    session: tuple[Session, Daemon], registry: DemoRegistry
 ) -> None:
     crictl, daemon = session
-    image = build_image(extra_files={"www/index.html": INDEX_HTML})
-    manifest_digest = registry.push("web", image, "1")
     reference = f"{registry.host}/web:1"
 
     # The pod.
@@ -244,11 +280,11 @@ def test_the_readme_session_with_crictl(
     assert inspected["info"], inspected
 
     # The image.
-    assert image.image_id in crictl.ok(f"crictl pull {README_REGISTRY}/web:1").stdout
+    assert registry.image_id in crictl.ok(f"crictl pull {README_REGISTRY}/web:1").stdout
     [listed_image] = crictl.ok("crictl images -o json").json()["images"]
-    assert listed_image["id"] == image.image_id
+    assert listed_image["id"] == registry.image_id
     assert listed_image["repoTags"] == [reference]
-    assert listed_image["repoDigests"] == [f"{registry.host}/web@{manifest_digest}"]
+    assert listed_image["repoDigests"] == [f"{registry.host}/web@{registry.manifest_digest}"]
     assert int(listed_image["size"]) > 1_000_000
 
     # The container.
@@ -283,11 +319,25 @@ def test_the_readme_session_with_crictl(
     assert served == INDEX_HTML
     assert forward.poll() is None, "crictl port-forward ended"
 
+    # A MiB written into the container's writable layer (not through crictl: the
+    # session stays the README's) must show in its filesystem use, and the image's
+    # layers below it must not.
+    written = daemon.runtime().ExecSync(
+        api_pb2.ExecSyncRequest(
+            container_id=container_id,
+            cmd=["dd", "if=/dev/urandom", "of=/written", "bs=4096", "count=256"],
+            timeout=30,
+        ),
+        timeout=60,
+    )
+    assert written.exit_code == 0, written
     [stats] = crictl.ok("crictl stats -o json $CTR").json()["stats"]
     assert stats["attributes"]["id"] == container_id
     assert int(stats["memory"]["workingSetBytes"]["value"]) > 0, stats
     assert "usageCoreNanoSeconds" in stats["cpu"], stats
-    assert int(stats["writableLayer"]["usedBytes"]["value"]) >= 0, stats
+    used = int(stats["writableLayer"]["usedBytes"]["value"])
+    assert 1 << 20 <= used < (1 << 20) + int(listed_image["size"]), stats
+    assert int(stats["writableLayer"]["inodesUsed"]["value"]) >= 1, stats
 
     # And all of it away again.
     assert crictl.ok("crictl stop $CTR").stdout.strip() == container_id

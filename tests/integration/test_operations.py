@@ -342,6 +342,7 @@ _NOT_AT_IDLE = {
     "websockets": "the streaming server",
     "pyroute2": "netlink, ~11 MiB (not used at all)",
     "secrets": "hmac and random along with it",
+    "opentelemetry": "the tracing stack, only with [tracing] endpoint",
 }
 
 

@@ -5,6 +5,7 @@ The RPC sequence is the one `crictl runp / inspectp / pods / stopp / rmp` sends.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -283,9 +284,11 @@ def test_unimplemented_rpcs_say_so(daemon: Daemon) -> None:
     assert "CheckpointContainer" in info.value.details()
 
 
-def test_update_runtime_config_is_accepted(daemon: Daemon) -> None:
+def test_update_runtime_config_leaves_addressing_to_cni(
+    daemon: Daemon, test_network: CniTestNetwork
+) -> None:
     # kubelet sends the pod CIDR at start; the CNI configuration owns addressing here.
-    daemon.runtime().UpdateRuntimeConfig(
+    response = daemon.runtime().UpdateRuntimeConfig(
         api_pb2.UpdateRuntimeConfigRequest(
             runtime_config=api_pb2.RuntimeConfig(
                 network_config=api_pb2.NetworkConfig(pod_cidr="10.1.0.0/16")
@@ -293,6 +296,16 @@ def test_update_runtime_config_is_accepted(daemon: Daemon) -> None:
         ),
         timeout=5,
     )
+    assert response == api_pb2.UpdateRuntimeConfigResponse()
+    assert "kubelet reports pod CIDR 10.1.0.0/16" in daemon.log()
+    sandbox_id = run_pod(daemon, pod_config("addressed"))
+    ip = ipaddress.ip_address(status(daemon, sandbox_id).status.network.ip)
+    assert ip in ipaddress.ip_network(test_network.subnet), (ip, test_network.subnet)
+    assert ip not in ipaddress.ip_network("10.1.0.0/16")
+    daemon.runtime().RemovePodSandbox(
+        api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+    )
+    assert daemon.leaks() == {}
 
 
 def test_socket_mode_and_graceful_stop(daemon: Daemon) -> None:

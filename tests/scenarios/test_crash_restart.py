@@ -7,6 +7,7 @@ back and its name usable again; an interrupted removal completes when retried.
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,15 +22,61 @@ from tests.harness import (
     Daemon,
     import_image,
     pod_config,
+    runtime_leaks,
     userns_linux,
     wait_until,
 )
+from tests.scenarios.test_kubelet_retry_container import (
+    create,
+    creates,
+    held,
+    hold_file,
+    slow_pod,  # noqa: F401 (the fixture: a pod on a handler whose `runc create` is held)
+)
+from tests.scenarios.test_kubelet_retry_container import listed as listed_containers
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.slow]
 
 IMAGE = "docker.io/library/busybox:latest"
-SANDBOX_TEARDOWN = ("undo:cni_del", "undo:unpin", "undo:unmount", "undo:remove_dir")
-CONTAINER_TEARDOWN = ("undo:runtime_delete", "undo:rootfs_unmount", "undo:container_dir")
+# The undo steps, by the journal that holds them when the daemon is killed. Each test
+# checks that the journal it kills in holds exactly its steps, and tests/unit/test_faults.py
+# that every undo step of the code is in one of them.
+SANDBOX_TEARDOWN = tuple(
+    faults.undo_point(action)
+    for action in (
+        "nri_pod_stopped",
+        "cni_del",
+        "unpin",
+        "pause_delete",
+        "unmount",
+        "nri_pod_removed",
+        "remove_dir",
+    )
+)
+CONTAINER_TEARDOWN = tuple(
+    faults.undo_point(action)
+    for action in (
+        "nri_container_stopped",
+        "runtime_delete",
+        "rootfs_unmount",
+        "container_dir",
+        "nri_container_removed",
+    )
+)
+# An interrupted creation's: the log file is kubelet's once the container is announced,
+# so only a rollback removes it.
+CONTAINER_ROLLBACK = tuple(
+    faults.undo_point(action)
+    for action in (
+        "runtime_delete",
+        "container_log",
+        "rootfs_unmount",
+        "container_dir",
+        "nri_container_removed",
+    )
+)
+# The last point of a container's creation: every step is journaled by then.
+LAST_CONTAINER_STEP = faults.CONTAINER_CREATE[-1]
 
 
 def run_pod(
@@ -55,8 +102,25 @@ def listed(daemon: Daemon) -> list[str]:
     ]
 
 
-def crash_and_restart(daemon: Daemon, fault: str, call, *, may_answer: bool = False) -> None:  # type: ignore[no-untyped-def]
+def journaled(daemon: Daemon, where: str) -> set[str]:
+    """The fault points of the undo steps journaled for the objects `where` selects."""
+    return {faults.undo_point(row["action"]) for row in daemon.rows("journal", where)}
+
+
+@pytest.fixture
+def nri_daemon(make_daemon, short_tmp: Path) -> Daemon:  # type: ignore[no-untyped-def]
+    """A daemon serving NRI (no plugin needs to connect): its objects journal what NRI
+    plugins are to hear of their end, with the other steps."""
+    daemon: Daemon = make_daemon(
+        settings={"nri": {"enable": True, "socket_path": str(short_tmp / "nri.sock")}}
+    )
+    daemon.start()
+    return daemon
+
+
+def crash_and_restart(daemon: Daemon, fault: str, call, *, may_answer: bool = False) -> bool:  # type: ignore[no-untyped-def]
     """Restart `daemon` with the fault armed, make `call` hit it, then restart clean.
+    Whether the call answered before the daemon died.
 
     `may_answer`: the fault is in work that runs after the call has answered (a
     removal's teardown), so the call may succeed before the daemon dies.
@@ -64,8 +128,10 @@ def crash_and_restart(daemon: Daemon, fault: str, call, *, may_answer: bool = Fa
     daemon.stop()
     daemon.env = {faults.ENV: fault}
     daemon.start()
+    answered = False
     try:
         call()
+        answered = True
     except grpc.RpcError as error:
         assert error.code() in (
             grpc.StatusCode.UNAVAILABLE,
@@ -77,6 +143,20 @@ def crash_and_restart(daemon: Daemon, fault: str, call, *, may_answer: bool = Fa
         assert may_answer, f"{fault}: the call answered before the fault point"
     assert daemon.proc is not None
     assert daemon.proc.wait(10) == faults.EXIT_CODE, daemon.log()
+    daemon.proc = None
+    daemon.env = {}
+    daemon.start()
+    return answered
+
+
+def killed_while_restoring(daemon: Daemon, fault: str) -> None:
+    """Start the stopped `daemon` with `fault` armed: restore, rolling back what the last
+    crash interrupted, reaches it before serving. Then start it clean."""
+    daemon.env = {faults.ENV: fault}
+    daemon.start(wait=False)
+    assert daemon.proc is not None
+    assert daemon.proc.wait(60) == faults.EXIT_CODE, daemon.log()
+    assert f"fault injected at {fault}" in daemon.log()
     daemon.proc = None
     daemon.env = {}
     daemon.start()
@@ -96,8 +176,17 @@ def test_crash_during_sandbox_creation(
 
 
 @pytest.mark.parametrize("fault", SANDBOX_TEARDOWN)
-def test_crash_during_sandbox_removal(daemon: Daemon, fault: str) -> None:
-    sandbox_id = run_pod(daemon)
+def test_crash_during_sandbox_removal(nri_daemon: Daemon, fault: str) -> None:
+    """A pod with every step a pod can have: NRI told of it, a pause process (its
+    containers share its PID namespace)."""
+    daemon = nri_daemon
+    linux = api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(pid=api_pb2.POD)
+        )
+    )
+    sandbox_id = run_pod(daemon, config=pod_config("crash", linux=linux))
+    assert journaled(daemon, f"object_id = '{sandbox_id}'") == set(SANDBOX_TEARDOWN)
     crash_and_restart(daemon, fault, lambda: remove_pod(daemon, sandbox_id))
     remove_pod(daemon, sandbox_id)  # kubelet retries the removal
     assert listed(daemon) == []
@@ -245,36 +334,80 @@ def test_crash_after_nri_plugins_heard_of_a_creation(
 
 
 @pytest.mark.parametrize("fault", faults.CONTAINER_REMOVE + CONTAINER_TEARDOWN)
-def test_crash_during_container_removal(daemon: Daemon, busybox_layout: Path, fault: str) -> None:
+def test_crash_during_container_removal(
+    nri_daemon: Daemon, busybox_layout: Path, fault: str
+) -> None:
     """RemoveContainer answers before its teardown; a crash in the teardown is rolled
     forward at restart: the container stays gone and nothing is left behind."""
+    daemon = nri_daemon
     import_image(daemon, busybox_layout)
     sandbox_id = run_pod(daemon)
     container_id = _create_container(daemon, sandbox_id)
     daemon.runtime().StartContainer(
         api_pb2.StartContainerRequest(container_id=container_id), timeout=30
     )
-    crash_and_restart(
-        daemon,
-        fault,
-        lambda: daemon.runtime().RemoveContainer(
+    assert journaled(daemon, f"object_id = '{container_id}'") == set(CONTAINER_TEARDOWN)
+
+    def remove() -> None:
+        daemon.runtime().RemoveContainer(
             api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
-        ),
-        may_answer=True,
-    )
+        )
+
+    if crash_and_restart(daemon, fault, remove, may_answer=True):
+        # Answered, then killed in the teardown: restore finished it before serving.
+        assert daemon.rows("containers") == [] and _runc_containers(daemon) == []
+    else:
+        # Killed before the answer (NRI plugins are told of the stop and the removal
+        # first), or with it lost: kubelet retries; the teardown follows the answer.
+        remove()
+        wait_until(lambda: daemon.rows("containers") == [], timeout=30)
     assert _containers(daemon) == []
-    assert daemon.rows("containers") == []
     assert _runc_containers(daemon) == []
     remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()
     assert _runc_containers(daemon) == []
 
 
-def test_crash_between_runc_start_and_its_record(daemon: Daemon, busybox_layout: Path) -> None:
+@pytest.mark.parametrize("fault", CONTAINER_ROLLBACK)
+def test_crash_while_restore_rolls_back_an_interrupted_creation(
+    nri_daemon: Daemon, busybox_layout: Path, fault: str
+) -> None:
+    """Killed again while the restart rolls back a creation killed at its last step: the
+    next start finishes the rollback (the journal keeps each step until it is done). The
+    log file goes with it, as kubelet counts attempts by these files."""
+    daemon = nri_daemon
+    import_image(daemon, busybox_layout)
+    logs = daemon.base / "pod-logs"
+    config = pod_config("crash", log_directory=str(logs))
+    sandbox_id = run_pod(daemon, config=config)
+    daemon.stop()
+    daemon.env = {faults.ENV: LAST_CONTAINER_STEP}
+    daemon.start()
+    with pytest.raises(grpc.RpcError):
+        _create_container(daemon, sandbox_id, config)
+    assert daemon.proc is not None
+    assert daemon.proc.wait(10) == faults.EXIT_CODE, daemon.log()
+    daemon.proc = None
+    assert (logs / "c" / "0.log").exists()
+    assert journaled(daemon, f"object_id != '{sandbox_id}'") == set(CONTAINER_ROLLBACK)
+    killed_while_restoring(daemon, fault)
+    assert _containers(daemon) == []
+    assert daemon.rows("containers") == [] and _runc_containers(daemon) == []
+    assert daemon.rows("journal", f"object_id != '{sandbox_id}'") == []
+    assert not (logs / "c" / "0.log").exists()
+    assert _create_container(daemon, sandbox_id, config)  # the name is free again
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert _runc_containers(daemon) == []
+
+
+@pytest.mark.parametrize("fault", faults.CONTAINER_START)
+def test_crash_between_runc_start_and_its_record(
+    daemon: Daemon, busybox_layout: Path, fault: str
+) -> None:
     import_image(daemon, busybox_layout)
     sandbox_id = run_pod(daemon)
     container_id = _create_container(daemon, sandbox_id)
-    (fault,) = faults.CONTAINER_START
     crash_and_restart(
         daemon,
         fault,
@@ -337,14 +470,125 @@ def test_crash_while_making_a_user_namespaced_pod(
     assert _runc_containers(daemon) == []
 
 
-# A handler whose pods are sandboxes (gVisor): the sandbox container's steps. The runsc
-# Debian ships needs `--network=host` on Linux 6.11 and newer (tests/integration/
+# ---- a restart with creations cached or waited on ------------------------------------
+
+
+def test_cached_container_survives_kill9_and_is_claimed_by_a_retry(slow_pod) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """kubelet's CreateContainer timed out, the creation finished into the cache, then the
+    daemon was killed: after the restart the container is still invisible, and kubelet's
+    retry claims it, the one `runc create` there was."""
+    daemon, sandbox_id, config, delay, count = slow_pod
+    with held(delay):
+        with pytest.raises(grpc.RpcError) as first:
+            create(daemon, sandbox_id, config, timeout=1.5)
+        assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    (cached,) = wait_until(lambda: daemon.rows("containers", "phase = 'cached'"), timeout=30)
+    daemon.kill9()
+    daemon.start()
+    assert listed_containers(daemon) == []  # still invisible after restore
+    (restored,) = daemon.rows("containers", "phase = 'cached'")
+    assert restored["cached_until"] > cached["cached_until"]  # a fresh expiry
+    assert create(daemon, sandbox_id, config, timeout=30) == cached["id"]
+    assert daemon.creations("container")["counters"]["claimed"] == 1
+    assert listed_containers(daemon) == [cached["id"]] and creates(count) == 1
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=cached["id"]), timeout=30
+    )
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    daemon.stop()
+    assert runtime_leaks(daemon) == {}
+
+
+def _runtime_calls(daemon: Daemon) -> list[str]:
+    """The CNI plugins and `runc create` calls a killed daemon started that still run."""
+    return [
+        process
+        for process in runtime_leaks(daemon).get("processes", [])
+        if " create " in f" {process} " or "slow-cni" in process
+    ]
+
+
+def _restart_under(daemon: Daemon, signal: str, waiting, release) -> None:  # type: ignore[no-untyped-def]
+    """Stop `daemon` by `signal` while a duplicate request waits on a held creation: the
+    waiting client is told the daemon went away. Then let the creation go and start again."""
+    assert daemon.proc is not None
+    if signal == "SIGKILL":
+        daemon.kill9()
+    else:
+        daemon.proc.terminate()
+    with pytest.raises(grpc.RpcError) as waited:
+        waiting.result(timeout=60)
+    assert waited.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), (
+        waited.value
+    )
+    release()
+    daemon.stop()
+    # What the killed daemon started ends before the restart rolls its creation back.
+    wait_until(lambda: not _runtime_calls(daemon), timeout=60)
+    daemon.start()
+
+
+@pytest.mark.parametrize("signal", ["SIGKILL", "SIGTERM"])
+def test_restart_while_a_duplicate_run_pod_sandbox_waits(
+    daemon: Daemon, test_network: CniTestNetwork, signal: str
+) -> None:
+    config = pod_config("waited")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, test_network.held():
+        with pytest.raises(grpc.RpcError) as first:
+            run_pod(daemon, timeout=1.5, config=config)
+        assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        waiting = pool.submit(run_pod, daemon, "waited", 120, config)
+        wait_until(lambda: _watchers(daemon, "sandbox") == 1, timeout=30)
+        _restart_under(daemon, signal, waiting, test_network.hold_file.unlink)
+    sandbox_id = run_pod(daemon, timeout=60, config=config)  # kubelet's retry
+    assert listed(daemon) == [sandbox_id]
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    daemon.stop()
+    assert runtime_leaks(daemon) == {}
+
+
+@pytest.mark.parametrize("signal", ["SIGKILL", "SIGTERM"])
+def test_restart_while_a_duplicate_create_container_waits(slow_pod, signal: str) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    daemon, sandbox_id, config, delay, _ = slow_pod
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, held(delay):
+        with pytest.raises(grpc.RpcError) as first:
+            create(daemon, sandbox_id, config, timeout=1.5)
+        assert first.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        waiting = pool.submit(create, daemon, sandbox_id, config, 120)
+        wait_until(lambda: _watchers(daemon, "container") == 1, timeout=30)
+        _restart_under(daemon, signal, waiting, hold_file(delay).unlink)
+    # kubelet's retry: the container the graceful stop finished, or a clean creation
+    # after the kill's rollback; one container either way.
+    container_id = create(daemon, sandbox_id, config, timeout=60)
+    assert listed_containers(daemon) == [container_id]
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+    )
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert _runc_containers(daemon) == []
+    daemon.stop()
+    assert runtime_leaks(daemon) == {}
+
+
+def _watchers(daemon: Daemon, kind: str) -> int:
+    """How many duplicate requests wait on the creations of `kind` in flight."""
+    return sum(c["watchers"] for c in daemon.creations(kind)["in_flight"])
+
+
+# ---- a handler whose pods are sandboxes (gVisor) -------------------------------------
+
+# The runsc Debian ships needs `--network=host` on Linux 6.11 and newer (tests/integration/
 # test_cri_runsc.py says why).
 _RUNSC = shutil.which("runsc")
 _RUNSC_HANDLERS = {
     "runc": {"path": "runc"},
     "runsc": {"path": str(_RUNSC), "runtime_args": ["--network=host"]},
 }
+# A runsc pod's removal: its sandbox container lets go of the interfaces before CNI DEL.
+RUNSC_SANDBOX_TEARDOWN = (faults.undo_point("pause_delete"),)
 
 
 def _runsc_containers(daemon: Daemon) -> list[str]:
@@ -359,28 +603,43 @@ def _runsc_containers(daemon: Daemon) -> list[str]:
     return listed.stdout.split()
 
 
-@pytest.mark.skipif(_RUNSC is None, reason="runsc (gVisor) is not installed")
-@pytest.mark.parametrize("fault", (*faults.POD_SANDBOX_CREATE, "undo:pause_delete"))
-def test_crash_at_a_pod_sandbox_step_leaks_nothing(make_daemon, fault: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture
+def runsc_daemon(make_daemon) -> Daemon:  # type: ignore[no-untyped-def]
+    if _RUNSC is None:
+        pytest.skip("runsc (gVisor) is not installed")
     daemon: Daemon = make_daemon(settings={"runtime": {"handlers": _RUNSC_HANDLERS}})
     daemon.start()
-    config = pod_config("gv")
+    return daemon
 
-    def run() -> str:
-        request = api_pb2.RunPodSandboxRequest(config=config, runtime_handler="runsc")
-        return daemon.runtime().RunPodSandbox(request, timeout=60).pod_sandbox_id
 
-    if fault.startswith("undo:"):
-        sandbox_id = run()
-        assert _runsc_containers(daemon) == [sandbox_id]
-        crash_and_restart(daemon, fault, lambda: remove_pod(daemon, sandbox_id))
-        remove_pod(daemon, sandbox_id)  # kubelet retries the removal
-    else:
-        crash_and_restart(daemon, fault, run)
-        assert listed(daemon) == []
-        sandbox_id = run()  # the name is free again
-        assert _runsc_containers(daemon) == [sandbox_id]
-        remove_pod(daemon, sandbox_id)
+def _run_runsc_pod(daemon: Daemon) -> str:
+    request = api_pb2.RunPodSandboxRequest(config=pod_config("gv"), runtime_handler="runsc")
+    return daemon.runtime().RunPodSandbox(request, timeout=60).pod_sandbox_id
+
+
+@pytest.mark.parametrize("fault", faults.POD_SANDBOX_CREATE)
+def test_crash_while_starting_a_pod_sandbox_container(runsc_daemon: Daemon, fault: str) -> None:
+    daemon = runsc_daemon
+    crash_and_restart(daemon, fault, lambda: _run_runsc_pod(daemon))
+    assert listed(daemon) == []
+    assert _runsc_containers(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
+    sandbox_id = _run_runsc_pod(daemon)  # the name is free again
+    assert _runsc_containers(daemon) == [sandbox_id]
+    remove_pod(daemon, sandbox_id)
+    assert listed(daemon) == []
+    assert _runsc_containers(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
+
+
+@pytest.mark.parametrize("fault", RUNSC_SANDBOX_TEARDOWN)
+def test_crash_while_removing_a_pod_sandbox_container(runsc_daemon: Daemon, fault: str) -> None:
+    daemon = runsc_daemon
+    sandbox_id = _run_runsc_pod(daemon)
+    assert _runsc_containers(daemon) == [sandbox_id]
+    assert set(RUNSC_SANDBOX_TEARDOWN) <= journaled(daemon, f"object_id = '{sandbox_id}'")
+    crash_and_restart(daemon, fault, lambda: remove_pod(daemon, sandbox_id))
+    remove_pod(daemon, sandbox_id)  # kubelet retries the removal
     assert listed(daemon) == []
     assert _runsc_containers(daemon) == []
     assert daemon.leaks() == {}, daemon.log()

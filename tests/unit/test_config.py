@@ -91,7 +91,7 @@ def test_every_key_is_read() -> None:
             "root": "/tmp/root",
             "run_root": "/tmp/run",
             "log_level": "DEBUG",
-            "cgroup_manager": "systemd",
+            "cgroup_manager": "cgroupfs",
             "network": {"config_dir": "/n", "bin_dirs": ["/b"], "setup_timeout": "90s"},
             "creation": {"claim_grace": "30s", "keep_on_timeout": False, "hand_off": False},
             "runtime": {
@@ -134,6 +134,15 @@ def test_errors_name_the_key(data: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(data)
     assert str(info.value).startswith(key)
+
+
+def test_the_systemd_cgroup_driver_is_refused_with_what_to_use() -> None:
+    # Accepted, it would be reported to kubelet while every pod under a .slice parent fails.
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"cgroup_manager": "systemd"})
+    message = str(info.value)
+    assert message.startswith("cgroup_manager: the systemd cgroup driver is not supported")
+    assert '"cgroupfs"' in message and "--cgroup-driver=cgroupfs" in message
 
 
 def test_printed_config_loads_back_to_the_same(tmp_path: Path) -> None:

@@ -60,7 +60,13 @@ def test_every_hardening_key_is_read_and_round_trips() -> None:
                 "max_layer_entries": 5000,
                 "allow_device_nodes": True,
             },
-            "requests": {"max_in_flight": 4, "max_queued": 8, "max_reads_in_flight": 16},
+            "requests": {
+                "max_in_flight": 4,
+                "max_queued": 8,
+                "max_reads_in_flight": 16,
+                "max_streams_in_flight": 2,
+                "stream_write_timeout": "5s",
+            },
         }
     )
     assert cfg.max_message_bytes == 1 << 20
@@ -69,6 +75,7 @@ def test_every_hardening_key_is_read_and_round_trips() -> None:
     assert cfg.images.allow_device_nodes is True
     assert (cfg.requests.max_in_flight, cfg.requests.max_queued) == (4, 8)
     assert cfg.requests.max_reads_in_flight == 16
+    assert (cfg.requests.max_streams_in_flight, cfg.requests.stream_write_timeout) == (2, 5.0)
     printed = tomllib.loads(config_to_toml(cfg))
     assert printed["max_message_bytes"] == "1MiB"
     assert printed["images"]["max_layer_bytes"] == "2GiB"
@@ -95,6 +102,9 @@ def test_socket_group_by_number() -> None:
         ({"requests": {"max_in_flight": 0}}, "requests.max_in_flight"),
         ({"requests": {"max_queued": 1.5}}, "requests.max_queued"),
         ({"requests": {"max_queue": 5}}, "requests.max_queue"),
+        ({"requests": {"max_streams_in_flight": 0}}, "requests.max_streams_in_flight"),
+        ({"requests": {"stream_write_timeout": "0s"}}, "requests.stream_write_timeout"),
+        ({"requests": {"stream_write_timeout": "soon"}}, "requests.stream_write_timeout"),
     ],
 )
 def test_bad_values_name_the_key(data: dict[str, object], key: str) -> None:

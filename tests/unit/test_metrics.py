@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,16 +14,15 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cri_shim import metrics as metrics_module
 from cri_shim.creation.coordinator import CreationCoordinator, Stage
 from cri_shim.errors import DeadlineExceeded, NameReserved
+from cri_shim.inspection.census import Census
 from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import (
+    CensusCollector,
     Metrics,
     MetricsEndpoint,
     MetricsExporter,
-    ServicesCollector,
-    observe_call,
     split_host_port,
 )
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
@@ -44,14 +43,6 @@ def value(metrics: Metrics, name: str, **labels: str) -> float | None:
     return samples(generate_latest(metrics.registry).decode()).get(
         (name, frozenset(labels.items()))
     )
-
-
-@pytest.fixture
-def sink() -> Iterator[Metrics]:
-    metrics = Metrics()
-    metrics_module.set_call_sink(metrics)
-    yield metrics
-    metrics_module.set_call_sink(None)
 
 
 # ---- counted as it happens ----------------------------------------------------------
@@ -90,21 +81,19 @@ def test_rpcs_are_named_as_the_cri_names_them(handler: str, method: str) -> None
     assert rpc(fake_handler).__name__ == method
 
 
-def test_tool_calls_go_to_the_installed_sink_only(sink: Metrics) -> None:
-    observe_call("cni", "ADD bridge", 0.03, True)
-    observe_call("cni", "ADD bridge", 4.0, False)
-    assert value(sink, "cri_shim_host_calls_total", tool="cni", op="ADD bridge", result="ok") == 1
-    assert (
-        value(sink, "cri_shim_host_calls_total", tool="cni", op="ADD bridge", result="error") == 1
-    )
+def test_tool_calls_are_counted_by_tool_op_and_result_with_latency() -> None:
+    metrics = Metrics()
+    metrics.observe_call("cni", "ADD bridge", 0.03, True)
+    metrics.observe_call("cni", "ADD bridge", 4.0, False)
+    calls = "cri_shim_host_calls_total"
+    assert value(metrics, calls, tool="cni", op="ADD bridge", result="ok") == 1
+    assert value(metrics, calls, tool="cni", op="ADD bridge", result="error") == 1
     bucket = "cri_shim_host_call_duration_seconds_bucket"
-    assert value(sink, bucket, tool="cni", op="ADD bridge", le="0.05") == 1
-    metrics_module.set_call_sink(None)
-    observe_call("cni", "ADD bridge", 0.03, True)  # dropped, not an error
-    assert value(sink, "cri_shim_host_calls_total", tool="cni", op="ADD bridge", result="ok") == 1
+    assert value(metrics, bucket, tool="cni", op="ADD bridge", le="0.05") == 1
 
 
-async def test_the_oci_runtime_reports_each_call(sink: Metrics, tmp_path: Path) -> None:
+async def test_the_oci_runtime_reports_each_call(tmp_path: Path) -> None:
+    sink = Metrics()
     fake = tmp_path / "fake-runc"
     # Succeeds for `start`, fails like runc for anything else.
     fake.write_text(
@@ -112,7 +101,9 @@ async def test_the_oci_runtime_reports_each_call(sink: Metrics, tmp_path: Path) 
         'echo "container does not exist" >&2\nexit 1\n'
     )
     fake.chmod(0o755)
-    runtime = OciRuntime(fake, tmp_path / "root", log_dir=tmp_path / "logs")
+    runtime = OciRuntime(
+        fake, tmp_path / "root", log_dir=tmp_path / "logs", observe_call=sink.observe_call
+    )
     await runtime.start("c1")
     with pytest.raises(Exception):  # noqa: B017 - the classification is oci's business
         await runtime.kill("c1", 9)
@@ -121,7 +112,8 @@ async def test_the_oci_runtime_reports_each_call(sink: Metrics, tmp_path: Path) 
     assert value(sink, calls, tool="fake-runc", op="kill", result="error") == 1
 
 
-async def test_the_cni_runner_reports_each_plugin_call(sink: Metrics, tmp_path: Path) -> None:
+async def test_the_cni_runner_reports_each_plugin_call(tmp_path: Path) -> None:
+    sink = Metrics()
     bin_dir, conf_dir = tmp_path / "bin", tmp_path / "net.d"
     bin_dir.mkdir()
     conf_dir.mkdir()
@@ -131,7 +123,7 @@ async def test_the_cni_runner_reports_each_plugin_call(sink: Metrics, tmp_path: 
     plugin.chmod(0o755)
     conf = {"cniVersion": "1.0.0", "name": "t", "plugins": [{"type": "fake"}]}
     (conf_dir / "10-t.conflist").write_text(json.dumps(conf))
-    cni = CniNetwork(conf_dir, [bin_dir], None)
+    cni = CniNetwork(conf_dir, [bin_dir], None, observe_call=sink.observe_call)
     request = PodNetworkRequest("p1", tmp_path / "netns", "web", "default", "uid-1")
     assert (await cni.add(request, 10)).ips == ["10.9.0.2"]
     await cni.delete(request, 10)
@@ -155,30 +147,37 @@ class NoHooks:
 
 
 @dataclass
-class FakeServices:
+class FakeObjects:
+    """A lifecycle as the census reads it: a coordinator and visible objects' states."""
+
+    coordinator: CreationCoordinator
+    states: list[str] = field(default_factory=list)
+
+    def list(self) -> list[Any]:
+        return [SimpleNamespace(state=s) for s in self.states]
+
+
+@dataclass
+class FakeDaemon:
     metrics: Metrics = field(default_factory=Metrics)
-    sandbox_coordinator: CreationCoordinator = field(
-        default_factory=lambda: CreationCoordinator("sandbox", NoHooks())
+    sandboxes: FakeObjects = field(
+        default_factory=lambda: FakeObjects(CreationCoordinator("sandbox", NoHooks()))
     )
-    sandbox_states: list[str] = field(default_factory=list)
-    container_states: list[str] = field(default_factory=list)
+    containers: FakeObjects = field(
+        default_factory=lambda: FakeObjects(CreationCoordinator("container", NoHooks()))
+    )
     loop_monitor: LoopMonitor | None = None
 
-    def creation_stats(self) -> dict[str, Any]:
-        return {"sandbox": self.sandbox_coordinator.stats()}
-
     @property
-    def sandboxes(self) -> Any:
-        return SimpleNamespace(list=lambda: [SimpleNamespace(state=s) for s in self.sandbox_states])
+    def census(self) -> Census:
+        return Census(self.sandboxes, self.containers, self.loop_monitor)
 
-    @property
-    def containers(self) -> Any:
-        return SimpleNamespace(
-            list=lambda: [SimpleNamespace(state=s) for s in self.container_states]
-        )
+    def collected(self) -> FakeDaemon:
+        self.metrics.registry.register(CensusCollector(self.census))
+        return self
 
 
-def scrape(services: FakeServices) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def scrape(services: FakeDaemon) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     return samples(generate_latest(services.metrics.registry).decode())
 
 
@@ -187,9 +186,8 @@ def creation(found: dict[Any, float], name: str, **labels: str) -> float | None:
 
 
 async def test_a_scrape_follows_the_three_request_protocol() -> None:
-    services = FakeServices()
-    services.metrics.registry.register(ServicesCollector(services))  # type: ignore[arg-type]
-    coordinator = services.sandbox_coordinator
+    services = FakeDaemon().collected()
+    coordinator = services.sandboxes.coordinator
     loop = asyncio.get_running_loop()
     network_done = asyncio.Event()
 
@@ -240,11 +238,10 @@ async def test_a_scrape_follows_the_three_request_protocol() -> None:
 
 async def test_objects_are_counted_by_state_with_zeros_for_the_rest() -> None:
     # Async: the coordinators' stats() read the event loop's clock, as scrapes do in the daemon.
-    services = FakeServices(
-        sandbox_states=["ready", "ready", "notready"],
-        container_states=["running", "exited", "running"],
-    )
-    services.metrics.registry.register(ServicesCollector(services))  # type: ignore[arg-type]
+    services = FakeDaemon()
+    services.sandboxes.states = ["ready", "ready", "notready"]
+    services.containers.states = ["running", "exited", "running"]
+    services.collected()
     found = scrape(services)
     assert found[("cri_shim_sandboxes", frozenset({("state", "ready")}))] == 2
     assert found[("cri_shim_sandboxes", frozenset({("state", "notready")}))] == 1
@@ -254,11 +251,10 @@ async def test_objects_are_counted_by_state_with_zeros_for_the_rest() -> None:
 
 
 async def test_the_event_loops_lag_is_a_histogram() -> None:
-    services = FakeServices(loop_monitor=LoopMonitor(0.1))
-    assert services.loop_monitor is not None
+    monitor = LoopMonitor(0.1)
     for lag in (0.0005, 0.02, 0.3):
-        services.loop_monitor.record(lag)
-    services.metrics.registry.register(ServicesCollector(services))  # type: ignore[arg-type]
+        monitor.record(lag)
+    services = FakeDaemon(loop_monitor=monitor).collected()
     found = scrape(services)
     bucket = "cri_shim_event_loop_lag_seconds_bucket"
     assert found[(bucket, frozenset({("le", "0.001")}))] == 1
@@ -357,33 +353,18 @@ async def test_a_busy_port_is_reported_with_the_key() -> None:
         await first.aclose()
 
 
-async def test_exporter_wires_collector_and_sink_and_undoes_them() -> None:
-    services = FakeServices(sandbox_states=["ready"])
-    exporter = MetricsExporter(services, services.metrics, "")  # type: ignore[arg-type]
+async def test_exporter_registers_the_census_and_unregisters_it() -> None:
+    services = FakeDaemon()
+    services.sandboxes.states = ["ready"]
+    exporter = MetricsExporter(services.census, services.metrics, "")
     assert exporter.endpoint is None  # off by default
     await exporter.start()
     try:
-        observe_call("runc", "start", 0.01, True)
         found = scrape(services)
         assert found[("cri_shim_sandboxes", frozenset({("state", "ready")}))] == 1
-        assert (
-            "cri_shim_host_calls_total",
-            frozenset({("tool", "runc"), ("op", "start"), ("result", "ok")}),
-        ) in found
     finally:
         await exporter.aclose()
-    observe_call("runc", "start", 0.01, True)
-    found = scrape(services)
-    assert ("cri_shim_sandboxes", frozenset({("state", "ready")})) not in found
-    assert (
-        found[
-            (
-                "cri_shim_host_calls_total",
-                frozenset({("tool", "runc"), ("op", "start"), ("result", "ok")}),
-            )
-        ]
-        == 1
-    )
+    assert ("cri_shim_sandboxes", frozenset({("state", "ready")})) not in scrape(services)
 
 
 @pytest.mark.parametrize(

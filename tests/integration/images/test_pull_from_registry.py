@@ -15,7 +15,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.images.manifest import Platform, host_platform
-from cri_shim.logs.crilog import join_partials, read_records
+from tests.crilog import join_partials, read_records
 from tests.harness import Daemon, pod_config, wait_until
 from tests.imagebuild import BuiltImage, build_image
 from tests.registry import DOCKER_LIST, RegistryServer, free_port, start_registry

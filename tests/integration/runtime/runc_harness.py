@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.logs.crilog import Stream, join_partials, read_records
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
+from tests.crilog import Stream, join_partials, read_records
 
 
 @dataclass

@@ -19,12 +19,12 @@ from runc_harness import Runtime, shell
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import Internal
-from cri_shim.logs.crilog import Stream
 from cri_shim.runtime.capabilities import capabilities_from_mask, capability_mask
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext
+from tests.crilog import Stream
 from tests.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]

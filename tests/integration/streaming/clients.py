@@ -403,33 +403,54 @@ class WsPortForward:
         return forward
 
     async def _collect(self) -> None:
-        with contextlib.suppress(Exception):
+        """Sort the frames by channel. A frame the protocol does not allow (text, or a
+        channel's first frame shorter than its port) ends the collection with that error,
+        which `wait_for` and `close` raise: the test sees it rather than missing data."""
+        try:
             async for message in self.ws:
-                assert isinstance(message, bytes)
+                assert isinstance(message, bytes), f"a text frame on a v4 stream: {message!r}"
                 channel, payload = message[0], message[1:]
                 async with self._changed:
                     if channel not in self.prefixes:
                         # The first frame on each channel is the port, little-endian.
+                        assert len(payload) >= 2, f"channel {channel} began with {payload!r}"
                         self.prefixes[channel] = struct.unpack("<H", payload[:2])[0]
                         payload = payload[2:]
                     self.data[channel] += payload
                     self._changed.notify_all()
+        except ConnectionClosed:
+            pass  # the end of the stream, whichever side closed it
+        finally:
+            async with self._changed:
+                self._changed.notify_all()
 
     async def send(self, index: int, data: bytes) -> None:
         await self.ws.send(bytes([2 * index]) + data)
 
     async def wait_for(self, channel: int, predicate: Callable[[bytes], bool]) -> bytes:
+        """What `channel` holds once `predicate` is true of it; the collection's error,
+        or an AssertionError, when the stream ends first."""
+        reader = self._reader
+        assert reader is not None
+
         async def until() -> None:
             async with self._changed:
-                await self._changed.wait_for(lambda: predicate(bytes(self.data[channel])))
+                await self._changed.wait_for(
+                    lambda: predicate(bytes(self.data[channel])) or reader.done()
+                )
 
         await asyncio.wait_for(until(), TIMEOUT)
-        return bytes(self.data[channel])
+        received = bytes(self.data[channel])
+        if not predicate(received):
+            reader.result()
+            raise AssertionError(f"the stream ended with channel {channel} at {received!r}")
+        return received
 
     async def close(self) -> None:
+        """Close the connection; raises what went wrong while collecting, if anything."""
         await self.ws.close()
         if self._reader is not None:
-            self._reader.cancel()
+            await asyncio.wait_for(self._reader, TIMEOUT)
 
 
 async def spdy_forward_once(

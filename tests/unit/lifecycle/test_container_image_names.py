@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.lifecycle.containers import image_names
+from cri_shim.lifecycle.container_images import image_names
 from cri_shim.state.records import ImageRecord
 
 ID = "sha256:" + "ab" * 32

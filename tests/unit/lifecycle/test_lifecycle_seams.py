@@ -3,6 +3,7 @@ the undo actions. The rows are a real (temporary) state database."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ async def test_remove_takes_the_containers_then_everything_else(tmp_path: Path) 
 async def test_a_published_pod_is_announced_created_then_started(tmp_path: Path) -> None:
     sandboxes, bus = _sandboxes(tmp_path, [])
     _add(sandboxes.rows, "s1", tmp_path)
-    sandboxes._announce("s1")
+    sandboxes._run.announce("s1")
     assert bus.emitted == [("s1", CONTAINER_CREATED), ("s1", CONTAINER_STARTED)]
 
 
@@ -199,6 +200,7 @@ class FakeBackend:
 
     async def stop(self, container_id: str, timeout: float, stop_signal: int) -> None:
         self.calls.append(f"stop {container_id} with {int(stop_signal)}")
+        await asyncio.sleep(0)  # as runc kill does: another call may run meanwhile
         self.exits[container_id] = (137, 2_000)
 
     def exit_status(self, container_id: str) -> tuple[int, int] | None:
@@ -243,7 +245,7 @@ async def test_a_published_container_keeps_its_log_and_is_announced(tmp_path: Pa
     containers, bus, _backend = _containers(tmp_path, calls)
     add_container(containers.rows, "c1", "s1")
     containers._journal.record("c1", "container_log", path="/logs/app.log")
-    containers._announce("c1")
+    containers._create.announce("c1")
     assert bus.emitted == [("c1", CONTAINER_CREATED)]
     # kubelet removes the log of a container it knew of: the journal no longer does.
     await containers._journal.undo("c1")
@@ -264,3 +266,28 @@ async def test_a_pod_stop_kills_its_never_started_containers_once(tmp_path: Path
     # Stopping what has exited does nothing, and announces nothing.
     await containers.stop_all_in("s1")
     assert len(calls) == 2 and len(bus.emitted) == 2
+
+
+async def test_two_removals_at_once_delete_the_container_once(tmp_path: Path) -> None:
+    calls: list[str] = []
+    containers, bus, _backend = _containers(tmp_path, calls)
+    add_container(containers.rows, "c1", "s1")
+    containers.rows.mark_visible("c1")
+    containers.coordinator.restore_visible("k8s_app_c1", "c1")
+    # Both succeed: the second waits for the first, then finds the container gone.
+    await asyncio.gather(containers.remove("c1"), containers.remove("c1"))
+    assert calls == ["stop c1 with 9"]
+    assert bus.emitted == [("c1", CONTAINER_STOPPED), ("c1", CONTAINER_DELETED)]
+    assert containers.find("c1") is None
+
+
+async def test_two_pod_removals_at_once_undo_and_announce_once(tmp_path: Path) -> None:
+    calls: list[str] = []
+    sandboxes, bus = _sandboxes(tmp_path, calls)
+    _add(sandboxes.rows, "s1", tmp_path)
+    sandboxes._journal.record("s1", "remove_dir", path="/dir")
+    sandboxes.rows.mark_visible("s1")
+    sandboxes.coordinator.restore_visible("pod-s1", "s1")
+    await asyncio.gather(sandboxes.remove("s1"), sandboxes.remove("s1"), sandboxes.stop("s1"))
+    assert calls == ["remove containers of s1", "remove_dir /dir"]
+    assert bus.emitted == [("s1", CONTAINER_DELETED)]

@@ -5,6 +5,7 @@ leave."""
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,13 +14,17 @@ import pytest
 
 from cri_shim.errors import NotFound
 from cri_shim.nri.adaptation import (
+    MAX_CONFIG,
     Adaptation,
     NriSettings,
+    PluginConfigRefused,
+    PluginRejected,
     plugin_config,
     pre_installed_plugins,
+    synchronize_requests,
 )
 from cri_shim.nri.api import api_pb2
-from cri_shim.nri.ttrpc import CallError, Code
+from cri_shim.nri.ttrpc import MAX_STREAM_ID, CallError, Code
 from tests.nri_plugin import RecordingPlugin, fail_with
 from tests.waiting import until
 
@@ -295,3 +300,135 @@ async def test_a_pre_installed_plugin_that_exits_is_logged_not_restarted(
         assert not nri.plugins
     finally:
         await nri.stop()
+
+
+def test_synchronize_is_split_under_the_message_limit_in_order() -> None:
+    pods = [api_pb2.PodSandbox(id=f"p{i}", name="x" * 300) for i in range(10)]
+    containers = [api_pb2.Container(id=f"c{i}", name="y" * 300) for i in range(10)]
+    requests = synchronize_requests(pods, containers, limit=1000)
+    assert len(requests) > 2
+    assert all(r.ByteSize() <= 1000 for r in requests)
+    assert [r.more for r in requests] == [True] * (len(requests) - 1) + [False]
+    assert [p for r in requests for p in r.pods] == pods
+    assert [c for r in requests for c in r.containers] == containers
+    [whole] = synchronize_requests(pods, containers)
+    assert not whole.more and list(whole.pods) == pods
+
+
+def test_an_object_too_big_for_any_message_refuses_the_synchronization() -> None:
+    with pytest.raises(PluginRejected, match=r"pod p1 is described in \d+ bytes, over the"):
+        synchronize_requests([api_pb2.PodSandbox(id="p1", name="x" * 2000)], [], limit=1000)
+
+
+def test_a_plugin_config_is_bounded_and_a_regular_file(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "piped.conf")
+    with pytest.raises(PluginConfigRefused, match=r"piped\.conf is not a regular file"):
+        plugin_config(tmp_path, "10", "piped")
+    (tmp_path / "huge.conf").write_bytes(b"x" * (MAX_CONFIG + 1))
+    with pytest.raises(PluginConfigRefused, match="is larger than"):
+        plugin_config(tmp_path, "10", "huge")
+    (tmp_path / "10-bad.conf").write_bytes(b"\xff\xfe")
+    with pytest.raises(PluginConfigRefused, match="not UTF-8"):
+        plugin_config(tmp_path, "10", "bad")
+
+
+async def test_a_plugins_error_text_is_cut_where_the_daemon_repeats_it(
+    adaptation: Adaptation,
+) -> None:
+    await joined(adaptation, RecordingPlugin(responders={"CreateContainer": fail_with("x" * 5000)}))
+    with pytest.raises(CallError) as refused:
+        await adaptation.call_plugins(
+            api_pb2.CREATE_CONTAINER,
+            "CreateContainer",
+            api_pb2.CreateContainerRequest(pod=POD, container=CONTAINER),
+            api_pb2.CreateContainerResponse,
+        )
+    assert refused.value.message.endswith("… (5000 characters)")
+    assert len(refused.value.message) < 1100
+
+
+async def test_a_connection_out_of_stream_ids_drops_its_plugin(adaptation: Adaptation) -> None:
+    await joined(adaptation, RecordingPlugin())
+    [registered] = adaptation.plugins
+    registered.connection._calls._next = MAX_STREAM_ID + 2
+    answers = await adaptation.call_plugins(
+        api_pb2.STOP_POD_SANDBOX,
+        "StopPodSandbox",
+        api_pb2.StopPodSandboxRequest(pod=POD),
+        api_pb2.StopPodSandboxResponse,
+    )
+    assert answers == [] and adaptation.plugins == []
+    assert registered.connection.closed.is_set()
+
+
+async def test_a_peer_has_at_most_32_requests_served_at_once() -> None:
+    served: list[int] = []
+    busy = 0
+    gate = asyncio.Event()
+
+    async def slow_update(container_id: str, resources: dict[str, object]) -> None:
+        nonlocal busy
+        busy += 1
+        served.append(busy)
+        await gate.wait()
+        busy -= 1
+
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=1.0)
+        nri = Adaptation(settings, World().snapshot, slow_update)
+        await nri.start()
+        try:
+            plugin = await joined(nri, RecordingPlugin())
+            update = api_pb2.ContainerUpdate(container_id="c1")
+            update.linux.resources.pids.limit = 7
+            asked = [asyncio.ensure_future(plugin.update_containers([update])) for _ in range(100)]
+            await until(lambda: len(served) >= 32)
+            await asyncio.sleep(0.2)  # room for any more to start: none does
+            assert max(served) == 32
+            gate.set()
+            answers = await asyncio.gather(*asked)
+            assert len(answers) == 100 and max(served) == 32
+        finally:
+            await nri.stop()
+
+
+def big_world() -> World:
+    world = World()
+    world.pods = [api_pb2.PodSandbox(id=f"p{i}", name="x" * (600 << 10)) for i in range(10)]
+    return world
+
+
+async def split_adaptation(tmp: str, world: World) -> Adaptation:
+    settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=1.0)
+    nri = Adaptation(settings, world.snapshot)
+    await nri.start()
+    return nri
+
+
+async def test_a_plugin_that_cannot_take_a_split_synchronize_is_refused() -> None:
+    whole = api_pb2.SynchronizeResponse()  # no `more`: it took the first part as the whole
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        nri = await split_adaptation(tmp, big_world())
+        try:
+            plugin = RecordingPlugin(responders={"Synchronize": lambda _request: whole})
+            await plugin.connect(nri.settings.socket_path)
+            assert plugin.connection is not None
+            await until(plugin.connection.closed.is_set)
+            assert plugin.methods == ["Configure", "Synchronize"] and nri.plugins == []
+        finally:
+            await nri.stop()
+
+
+async def test_a_split_synchronize_has_one_budget_for_all_its_messages() -> None:
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        nri = await split_adaptation(tmp, big_world())
+        try:
+            # Each of its two messages answered in 0.6s: within the budget one by one,
+            # not together.
+            plugin = RecordingPlugin(delays={"Synchronize": 0.6})
+            await plugin.connect(nri.settings.socket_path)
+            assert plugin.connection is not None
+            await until(plugin.connection.closed.is_set)
+            assert "Synchronize" in plugin.methods and nri.plugins == []
+        finally:
+            await nri.stop()

@@ -18,8 +18,8 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
-from cri_shim.logs.crilog import Stream, join_partials, read_records
 from cri_shim.runtime.conmon import RuntimeBackend
+from tests.crilog import Stream, join_partials, read_records
 from tests.waiting import until
 
 

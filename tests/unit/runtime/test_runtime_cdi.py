@@ -13,6 +13,7 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.runtime.cdi import (
+    MAX_SPEC_BYTES,
     CdiRegistry,
     ContainerEdits,
     DeviceNode,
@@ -136,6 +137,15 @@ def test_every_edit_is_parsed() -> None:
             spec_data(devices={"d": {"mounts": [{"hostPath": "/h", "containerPath": "rel"}]}}),
             "containerPath: 'rel' is not an absolute path",
         ),
+        # intelRdt's values go into the OCI spec as they are: only what runc takes.
+        (
+            spec_data(devices={"d": {"intelRdt": {"closID": [["deep"]]}}}),
+            "intelRdt.closID: expected a string",
+        ),
+        (
+            spec_data(devices={"d": {"intelRdt": {"enableCMT": "yes"}}}),
+            "intelRdt.enableCMT: expected true or false",
+        ),
     ],
 )
 def test_bad_spec_files_are_refused_naming_file_and_field(data: Any, message: str) -> None:
@@ -246,6 +256,68 @@ def test_a_changed_file_is_read_again_and_a_removed_one_forgotten(tmp_path: Path
     path.unlink()
     with pytest.raises(InvalidArgument, match="unknown"):
         registry.resolve(["vendor.example/dev=null0"])
+
+
+def test_yaml_aliases_count_as_often_as_they_are_used(tmp_path: Path) -> None:
+    # 5 KB of file, 3 MB of arguments once each alias is written out.
+    names = ", ".join(["*s"] * 1000)
+    (tmp_path / "bomb.yaml").write_text(
+        "cdiVersion: 0.8.0\nkind: vendor.example/bomb\ndevices:\n- name: b0\n"
+        "  containerEdits:\n    hooks:\n    - hookName: poststop\n      path: /bin/true\n"
+        f'      args: [&s "{"v" * 3000}", {names}]\n'
+    )
+    write(tmp_path / "good.json", spec_data())
+    registry = CdiRegistry([tmp_path])
+    assert registry.resolve(["vendor.example/dev=null0"])
+    with pytest.raises(InvalidArgument, match=r"bomb.yaml: decodes to more than \d+ values"):
+        registry.resolve(["vendor.example/bomb=b0"])
+    # Aliases used as often as a plain file could hold are fine.
+    (tmp_path / "bomb.yaml").write_text(
+        "cdiVersion: 0.8.0\nkind: vendor.example/bomb\nenv: &e [A=1]\ndevices:\n- name: b0\n"
+        "  containerEdits:\n    env: *e\n- name: b1\n  containerEdits:\n    env: *e\n"
+    )
+    assert len(registry.resolve(["vendor.example/bomb=b0", "vendor.example/bomb=b1"])) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("deep.json", "[" * 100_000 + "]" * 100_000),  # past the decoder's recursion
+        ("deep.yaml", "[" * 100_000 + "]" * 100_000),  # past libyaml's nesting limit
+        ("deep-33.json", json.dumps(spec_data(x=json.loads("[" * 40 + "]" * 40)))),
+        ("deep-33.yaml", "a:\n" + "".join("  " * i + "- \n" for i in range(1, 40))),
+    ],
+)
+def test_a_file_nested_too_deep_breaks_only_itself(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / name).write_text(text)
+    write(tmp_path / "good.json", spec_data())
+    registry = CdiRegistry([tmp_path])
+    assert registry.resolve(["vendor.example/dev=null0"])
+    with pytest.raises(InvalidArgument) as err:
+        registry.resolve(["vendor.example/dev=gpu0"])
+    assert f"{tmp_path / name}: " in str(err.value)
+    assert "nested" in str(err.value) or "nesting" in str(err.value)
+
+
+def test_only_regular_files_inside_the_directory_of_a_sane_size_are_read(tmp_path: Path) -> None:
+    specs, elsewhere = tmp_path / "cdi", tmp_path / "elsewhere"
+    write(elsewhere / "outside.json", spec_data(kind="vendor.example/out"))
+    write(specs / "versions" / "v2.json", spec_data(kind="vendor.example/linked"))
+    (specs / "escape.json").symlink_to(elsewhere / "outside.json")
+    (specs / "linked.json").symlink_to("versions/v2.json")
+    (specs / "huge.json").write_text(
+        json.dumps(spec_data(kind="vendor.example/huge")) + " " * MAX_SPEC_BYTES
+    )
+    os.mkfifo(specs / "fifo.json")  # never a regular file: skipped, never opened
+    registry = CdiRegistry([specs])
+    assert registry.resolve(["vendor.example/linked=null0"])
+    with pytest.raises(InvalidArgument) as err:
+        registry.resolve(["vendor.example/out=null0"])
+    assert f"escape.json: a symlink to {elsewhere / 'outside.json'}, outside {specs}" in str(
+        err.value
+    )
+    assert f"huge.json: cannot be read: larger than {MAX_SPEC_BYTES} bytes" in str(err.value)
+    assert "fifo.json" not in str(err.value)
 
 
 def test_files_of_other_suffixes_and_missing_directories_are_ignored(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.listing import MAX_REPLY_BYTES
 from cri_shim.server.services import RuntimeService
 from cri_shim.state.records import ContainerRecord
+from cri_shim.tracing import NO_TRACER
 
 N = 2000
 
@@ -87,11 +88,12 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
         config = Config()
         services = SimpleNamespace(
             config=config,
-            metrics=Metrics(),
+            rpc_metrics=Metrics(),
             limiter=RequestLimiter(config.requests),
+            names=None,  # no list request names an object by ID
             containers=containers,
+            tracer=NO_TRACER,
         )
-        services.creation_stats = dict
         servicer = RuntimeService()
         servicer.services = services  # type: ignore[assignment]
         server = grpc.aio.server()

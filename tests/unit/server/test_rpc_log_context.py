@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from cri_shim.api.v1 import api_pb2
 from cri_shim.creation.coordinator import CreationCoordinator
 from cri_shim.daemon import bind_exited_object
 from cri_shim.logcontext import bound_fields, scope
 from cri_shim.server.rpc import bind_request_objects
+from cri_shim.server.views import ObjectNames
 
 SANDBOX_ID = "4f1c" * 16
 CONTAINER_ID = "9a0b" * 16
@@ -21,15 +20,12 @@ class _NoHooks:
         raise AssertionError(f"restore calls no hook ({name})")
 
 
-def services() -> SimpleNamespace:
+def services() -> ObjectNames:
     sandboxes = CreationCoordinator("sandbox", _NoHooks())  # type: ignore[arg-type]
     containers = CreationCoordinator("container", _NoHooks())  # type: ignore[arg-type]
     sandboxes.restore_visible(POD, SANDBOX_ID)
     containers.restore_visible(CTR, CONTAINER_ID)
-    return SimpleNamespace(
-        sandboxes=SimpleNamespace(coordinator=sandboxes),
-        containers=SimpleNamespace(coordinator=containers),
-    )
+    return ObjectNames(sandboxes, containers)
 
 
 async def test_a_request_by_id_or_prefix_is_bound_to_the_object_and_its_name() -> None:
@@ -66,8 +62,8 @@ async def test_an_unknown_id_is_bound_as_given_and_a_request_without_one_binds_n
 async def test_an_exit_file_is_bound_to_its_container_or_to_its_pods_pause_process() -> None:
     known = services()
     with scope():
-        bind_exited_object(known, CONTAINER_ID)  # type: ignore[arg-type]
+        bind_exited_object(known, CONTAINER_ID)
         assert dict(bound_fields()) == {"container_id": CONTAINER_ID, "container_name": CTR}
     with scope():
-        bind_exited_object(known, SANDBOX_ID)  # type: ignore[arg-type]
+        bind_exited_object(known, SANDBOX_ID)
         assert dict(bound_fields()) == {"sandbox_id": SANDBOX_ID, "sandbox_name": POD}

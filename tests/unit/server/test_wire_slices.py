@@ -57,17 +57,23 @@ def test_sliced_parsing_is_whole_parsing(
     assert parsed == request
 
 
-def test_a_large_request_is_merged_a_slice_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = api_pb2.ContainerConfig(args=["a" * 100] * 20_000)  # ~2 MiB, all inside config
-    request = api_pb2.CreateContainerRequest(pod_sandbox_id="p", config=config)
-    sizes: list[int] = []
+@pytest.fixture
+def sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each slice merged from now on."""
+    merged: list[int] = []
     merge = wire._merge_slice
 
     def counting(message: object, data: memoryview) -> None:
-        sizes.append(len(data))
+        merged.append(len(data))
         merge(message, data)  # type: ignore[arg-type]
 
     monkeypatch.setattr(wire, "_merge_slice", counting)
+    return merged
+
+
+def test_a_large_request_is_merged_a_slice_at_a_time(sizes: list[int]) -> None:
+    config = api_pb2.ContainerConfig(args=["a" * 100] * 20_000)  # ~2 MiB, all inside config
+    request = api_pb2.CreateContainerRequest(pod_sandbox_id="p", config=config)
     assert parse_in_slices(api_pb2.CreateContainerRequest, request.SerializeToString()) == request
     assert len(sizes) >= 8
     assert max(sizes) < wire.SLICE + 200
@@ -99,3 +105,31 @@ def test_only_large_requests_are_left_for_later() -> None:
 def test_bytes_that_are_no_request_are_a_decode_error(data: bytes) -> None:
     with pytest.raises(DecodeError):
         parse_in_slices(api_pb2.CreateContainerRequest, data)
+
+
+GROUP = b"\xa3\x06\xa4\x06"  # field 100: start group, end group (empty)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # before everything else: the rest was once parsed in one piece
+        GROUP + api_pb2.CreateContainerRequest(pod_sandbox_id="p").SerializeToString(),
+        # inside config, which is merged into in slices of its own
+        b"\x12\xe8\xa7\x12"  # config: 300,008 bytes
+        + GROUP
+        + api_pb2.ContainerConfig(log_path="x" * 300_000).SerializeToString(),
+    ],
+)
+def test_a_group_is_refused_wherever_it_is(data: bytes) -> None:
+    with pytest.raises(DecodeError, match="is a group"):
+        parse_in_slices(api_pb2.CreateContainerRequest, data)
+
+
+def test_one_huge_element_of_a_repeated_field_is_merged_in_slices(sizes: list[int]) -> None:
+    mapping = api_pb2.IDMapping(host_id=1, container_id=1, length=1)
+    mount = api_pb2.Mount(container_path="/m", uidMappings=[mapping] * 200_000)  # ~2 MiB
+    config = api_pb2.ContainerConfig(mounts=[api_pb2.Mount(container_path="/a"), mount])
+    request = api_pb2.CreateContainerRequest(pod_sandbox_id="p", config=config)
+    assert parse_in_slices(api_pb2.CreateContainerRequest, request.SerializeToString()) == request
+    assert max(sizes) < wire.SLICE + 200

@@ -2,9 +2,12 @@
 
 One record per line. `F` marks the last (or only) piece of a logical line and `P` a piece
 that continues in the next record with the same stream, so a reader can rebuild lines
-that were written in fragments or split because they were too long. This module has no
-dependencies beyond the standard library, because conmon-stub (a separate process)
-imports it as its log writer.
+that were written in fragments or split because they were too long.
+
+In production conmon writes these files and kubelet reads them; the daemon does neither,
+so this lives with the tests: conmon-stub (a separate process, the test double) writes
+with CriLogWriter, and the tests read what conmon or conmon-stub wrote. It needs nothing
+beyond the standard library, because conmon-stub imports it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cri_shim.logs.crilog import (
+from tests.crilog import (
     CriLogWriter,
     LogMessage,
     LogRecord,

@@ -1,0 +1,663 @@
+"""Pod density under the real kubelet: N static pods at once, a steady minute, all removed.
+
+kubelet (`../shared/kubelet/kubelet`, standalone, its defaults `--cgroups-per-qos=true
+--enforce-node-allocatable=pods`, `--sync-frequency=10s`, under a cgroup root of its own:
+tests/node.py) is given N pod manifests at once, each a busybox pod with one container,
+the image already present. Columns:
+
+- start p50 / p99 (s): manifest written -> kubelet's read-only `/pods` shows the pod
+  Running with its container ready (polled every half second);
+- runtime CPU (% of a core) in a steady minute after all are ready: the daemon and every
+  helper it runs (conmon for cri-shim; the shims for containerd) and every child they
+  reaped (runc, CNI plugins), from a cpuacct cgroup the daemon is moved into at start;
+- kubelet CPU (% of a core) in the same minute, with the children it reaped;
+- runtime PSS (MiB, and per pod) at the end of the minute: the daemon and its per-pod
+  helpers (conmon; containerd's shims and the sandboxes' pause processes), not the runc
+  or plugin processes that happen to run at that moment;
+- all removed (s): manifests deleted -> kubelet lists no pod and the runtime runs no
+  container.
+
+Workloads: `plain` (a sleeping container) and `probe` (the same with an exec readiness
+probe every 10 s, which kubelet runs through ExecSync; timeout 5 s so that a busy machine
+does not flap it).
+
+`--analyse` adds, for cri-shim, what the start-up and the steady minute cost inside the
+daemon: the creation stages' mean durations and every pod's timeline (the daemon's stage
+log), the RPCs' counts and mean latencies and the external calls' (its metrics endpoint,
+turned on for this), and a py-spy sampling profile of each phase attributed to the RPC
+handler on the stack (py-spy must be installed: `.venv/bin/pip install py-spy`). It
+perturbs the figures: use it apart from the runs that measure.
+
+`--runtime containerd` runs the same against containerd 1.6 started by
+`../shared/peers/containerd/start.sh` (which installs it if missing); the images are
+imported with `ctr`, the pause image being the test busybox image sleeping forever (so
+nothing is pulled). Never run it while another cri-shim run measures on the same machine.
+
+Usage: sudo .venv/bin/python benchmarks/density.py [--pods 50,110] [--workloads plain,probe]
+           [--runtime cri-shim|containerd|both] [--steady 60] [--analyse]
+
+The figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import collections
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import httpx
+from common import cpu_seconds, percentiles
+
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from cri_shim.host.mounts import unmount_below
+from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, make_test_network
+from tests.imagebuild import _write_tar, build_image, cached_oci_layout, layout_files
+from tests.node import (
+    KUBELET,
+    LOOP,
+    CpuAccount,
+    Kubelet,
+    children,
+    comm,
+    process_cpu_seconds,
+    pss_mib,
+    remove_all_sandboxes,
+    running_and_ready,
+)
+from tests.registry import free_port
+from tests.waiting import wait_until
+
+CONTAINERD_PEER = REPO.parent / "shared" / "peers" / "containerd"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.9"  # what the peer's containerd runs sandboxes with
+# The daemon's handler of each CRI method is the method's name in snake case.
+CRI_HANDLERS = {
+    re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower(): name
+    for name in dir(api_pb2_grpc.RuntimeServiceServicer) + dir(api_pb2_grpc.ImageServiceServicer)
+    if name[0].isupper()
+}
+
+
+class Runtime(Protocol):
+    name: str
+    endpoint: str
+    cpu: CpuAccount
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def pss_mib(self) -> float: ...
+    def daemon_pid(self) -> int: ...
+    def stub(self) -> api_pb2_grpc.RuntimeServiceStub: ...
+
+
+class ShimRuntime:
+    """cri-shim as an operator runs it (log level info), on a scratch root, with the
+    bridge and portmap plugins on a network of its own."""
+
+    name = "cri-shim"
+
+    def __init__(self, base: Path, analyse: bool) -> None:
+        self.base = base
+        self.network = make_test_network(base, 3, slow=False)
+        settings: dict[str, Any] = {"log_level": "info"}
+        self.metrics_port = free_port() if analyse else 0
+        if analyse:
+            settings["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
+        self.daemon = Daemon(base, self.network, settings=settings)
+        self.cpu = CpuAccount(f"crishim-density-{os.getpid()}")
+        self.endpoint = f"unix://{self.daemon.socket}"
+
+    def start(self) -> None:
+        self.daemon.start()
+        import_image(self.daemon, cached_oci_layout(self.base / "images"))
+        self.cpu.add(self.daemon_pid())
+
+    def daemon_pid(self) -> int:
+        assert self.daemon.proc is not None
+        return self.daemon.proc.pid
+
+    def stub(self) -> api_pb2_grpc.RuntimeServiceStub:
+        return self.daemon.runtime()
+
+    def pss_mib(self) -> float:
+        """The daemon and its conmons (not a runc or CNI plugin that happens to run)."""
+        daemon = self.daemon_pid()
+        helpers = [pid for pid in self.cpu.pids() if comm(pid) == "conmon"]
+        return sum(pss_mib(pid) for pid in [daemon, *helpers])
+
+    def stop(self) -> None:
+        try:
+            remove_all_sandboxes(self.stub())
+            leaks = self.daemon.leaks()
+            if leaks:
+                print(f"  {self.name} left behind: {leaks}")
+        finally:
+            self.daemon.stop()
+            self.cpu.remove()
+            self.network.remove()
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics endpoint's samples, by their full name with labels."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                samples[key] = float(value)
+        return samples
+
+
+class ContainerdRuntime:
+    """containerd 1.6 with its CRI plugin, started by the peer's start.sh."""
+
+    name = "containerd"
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.state = base / "containerd"
+        self.cpu = CpuAccount(f"containerd-density-{os.getpid()}")
+        self.endpoint = f"unix://{self.state}/containerd.sock"
+        self._channel: grpc.Channel | None = None
+        self.ctr = ["ctr", "--address", f"{self.state}/containerd.sock", "-n", "k8s.io"]
+
+    def start(self) -> None:
+        subprocess.run([str(CONTAINERD_PEER / "start.sh"), str(self.state)], check=True)
+        self.cpu.add(self.daemon_pid())
+        image = build_image()
+        pause = build_image(entrypoint=["sleep", "2147483647"], cmd=[])
+        for name, built in ((BUSYBOX_IMAGE, image), (PAUSE_IMAGE, pause)):
+            archive = _write_tar(self.base / "archive.tar", layout_files(built, name, name))
+            subprocess.run(
+                [*self.ctr, "images", "import", str(archive)],
+                check=True,
+                capture_output=True,
+            )
+
+    def daemon_pid(self) -> int:
+        return int((self.state / "pid").read_text())
+
+    def stub(self) -> api_pb2_grpc.RuntimeServiceStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.endpoint)
+        return api_pb2_grpc.RuntimeServiceStub(self._channel)
+
+    def pss_mib(self) -> float:
+        """containerd, its shims, and the sandboxes' pause processes (the shims' children
+        named as the pause image's program); not a runc that happens to run."""
+        shims = {pid for pid in self.cpu.pids() if comm(pid) == "containerd-shim"}
+        pauses = [pid for pid in children(shims) if comm(pid) == "sleep"]
+        return sum(pss_mib(pid) for pid in [self.daemon_pid(), *shims, *pauses])
+
+    def stop(self) -> None:
+        try:
+            remove_all_sandboxes(self.stub())
+        finally:
+            if self._channel is not None:
+                self._channel.close()
+            subprocess.run([str(CONTAINERD_PEER / "stop.sh"), str(self.state)], check=False)
+            self.cpu.remove()
+            for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+                if line.split()[4].startswith(str(self.state)):
+                    subprocess.run(["umount", "-l", line.split()[4]], check=False)
+
+
+@dataclass
+class Result:
+    runtime: str
+    workload: str
+    pods: int
+    start: list[float] = field(default_factory=list)
+    not_ready: int = 0
+    runtime_cpu: float = 0.0
+    kubelet_cpu: float = 0.0
+    pss: float = 0.0
+    removed: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        p50, p99 = percentiles(self.start, 0.99) if self.start else (float("nan"),) * 2
+        missing = f"  ({self.not_ready} never ready)" if self.not_ready else ""
+        return (
+            f"{self.runtime:<11} {self.workload:<6} {self.pods:>4}  {p50:7.1f} {p99:7.1f}  "
+            f"{self.runtime_cpu:8.1f} {self.kubelet_cpu:8.1f}  {self.pss:7.1f} "
+            f"{self.pss / self.pods:6.2f}  {self.removed:7.1f}{missing}"
+        )
+
+
+HEADER = (
+    f"{'runtime':<11} {'load':<6} {'pods':>4}  {'p50 s':>7} {'p99 s':>7}  "
+    f"{'rt CPU%':>8} {'kl CPU%':>8}  {'PSS MiB':>7} {'/pod':>6}  {'rm s':>7}"
+)
+
+
+def containers(probe: bool) -> list[dict[str, Any]]:
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": BUSYBOX_IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["sh", "-c", LOOP],
+    }
+    if probe:
+        container["readinessProbe"] = {
+            "exec": {"command": ["true"]},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+        }
+    return [container]
+
+
+def kubelet_cpu(kubelet: Kubelet) -> float:
+    assert kubelet.pid is not None
+    return sum(process_cpu_seconds(kubelet.pid))
+
+
+def running_containers(runtime: Runtime) -> int:
+    listed = runtime.stub().ListContainers(api_pb2.ListContainersRequest(), timeout=30)
+    return sum(1 for c in listed.containers if c.state == api_pb2.CONTAINER_RUNNING)
+
+
+class Profiler:
+    """py-spy recording the daemon (raw collapsed stacks) for one phase."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.out = out
+        py_spy = Path(sys.executable).parent / "py-spy"
+        self.proc = subprocess.Popen(
+            [
+                str(py_spy),
+                "record",
+                "--pid",
+                str(pid),
+                "--format",
+                "raw",
+                "--rate",
+                "100",
+                "--output",
+                str(out),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def finish(self) -> dict[str, int]:
+        """Stop it (SIGINT: it writes what it has) and read the samples by stack."""
+        self.proc.send_signal(2)
+        self.proc.wait(60)
+        stacks: dict[str, int] = {}
+        if self.out.exists():
+            for line in self.out.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                stacks[stack] = stacks.get(stack, 0) + int(count)
+        return stacks
+
+
+# Where a thread waits rather than runs: a sample whose innermost frame is one of these is
+# idle (py-spy cannot tell a thread blocked in epoll from one running, in --nonblocking).
+IDLE_LEAVES = ("EpollSelector.select", "_worker", "Condition.wait", "Thread.run")
+
+
+def by_handler(stacks: dict[str, int]) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Samples by the innermost CRI method's handler on the stack ('-' for none), and by the
+    function at the top of the stack ("self" time), with the file it is in; idle samples
+    left out."""
+    handlers: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    for stack, count in stacks.items():
+        frames = stack.split(";")
+        names = [f.split(" (")[0].rsplit(".", 1)[-1] for f in frames]
+        if frames[-1].split(" (")[0] in IDLE_LEAVES:
+            continue
+        handler = next((CRI_HANDLERS[n] for n in reversed(names) if n in CRI_HANDLERS), "-")
+        if handler == "-" and "_life" in names:
+            handler = "(creations, run apart from the RPCs)"
+        handlers[handler] += count
+        leaf = frames[-1]
+        match = re.match(r"(.*) \((.*?):\d+\)", leaf)
+        leaves[f"{match.group(1)} ({Path(match.group(2)).name})" if match else leaf] += count
+    return handlers, leaves
+
+
+def print_profile(title: str, stacks: dict[str, int], cpu: float, calls: dict[str, float]) -> None:
+    handlers, leaves = by_handler(stacks)
+    total = sum(handlers.values()) or 1
+    print(f"  {title}: {total} samples, daemon CPU {cpu:.1f} s")
+    for handler, count in handlers.most_common(12):
+        share = count / total
+        n = calls.get(handler, 0)
+        per_call = f"{share * cpu / n * 1000:7.2f} ms CPU/call ({n:.0f} calls)" if n else ""
+        print(f"    {handler:<28} {share * 100:5.1f} %  {per_call}")
+    print("    top functions (self):")
+    for leaf, count in leaves.most_common(15):
+        print(f"      {count / total * 100:5.1f} %  {leaf}")
+
+
+def rpc_calls(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    calls: dict[str, float] = collections.defaultdict(float)
+    for key, value in after.items():
+        if key.startswith("cri_shim_rpc_requests_total{"):
+            method = re.search(r'method="([^"]+)"', key)
+            if method:
+                calls[method.group(1)] += value - before.get(key, 0.0)
+    return dict(calls)
+
+
+def print_metrics(title: str, before: dict[str, float], after: dict[str, float]) -> None:
+    """Counts and mean latencies of the RPCs and of the external calls between the two."""
+    print(f"  {title}:")
+    rows = []
+    for key, value in after.items():
+        name = key.partition("{")[0]
+        if name.endswith("_count") and ("rpc_duration" in key or "host_call_duration" in key):
+            count = value - before.get(key, 0.0)
+            if count <= 0:
+                continue
+            seconds = after[key.replace("_count", "_sum")] - before.get(
+                key.replace("_count", "_sum"), 0.0
+            )
+            labels = key[key.index("{") :]
+            rows.append((count, labels, seconds / count))
+    for count, labels, mean in sorted(rows, reverse=True)[:20]:
+        print(f"    {count:7.0f} x  mean {mean * 1000:8.1f} ms  {labels}")
+
+
+STAGE_LINE = re.compile(
+    r"ts=(\S+) .*msg=\"(?:sandbox|container) '([^']+)' \(\w+\): stage ([^\"]+)\""
+)
+
+
+STARTED_LINE = re.compile(r"ts=(\S+) .*msg=\"container \w+ \(([^)]+)\) started\"")
+# kubelet's klog lines: `I1202 08:06:51.416501 pid file:line] "message" ... pod="ns/name"`.
+KUBELET_LINE = re.compile(r"^I(\d{4} \d\d:\d\d:\d\d\.\d+) .*?\] \"([^\"]+)\"(.*)$")
+KUBELET_MARKS = {
+    "SyncLoop ADD": "kubelet: manifest read",
+    "No sandbox for pod can be found. Need to start a new one": "kubelet: RunPodSandbox sent",
+}
+
+
+def pod_of(cri_name: str) -> str:
+    """The static pod's name in kubelet's CRI names: k8s_POD_<pod>_<namespace>_<uid>_<n>
+    for a sandbox, k8s_<container>_<pod>_... for a container; <pod> is <name>-<node>."""
+    return cri_name.split("_")[2].rsplit("-", 1)[0]
+
+
+def start_marks(daemon_log: Path, kubelet_log: Path) -> dict[str, list[tuple[float, str]]]:
+    """By pod: the moments of its start that kubelet's log and the daemon's stage log
+    show (the first of each kind only: a sandbox made again later is not the start)."""
+    events: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for line in daemon_log.read_text(errors="replace").splitlines():
+        if match := STAGE_LINE.search(line):
+            stamp, name, stage = match.groups()
+            events[pod_of(name)].setdefault(stage, _epoch(stamp))
+        elif match := STARTED_LINE.search(line):
+            stamp, name = match.groups()
+            events[pod_of(name)].setdefault("container started", _epoch(stamp))
+    year = time.gmtime().tm_year
+    for line in kubelet_log.read_text(errors="replace").splitlines():
+        match = KUBELET_LINE.match(line)
+        if not match or match.group(2) not in KUBELET_MARKS:
+            continue
+        stamp = time.strptime(f"{year}{match.group(1).split('.')[0]}", "%Y%m%d %H:%M:%S")
+        moment = calendar.timegm(stamp) + float("0." + match.group(1).split(".")[1])
+        for pod in re.findall(r"default/([\w.-]+)", match.group(3)):
+            events[pod.rsplit("-", 1)[0]].setdefault(KUBELET_MARKS[match.group(2)], moment)
+    return {pod: sorted((t, label) for label, t in marks.items()) for pod, marks in events.items()}
+
+
+def print_timelines(
+    daemon_log: Path, kubelet_log: Path, written: dict[str, float], ready: dict[str, float]
+) -> None:
+    """Every pod's start: seconds after its manifest was written at which kubelet and the
+    daemon reached each mark; then the time from each mark to the next over all pods."""
+    marks = start_marks(daemon_log, kubelet_log)
+    print("  per-pod start (s after the manifest was written):")
+    gaps: dict[str, list[float]] = collections.defaultdict(list)
+    order = sorted(written, key=lambda p: ready.get(p, 1e9))
+    for pod in order:
+        pod_marks = marks.get(pod, [])
+        done = ready.get(pod)
+        if pod in (order[0], order[len(order) // 2], order[-1]):
+            shown = "  ".join(f"{label}@{t - written[pod]:.2f}" for t, label in pod_marks)
+            end = f"ready@{done - written[pod]:.2f}" if done else "never ready"
+            print(f"    {pod}: {shown}  {end}")
+        previous, previous_label = written[pod], "manifest written"
+        for t, label in pod_marks:
+            gaps[f"{previous_label} -> {label}"].append(t - previous)
+            previous, previous_label = t, label
+        if done:
+            gaps[f"{previous_label} -> ready in /pods"].append(done - previous)
+    print("  from each mark to the next (median / p90 / max over pods, s):")
+    for label, values in gaps.items():
+        ordered = sorted(values)
+        p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+        print(f"    {label:<62} {statistics.median(values):6.2f} {p90:6.2f} {max(values):6.2f}")
+
+
+def _epoch(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -> Result:
+    result = Result(runtime.name, workload, pods)
+    node = f"dn{os.getpid() % 100000}{workload}{pods}"
+    runtime.start()
+    kubelet = Kubelet(base / "node", runtime.endpoint, node)
+    analyse = isinstance(runtime, ShimRuntime) and args.analyse
+    profiler: Profiler | None = None
+    try:
+        kubelet.start()
+        time.sleep(5)  # kubelet's first syncs and housekeeping
+        names = [f"d{i}" for i in range(pods)]
+        metrics0 = runtime.metrics() if analyse else {}
+        daemon0 = process_cpu_seconds(runtime.daemon_pid())
+        cpu0 = runtime.cpu.seconds()
+        if analyse:
+            profiler = Profiler(runtime.daemon_pid(), base / "start.raw")
+        written: dict[str, float] = {}
+        for name in names:
+            kubelet.write_pod(name, containers(workload == "probe"))
+            written[name] = time.time()
+        ready: dict[str, float] = {}
+        deadline = time.monotonic() + args.start_timeout
+        while len(ready) < pods and time.monotonic() < deadline:
+            seen = kubelet.pods()
+            now = time.time()
+            for name in names:
+                if name not in ready and running_and_ready(seen.get(name)):
+                    ready[name] = now
+            time.sleep(0.5)
+        result.start = [ready[n] - written[n] for n in ready]
+        result.not_ready = pods - len(ready)
+        daemon1 = process_cpu_seconds(runtime.daemon_pid())
+        cpu1 = runtime.cpu.seconds()
+        print(
+            f"  start of {pods}: runtime CPU {cpu1 - cpu0:.1f} s in all "
+            f"({(cpu1 - cpu0) / pods * 1000:.0f} ms per pod; the daemon itself "
+            f"{(daemon1[0] - daemon0[0]) / pods * 1000:.0f} ms, the children it reaped "
+            f"{(daemon1[1] - daemon0[1]) / pods * 1000:.0f} ms, the rest being its helpers)"
+        )
+        if analyse:
+            assert isinstance(runtime, ShimRuntime) and profiler is not None
+            metrics1 = runtime.metrics()
+            print_profile("profile of the start", profiler.finish(), daemon1[0] - daemon0[0], {})
+            print_metrics("RPCs and external calls during the start", metrics0, metrics1)
+            print_creation_stages(runtime)
+            print_timelines(runtime.daemon.log_path, kubelet.log_path, written, ready)
+
+        time.sleep(5)  # the last probes' and status updates' tail
+        metrics0 = runtime.metrics() if analyse else {}
+        if analyse:
+            profiler = Profiler(runtime.daemon_pid(), base / "steady.raw")
+        cpu0, kl0, daemon0 = (
+            runtime.cpu.seconds(),
+            kubelet_cpu(kubelet),
+            process_cpu_seconds(runtime.daemon_pid()),
+        )
+        started = time.monotonic()
+        time.sleep(args.steady)
+        took = time.monotonic() - started
+        cpu1, kl1, daemon1 = (
+            runtime.cpu.seconds(),
+            kubelet_cpu(kubelet),
+            process_cpu_seconds(runtime.daemon_pid()),
+        )
+        result.runtime_cpu = (cpu1 - cpu0) / took * 100
+        result.kubelet_cpu = (kl1 - kl0) / took * 100
+        result.pss = runtime.pss_mib()
+        if analyse:
+            assert isinstance(runtime, ShimRuntime) and profiler is not None
+            metrics1 = runtime.metrics()
+            calls = rpc_calls(metrics0, metrics1)
+            print_profile(
+                f"profile of the steady {took:.0f} s",
+                profiler.finish(),
+                daemon1[0] - daemon0[0],
+                calls,
+            )
+            print_metrics("RPCs and external calls in the steady minute", metrics0, metrics1)
+            print_rpc_costs(runtime)
+            lag = runtime.daemon.status_info().get("eventLoop")
+            print(f"  the daemon's event loop lag (Status verbose): {lag}")
+
+        removing = time.monotonic()
+        for name in names:
+            kubelet.remove_pod(name)
+        wait_until(
+            lambda: not kubelet.pods() and not running_containers(runtime),
+            timeout=args.start_timeout,
+            interval=0.5,
+        )
+        result.removed = time.monotonic() - removing
+    finally:
+        if profiler is not None and profiler.proc.poll() is None:
+            profiler.proc.kill()
+        kubelet.stop()  # before the pods are removed: it would make them again
+        try:
+            runtime.stop()
+        finally:
+            for left in kubelet.clean_up():
+                result.notes.append(f"kubelet left {left}")
+    return result
+
+
+def print_rpc_costs(runtime: ShimRuntime, calls: int = 40) -> None:
+    """The daemon's CPU per call of the RPCs kubelet makes most, each called `calls` times
+    in a row, less what the daemon spends meanwhile on kubelet's own calls (measured
+    just before, as a rate)."""
+    stub, pid = runtime.stub(), runtime.daemon_pid()
+    sandboxes = stub.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=30).items
+    listed = stub.ListContainers(api_pb2.ListContainersRequest(), timeout=30).containers
+    sandbox_id, container_id = sandboxes[0].id, listed[0].id
+    rpcs: list[tuple[str, Any]] = [
+        ("ListPodSandbox", lambda: stub.ListPodSandbox(api_pb2.ListPodSandboxRequest())),
+        ("ListContainers", lambda: stub.ListContainers(api_pb2.ListContainersRequest())),
+        (
+            "PodSandboxStatus",
+            lambda: stub.PodSandboxStatus(
+                api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+            ),
+        ),
+        (
+            "ContainerStatus",
+            lambda: stub.ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id)),
+        ),
+        (
+            "ListContainerStats",
+            lambda: stub.ListContainerStats(api_pb2.ListContainerStatsRequest()),
+        ),
+        (
+            "ListPodSandboxStats",
+            lambda: stub.ListPodSandboxStats(api_pb2.ListPodSandboxStatsRequest()),
+        ),
+        ("Version", lambda: stub.Version(api_pb2.VersionRequest())),
+    ]
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(5)
+    background = (cpu_seconds(pid) - before) / (time.monotonic() - started)
+    print(
+        f"  the daemon's CPU per call, {len(sandboxes)} sandboxes and {len(listed)} containers "
+        f"held (kubelet's own calls meanwhile, {background * 1000:.1f} ms/s, taken off):"
+    )
+    for name, call in rpcs:
+        before, started = cpu_seconds(pid), time.monotonic()
+        for _ in range(calls):
+            call()
+        took = time.monotonic() - started
+        spent = cpu_seconds(pid) - before - background * took
+        print(f"    {name:<22} {spent / calls * 1000:7.2f} ms CPU  ({took / calls * 1000:.1f} ms)")
+
+
+def print_creation_stages(runtime: ShimRuntime) -> None:
+    """The mean time creations spent in each stage (Status verbose)."""
+    info = runtime.daemon.status_info()["creation"]
+    for kind in ("sandbox", "container"):
+        figures = info[kind]
+        entered, seconds = figures["stages_entered"], figures["stage_seconds"]
+        means = ", ".join(
+            f"{stage} {seconds[stage] / entered[stage]:.2f}"
+            for stage in entered
+            if entered[stage] and stage in seconds
+        )
+        print(f"  {kind} creation stages, mean s: {means}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pods", default="50,110")
+    parser.add_argument("--workloads", default="plain,probe")
+    parser.add_argument("--runtime", default="cri-shim", choices=["cri-shim", "containerd", "both"])
+    parser.add_argument("--steady", type=float, default=60.0)
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--analyse", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the logs and profiles")
+    args = parser.parse_args()
+    if not KUBELET.exists():
+        sys.exit(f"no kubelet at {KUBELET}")
+    runtimes = ["cri-shim", "containerd"] if args.runtime == "both" else [args.runtime]
+    results = []
+    for pods in [int(n) for n in args.pods.split(",")]:
+        for workload in args.workloads.split(","):
+            for name in runtimes:
+                base = Path(tempfile.mkdtemp(prefix="csd-", dir="/tmp"))
+                base.chmod(0o711)
+                runtime: Runtime = (
+                    ShimRuntime(base, args.analyse)
+                    if name == "cri-shim"
+                    else ContainerdRuntime(base)
+                )
+                print(f"{name}, {pods} pods, {workload}:", flush=True)
+                try:
+                    results.append(run_one(runtime, base, pods, workload, args))
+                finally:
+                    # The daemon leaves its namespace pin directories mounted (shared).
+                    unmount_below(base)
+                    if args.keep:
+                        print(f"  kept {base}")
+                    else:
+                        shutil.rmtree(base, ignore_errors=True)
+                print(HEADER)
+                print(results[-1].line(), flush=True)
+                for note in results[-1].notes:
+                    print(f"  {note}")
+    loadavg = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"\nall runs ({os.cpu_count()} cores, load average now {' '.join(loadavg)}):")
+    print(HEADER)
+    for result in results:
+        print(result.line())
+
+
+if __name__ == "__main__":
+    main()

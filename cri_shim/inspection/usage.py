@@ -1,0 +1,212 @@
+"""The usage of pods and containers: what ContainerStats, PodSandboxStats and
+ListPodSandboxMetrics (and their List and Stream twins) report, read through the one
+HostReader.
+
+Pod-level CPU and memory are the sum of the pod's containers: there is no infra container,
+so a pod uses exactly what its containers use. CPU rates come from the previous sample of
+the same object, whichever of these calls took it; the samples of removed objects are
+dropped after each listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Set
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from cri_shim.inspection.cpu_rates import CpuRates
+from cri_shim.inspection.host import (
+    CgroupStats,
+    ContainerFigures,
+    HostReader,
+    InterfaceCounters,
+    LayerUsage,
+)
+from cri_shim.logcontext import object_fields
+from cri_shim.state.records import ContainerRecord, SandboxRecord
+
+log = logging.getLogger("cri_shim.stats")
+
+# Containers whose usage one worker thread reads at a time: a stream sends the first
+# batch before it reads the next.
+BATCH = 64
+
+T = TypeVar("T")
+
+
+class SandboxRecords(Protocol):
+    def get(self, ref: str) -> SandboxRecord: ...
+    def list(self) -> list[SandboxRecord]: ...
+    def ids(self) -> set[str]: ...
+
+
+class ContainerRecords(Protocol):
+    def get(self, ref: str) -> ContainerRecord: ...
+    def list(self, sandbox_id: str | None = None) -> list[ContainerRecord]: ...
+    def ids(self) -> set[str]: ...
+
+
+@dataclass(frozen=True)
+class ContainerUsage:
+    record: ContainerRecord
+    cgroup: CgroupStats | None  # a running container's only
+    cpu_nano_cores: int | None  # since its previous sample; None for the first
+    layer: LayerUsage
+    layer_read_at: int  # nanoseconds since the epoch
+
+
+@dataclass(frozen=True)
+class PodNetwork:
+    read_at: int  # nanoseconds since the epoch
+    interfaces: dict[str, InterfaceCounters]  # every interface but loopback, never empty
+
+
+@dataclass(frozen=True)
+class PodUsage:
+    record: SandboxRecord
+    containers: list[ContainerUsage]
+    read_at: int  # the latest of its containers' samples; 0 when none has a cgroup
+    cpu_usage_ns: int
+    cpu_nano_cores: int | None
+    memory_working_set_bytes: int
+    network: PodNetwork | None  # None for a host-network or stopped pod
+
+
+@dataclass(frozen=True)
+class PodFigures:
+    """What a ready pod's metrics are made of: its network and its running containers."""
+
+    record: SandboxRecord
+    interfaces: dict[str, InterfaceCounters]
+    containers: list[ContainerFigures]
+
+
+class UsageCollector:
+    """Reads usage for the stats and metrics RPCs and keeps the CPU samples between them."""
+
+    def __init__(
+        self,
+        sandboxes: SandboxRecords,
+        containers: ContainerRecords,
+        reader: HostReader,
+        rates: CpuRates | None = None,
+    ) -> None:
+        self._sandboxes = sandboxes
+        self._containers = containers
+        self._reader = reader
+        self._rates = rates if rates is not None else CpuRates()
+
+    async def container(self, ref: str) -> ContainerUsage:
+        [usage] = await self._read_containers([self._containers.get(ref)])
+        return usage
+
+    async def containers(self, selected: list[ContainerRecord]) -> AsyncIterator[ContainerUsage]:
+        """The usage of each of `selected`, a batch at a time when it is the batch's turn;
+        then the CPU samples of removed objects are dropped."""
+        for start in range(0, len(selected), BATCH):
+            for usage in await self._read_containers(selected[start : start + BATCH]):
+                yield usage
+        self._forget_removed()
+
+    async def pod(self, ref: str) -> PodUsage:
+        sandbox = self._sandboxes.get(ref)
+        containers = await self._read_containers(self._containers.list(sandbox_id=sandbox.id))
+        sampled = [c.cgroup for c in containers if c.cgroup is not None]
+        cpu = sum(c.cpu_usage_ns or 0 for c in sampled)
+        read_at = max((c.timestamp_ns for c in sampled), default=0)
+        return PodUsage(
+            record=sandbox,
+            containers=containers,
+            read_at=read_at,
+            cpu_usage_ns=cpu,
+            cpu_nano_cores=self._rates.rate(sandbox.id, read_at, cpu) if read_at else None,
+            memory_working_set_bytes=sum(c.memory_working_set_bytes or 0 for c in sampled),
+            network=await self._network(sandbox),
+        )
+
+    async def pods(self, selected: list[SandboxRecord]) -> AsyncIterator[PodUsage]:
+        """The usage of each of `selected`, read when it is its turn; then the CPU samples
+        of removed objects are dropped."""
+        for sandbox in selected:
+            yield await self.pod(sandbox.id)
+        self._forget_removed()
+
+    async def pods_figures(self, render: Callable[[PodFigures], T]) -> AsyncIterator[T]:
+        """Each ready pod's figures, read and given to `render` in one worker thread
+        when it is the pod's turn (a stopped pod has no processes and no network left to
+        measure)."""
+        for sandbox in self._sandboxes.list():
+            if not sandbox.ready:
+                continue
+            containers = self._containers.list(sandbox_id=sandbox.id)
+            # cgroup files and a namespace switch: off the event loop.
+            yield await asyncio.to_thread(self._render_pod, render, sandbox, containers)
+
+    async def _read_containers(self, containers: list[ContainerRecord]) -> list[ContainerUsage]:
+        """All read in one worker thread: the hop to a thread and back costs more than one
+        container's files, so one hop each would make a node's listing mostly hops."""
+        reader = self._reader
+        backends = [reader.running_backend(c) for c in containers]
+        read = await asyncio.to_thread(
+            lambda: [
+                (reader.container_usage(c, b), time.time_ns())
+                for b, c in zip(backends, containers, strict=True)
+            ]
+        )
+        return [
+            self._container_usage(container, cgroup, layer, read_at)
+            for container, ((cgroup, layer), read_at) in zip(containers, read, strict=True)
+        ]
+
+    def _container_usage(
+        self,
+        container: ContainerRecord,
+        cgroup: CgroupStats | None,
+        layer: LayerUsage,
+        read_at: int,
+    ) -> ContainerUsage:
+        rate = None
+        if cgroup is not None and cgroup.cpu_usage_ns is not None:
+            rate = self._rates.rate(container.id, cgroup.timestamp_ns, cgroup.cpu_usage_ns)
+        return ContainerUsage(container, cgroup, rate, layer, read_at)
+
+    async def _network(self, sandbox: SandboxRecord) -> PodNetwork | None:
+        if sandbox.netns_path is None or not sandbox.ready:
+            return None
+        read_at = time.time_ns()
+        try:
+            interfaces = await asyncio.to_thread(self._reader.pod_interfaces, sandbox)
+        except (OSError, TimeoutError) as err:
+            log.warning("network stats of pod %s: %s", sandbox.id, err)
+            return None
+        return PodNetwork(read_at, interfaces) if interfaces else None
+
+    def _render_pod(
+        self,
+        render: Callable[[PodFigures], T],
+        sandbox: SandboxRecord,
+        containers: list[ContainerRecord],
+    ) -> T:
+        return render(self._pod_figures(sandbox, containers))
+
+    def _pod_figures(self, sandbox: SandboxRecord, containers: list[ContainerRecord]) -> PodFigures:
+        try:
+            interfaces = self._reader.pod_interfaces(sandbox)
+        except (OSError, TimeoutError) as err:
+            log.warning(
+                "network metrics of pod %s: %s",
+                sandbox.id,
+                err,
+                extra=object_fields("sandbox", sandbox.id, sandbox.name),
+            )
+            interfaces = {}
+        running = [c for c in containers if c.state == "running"]
+        figures = [self._reader.container_figures(c) for c in running]
+        return PodFigures(sandbox, interfaces, [f for f in figures if f is not None])
+
+    def _forget_removed(self) -> None:
+        live: Set[str] = self._sandboxes.ids() | self._containers.ids()
+        self._rates.retain(live)

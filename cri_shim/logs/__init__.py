@@ -1,1 +1,0 @@
-"""Container logs in the CRI format that kubelet reads (crilog.py)."""

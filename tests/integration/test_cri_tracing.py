@@ -1,0 +1,376 @@
+"""Traces exported over OTLP/HTTP to a real receiver in the test process.
+
+The receiver decodes each POST to /v1/traces as an `ExportTraceServiceRequest` (the
+OpenTelemetry protocol's own message), so what is checked is what a collector such as
+Jaeger, Tempo or the OpenTelemetry Collector would receive.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.server
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from cri_shim.api.v1 import api_pb2
+from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
+from tests.imagebuild import build_image
+from tests.nri_plugin import PluginThread, RecordingPlugin
+from tests.registry import start_registry
+
+pytest.importorskip("opentelemetry.proto", reason="needs opentelemetry-proto (test extras)")
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+pytestmark = [pytest.mark.integration, pytest.mark.root]
+
+STATUS_ERROR = trace_pb2.Status.STATUS_CODE_ERROR
+
+
+@dataclass
+class Receiver:
+    """An OTLP/HTTP trace endpoint: every span it was sent, decoded."""
+
+    url: str
+    spans: list[trace_pb2.Span] = field(default_factory=list)
+    services: set[str] = field(default_factory=set)
+
+    def named(self, name: str) -> list[trace_pb2.Span]:
+        return [s for s in self.spans if s.name == name]
+
+    def by_id(self, span_id: bytes) -> trace_pb2.Span:
+        (found,) = [s for s in self.spans if s.span_id == span_id]
+        return found
+
+    def children(self, parent: trace_pb2.Span) -> list[trace_pb2.Span]:
+        return [
+            s
+            for s in self.spans
+            if s.parent_span_id == parent.span_id and s.trace_id == parent.trace_id
+        ]
+
+
+@contextlib.contextmanager
+def otlp_receiver() -> Iterator[Receiver]:
+    lock = threading.Lock()
+    receiver = Receiver(url="")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            with lock:
+                for resource_spans in request.resource_spans:
+                    for attribute in resource_spans.resource.attributes:
+                        if attribute.key == "service.name":
+                            receiver.services.add(attribute.value.string_value)
+                    for scope_spans in resource_spans.scope_spans:
+                        receiver.spans.extend(scope_spans.spans)
+            answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    receiver.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield receiver
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def attributes(span: trace_pb2.Span) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for attribute in span.attributes:
+        value = attribute.value
+        out[attribute.key] = getattr(value, value.WhichOneof("value"))
+    return out
+
+
+def traceparent() -> tuple[str, bytes, bytes]:
+    """A sampled W3C traceparent as kubelet sends it, with its trace and span IDs."""
+    trace_id, span_id = os.urandom(16), os.urandom(8)
+    return f"00-{trace_id.hex()}-{span_id.hex()}-01", trace_id, span_id
+
+
+def run_pod(daemon: Daemon, name: str, timeout: float, parent: str) -> str:
+    return (
+        daemon.runtime()
+        .RunPodSandbox(
+            api_pb2.RunPodSandboxRequest(config=pod_config(name)),
+            timeout=timeout,
+            metadata=(("traceparent", parent),),
+        )
+        .pod_sandbox_id
+    )
+
+
+def test_a_retried_creation_is_one_trace_linked_from_each_request(
+    short_tmp: Any, test_network: CniTestNetwork
+) -> None:
+    """kubelet's first RunPodSandbox times out on a slow CNI plugin; its retry waits on the
+    creation and is handed the pod. Each request's span is a child of the traceparent it
+    carried, and both link to one creation trace whose network stage holds the slow ADD."""
+    with otlp_receiver() as receiver:
+        daemon = Daemon(short_tmp, test_network, settings={"tracing": {"endpoint": receiver.url}})
+        daemon.start()
+        try:
+            first_parent, first_trace, first_span = traceparent()
+            second_parent, second_trace, second_span = traceparent()
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            with test_network.held():
+                with pytest.raises(grpc.RpcError) as timed_out:
+                    run_pod(daemon, "traced", 4, first_parent)
+                assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                retry = pool.submit(run_pod, daemon, "traced", 60, second_parent)
+                wait_until(
+                    lambda: (
+                        sum(c["watchers"] for c in daemon.creations("sandbox")["in_flight"]) == 1
+                    ),
+                    timeout=30,
+                )
+            sandbox_id = retry.result(timeout=60)
+            pool.shutdown()
+
+            def exported() -> bool:
+                return (
+                    any(attributes(s).get("cri.creation.outcome") for s in receiver.spans)
+                    and len(receiver.named("runtime.v1.RunPodSandbox")) == 2
+                )
+
+            wait_until(exported, timeout=30)
+            requests = {s.trace_id: s for s in receiver.named("runtime.v1.RunPodSandbox")}
+            first, second = requests[first_trace], requests[second_trace]
+            # Children of what each request carried.
+            assert first.parent_span_id == first_span
+            assert second.parent_span_id == second_span
+            assert first.status.code == STATUS_ERROR
+            assert (
+                attributes(first)["rpc.grpc.status_code"]
+                == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            )
+            assert attributes(second)["rpc.grpc.status_code"] == 0
+            assert attributes(second)["cri.sandbox_id"] == sandbox_id
+            # Both link to the one creation, a trace of its own.
+            (root,) = [s for s in receiver.named("sandbox creation")]
+            assert root.trace_id not in (first_trace, second_trace)
+            for request in (first, second):
+                assert [(link.trace_id, link.span_id) for link in request.links] == [
+                    (root.trace_id, root.span_id)
+                ]
+            root_attributes = attributes(root)
+            assert root_attributes["cri.sandbox_id"] == sandbox_id
+            assert root_attributes["cri.creation.requests"] == 2
+            assert root_attributes["cri.creation.requests_served"] == 1
+            assert root_attributes["cri.creation.outcome"] == "visible"
+            # What happened to each request there.
+            first_events = [e.name for e in first.events]
+            assert first_events[0] == "started the creation"
+            assert first_events[-1].startswith("deadline passed; the creation goes on")
+            assert [e.name for e in second.events] == [
+                "waited on the creation at stage sandbox network",
+                "handed the finished object",
+            ]
+            # The stages as the journal ran them, the held CNI ADD inside the network's.
+            stages = {s.name: s for s in receiver.children(root)}
+            assert "sandbox namespaces" in stages and "sandbox network" in stages
+            network = stages["sandbox network"]
+            plugins = {s.name: s for s in receiver.children(network)}
+            assert {"CNI ADD bridge", "CNI ADD slow-cni"} <= set(plugins)
+            held = plugins["CNI ADD slow-cni"]
+            # It was still running when the first request gave up, and ended before the
+            # retry was answered.
+            assert held.start_time_unix_nano < first.end_time_unix_nano < held.end_time_unix_nano
+            assert held.end_time_unix_nano < second.end_time_unix_nano
+            assert receiver.services == {"cri-shim"}
+            # Logs join traces: the request's lines carry its trace ID.
+            log = daemon.log_path.read_text()
+            assert f"trace_id={first_trace.hex()}" in log
+            assert f"trace_id={root.trace_id.hex()}" in log
+            # Teardown: each undo step a span under the call that ran it.
+            stop_parent, stop_trace, _ = traceparent()
+            daemon.runtime().StopPodSandbox(
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                timeout=30,
+                metadata=(("traceparent", stop_parent),),
+            )
+            remove_parent, remove_trace, _ = traceparent()
+            daemon.runtime().RemovePodSandbox(
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
+                timeout=30,
+                metadata=(("traceparent", remove_parent),),
+            )
+
+            def undone(trace_id: bytes) -> set[str]:
+                return {
+                    s.name
+                    for s in receiver.spans
+                    if s.trace_id == trace_id and s.name.startswith("undo ")
+                }
+
+            wait_until(lambda: "undo cni_del" in undone(stop_trace), timeout=30)
+            wait_until(lambda: "undo remove_dir" in undone(remove_trace), timeout=30)
+        finally:
+            daemon.stop()
+
+
+def test_an_unsampled_caller_is_not_traced(short_tmp: Any) -> None:
+    """Parent-based sampling: a traceparent that says 'not sampled' is followed."""
+    with otlp_receiver() as receiver:
+        daemon = Daemon(short_tmp, None, settings={"tracing": {"endpoint": receiver.url}})
+        daemon.start()
+        try:
+            trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+            daemon.runtime().Version(
+                api_pb2.VersionRequest(),
+                timeout=10,
+                metadata=(("traceparent", f"00-{trace_id}-{span_id}-00"),),
+            )
+            daemon.runtime().Version(api_pb2.VersionRequest(), timeout=10)  # a root: sampled
+            # The sampled root ended after the unsampled call: once it is exported, so
+            # would the other have been.
+            wait_until(lambda: len(receiver.named("runtime.v1.Version")) >= 1, timeout=30)
+            assert trace_id not in {s.trace_id.hex() for s in receiver.spans}
+        finally:
+            daemon.stop()
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[str]:
+    """A collector that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+def test_a_dead_collector_costs_a_bounded_queue_and_a_counter(short_tmp: Any) -> None:
+    """Spans for a collector that never answers wait in a bounded queue and are dropped
+    and counted beyond it; calls are answered all the same, and the daemon stops."""
+    with black_hole() as endpoint:
+        daemon = Daemon(
+            short_tmp,
+            None,
+            settings={
+                "tracing": {
+                    "endpoint": endpoint,
+                    "max_queued_spans": 20,
+                    "export_timeout": "60s",
+                }
+            },
+        )
+        daemon.start()
+        try:
+            for _ in range(300):
+                daemon.runtime().Version(api_pb2.VersionRequest(), timeout=10)
+            figures = daemon.status_info()["tracing"]
+            assert figures["queued"] <= 20
+            assert figures["exported"] == 0
+            assert figures["dropped"] >= 300 - 2 * 20
+        finally:
+            # A stop waits for the stuck export a bounded time, then exits cleanly.
+            assert daemon.stop() == 0
+
+
+def test_a_pull_traces_its_layer_downloads_and_unpacks(short_tmp: Any) -> None:
+    registry = start_registry(short_tmp / "registry")
+    try:
+        image = build_image(extra_files={"etc/which": b"traced"})
+        registry.push("team/traced", image, "v1")
+        with otlp_receiver() as receiver:
+            daemon = Daemon(
+                short_tmp,
+                None,
+                settings={
+                    "tracing": {"endpoint": receiver.url},
+                    "images": {"insecure_registries": [registry.host]},
+                },
+            )
+            daemon.start()
+            try:
+                daemon.images().PullImage(
+                    api_pb2.PullImageRequest(
+                        image=api_pb2.ImageSpec(image=f"{registry.host}/team/traced:v1")
+                    ),
+                    timeout=120,
+                )
+                wait_until(lambda: receiver.named("runtime.v1.PullImage"), timeout=30)
+                (pull,) = receiver.named("runtime.v1.PullImage")
+                under = [s for s in receiver.spans if s.trace_id == pull.trace_id]
+                downloads = [s for s in under if s.name == "layer download"]
+                unpacks = [s for s in under if s.name == "layer unpack"]
+                assert len(downloads) == len(image.layers) == len(unpacks)
+                assert {attributes(s)["oci.layer.digest"] for s in downloads} == {
+                    layer.digest for layer in image.layers
+                }
+            finally:
+                daemon.stop()
+    finally:
+        registry.stop()
+
+
+def test_each_nri_plugin_call_is_a_span_of_the_creation_stage(
+    short_tmp: Any, test_network: CniTestNetwork
+) -> None:
+    with otlp_receiver() as receiver:
+        daemon = Daemon(
+            short_tmp,
+            test_network,
+            settings={
+                "tracing": {"endpoint": receiver.url},
+                "nri": {"enable": True, "socket_path": str(short_tmp / "nri.sock")},
+            },
+        )
+        daemon.start()
+        thread = PluginThread(RecordingPlugin(), short_tmp / "nri.sock")
+        plugin = thread.start()
+        try:
+            wait_until(lambda: "Synchronize" in plugin.methods, timeout=30)
+            sandbox_id = run_pod(daemon, "nri-traced", 60, traceparent()[0])
+            wait_until(lambda: receiver.named("sandbox NRI plugins"), timeout=30)
+            (stage,) = receiver.named("sandbox NRI plugins")
+            calls = [s.name for s in receiver.children(stage)]
+            assert calls == [f"NRI RunPodSandbox {plugin.index}-{plugin.name}"]
+            daemon.runtime().StopPodSandbox(
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+            )
+            daemon.runtime().RemovePodSandbox(
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=30
+            )
+        finally:
+            thread.stop()
+            daemon.stop()

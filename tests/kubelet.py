@@ -1,0 +1,280 @@
+"""A real kubelet run standalone against the daemon, for scenarios and benchmarks.
+
+kubelet is `../shared/kubelet/kubelet` beside the clone (`KUBELET`; callers skip without
+it). It runs static pods from a manifest directory, with no API server, and serves its view
+of them on its read-only port (`GET /pods`, `/stats/summary`).
+
+It runs with kubelet's own cgroup defaults, as nodes do: `--cgroups-per-qos=true
+--enforce-node-allocatable=pods`, so every pod's `cgroup_parent` is
+`<root>/kubepods/<qos>/pod<uid>` (the guaranteed class sits right under `kubepods`). The
+root is a cgroup of the kubelet's own (`/<node>`), made before it starts and removed after
+it stops: kubelet deletes, killing what runs in them, the pod cgroups under its
+`kubepods` that it does not know, so two kubelets on one machine must never share one.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cri_shim.host.mounts import mount_points, unmount_below
+from tests.harness import REPO
+from tests.registry import free_port
+from tests.waiting import wait_until
+
+KUBELET = REPO.parent / "shared" / "kubelet" / "kubelet"
+POD_LOGS = Path("/var/log/pods")  # kubelet's, fixed: this build takes no --config
+CONTAINER_LOGS = Path("/var/log/containers")
+
+
+def cgroup_hierarchies() -> list[Path]:
+    """Where each cgroup hierarchy is mounted: one per v1 controller (and the named
+    `systemd` one) on a hybrid host, the unified tree on a v2 host."""
+    found: list[Path] = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        before, _, after = line.partition(" - ")
+        if after.split()[0] in ("cgroup", "cgroup2"):
+            found.append(Path(before.split()[4]))
+    return found
+
+
+@dataclass
+class Kubelet:
+    """One kubelet process, standalone (no API server), with fresh ports on each start."""
+
+    base: Path
+    endpoint: str
+    node: str
+    proc: subprocess.Popen[bytes] | None = None
+    read_only_port: int = 0
+    starts: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    # PIDs of the other kubelets seen running on this machine while this one ran.
+    others_seen: set[int] = field(default_factory=set)
+
+    @property
+    def root(self) -> Path:
+        return self.base / "kubelet"
+
+    @property
+    def manifests(self) -> Path:
+        return self.base / "manifests"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / "kubelet.log"
+
+    @property
+    def cgroup_root(self) -> str:
+        """`--cgroup-root`: this kubelet's `kubepods` and every pod cgroup are below it."""
+        return f"/{self.node}"
+
+    def __post_init__(self) -> None:
+        for path in (self.root, self.manifests):
+            path.mkdir(parents=True, exist_ok=True)
+
+    def start(self, timeout: float = 60) -> None:
+        self.make_cgroup_root()
+        self.read_only_port = free_port()
+        command = [
+            str(KUBELET),
+            f"--container-runtime-endpoint={self.endpoint}",
+            f"--image-service-endpoint={self.endpoint}",
+            f"--pod-manifest-path={self.manifests}",
+            "--file-check-frequency=1s",
+            "--sync-frequency=2s",
+            "--cgroup-driver=cgroupfs",
+            "--cgroups-per-qos=true",
+            "--enforce-node-allocatable=pods",
+            f"--cgroup-root={self.cgroup_root}",
+            "--fail-swap-on=false",
+            "--fail-cgroupv1=false",
+            f"--root-dir={self.root}",
+            f"--cert-dir={self.root / 'pki'}",
+            f"--hostname-override={self.node}",
+            "--register-node=false",
+            "--anonymous-auth=true",
+            "--authentication-token-webhook=false",
+            "--authorization-mode=AlwaysAllow",
+            "--address=127.0.0.1",
+            f"--port={free_port()}",
+            f"--read-only-port={self.read_only_port}",
+            "--healthz-bind-address=127.0.0.1",
+            f"--healthz-port={free_port()}",  # this build serves /healthz on the read-only port
+            "--v=2",
+            *self.extra_args,
+        ]
+        with self.log_path.open("ab") as log:
+            log.write(f"--- start {self.starts}\n".encode())
+            self.proc = subprocess.Popen(command, stdout=log, stderr=log)
+        self.starts += 1
+        try:
+            wait_until(self._healthy, timeout=timeout, interval=0.2)
+        except TimeoutError:
+            raise TimeoutError(f"kubelet not healthy in {timeout}s:\n{self.log()}") from None
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"kubelet exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            url = f"http://127.0.0.1:{self.read_only_port}/healthz"
+            return httpx.get(url, timeout=2).text == "ok"
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def cleanup(self) -> list[str]:
+        """Everything this kubelet left on the host, once its pods are gone: the process,
+        its root's mounts, its pods' logs and its cgroups. Returns the cgroups that could
+        not be removed (something still runs in them)."""
+        self.stop()
+        self.unmount()
+        self.remove_logs()
+        return self.remove_cgroups()
+
+    def unmount(self) -> None:
+        """kubelet bind-mounts its root directory onto itself, once per start."""
+        for _ in range(self.starts + 1):
+            if not [p for p in mount_points() if p == self.root or self.root in p.parents]:
+                return
+            unmount_below(self.root)
+
+    # ---- its cgroups ----------------------------------------------------------------
+
+    def make_cgroup_root(self) -> None:
+        """kubelet refuses a `--cgroup-root` that does not exist in every hierarchy."""
+        for hierarchy in cgroup_hierarchies():
+            path = hierarchy / self.cgroup_root.lstrip("/")
+            path.mkdir(exist_ok=True)
+            # A new v1 cpuset has no CPUs and no memory nodes: nothing could run below it.
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                mine = path / name
+                if mine.exists() and not mine.read_text().strip():
+                    mine.write_text((hierarchy / name).read_text())
+
+    def cgroups(self) -> list[Path]:
+        """Every cgroup below this kubelet's root, deepest first."""
+        found: list[Path] = []
+        for hierarchy in cgroup_hierarchies():
+            top = hierarchy / self.cgroup_root.lstrip("/")
+            if top.is_dir():
+                found += [p for p in top.rglob("*") if p.is_dir()] + [top]
+        return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+    def pod_cgroups(self) -> list[str]:
+        """The pod cgroups kubelet made, as `kubepods/<qos>/pod<uid>` (guaranteed pods sit
+        right under `kubepods`), from the first hierarchy."""
+        hierarchy = cgroup_hierarchies()[0] / self.cgroup_root.lstrip("/")
+        return sorted(
+            str(p.relative_to(hierarchy))
+            for p in hierarchy.rglob("pod*")
+            if p.is_dir() and p.parent.name in ("kubepods", "besteffort", "burstable")
+        )
+
+    def remove_cgroups(self) -> list[str]:
+        """Remove this kubelet's cgroups once it has stopped; those that cannot be removed
+        (something still runs in them) are returned."""
+        left: list[str] = []
+        for path in self.cgroups():
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                left.append(f"{path}: {exc.strerror}")
+        return left
+
+    def log(self, tail: int | None = 8000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+            return text[-tail:] if tail else text
+        except FileNotFoundError:
+            return ""
+
+    # ---- its view and its input ---------------------------------------------------
+
+    def get(self, path: str) -> Any:
+        url = f"http://127.0.0.1:{self.read_only_port}{path}"
+        return httpx.get(url, timeout=10).raise_for_status().json()
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        """kubelet's pods by name (without the node suffix of static pods)."""
+        self.others_seen |= other_kubelets(self.proc.pid if self.proc is not None else None)
+        suffix = f"-{self.node}"
+        return {
+            p["metadata"]["name"].removesuffix(suffix): p for p in self.get("/pods")["items"] or []
+        }
+
+    def write_pod(self, name: str, containers: list[dict[str, Any]], **spec: Any) -> None:
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"containers": containers, "terminationGracePeriodSeconds": 2, **spec},
+        }
+        # Written aside (kubelet skips hidden files) and renamed: never read half-written.
+        (self.manifests / f".{name}.json").write_text(json.dumps(manifest))
+        (self.manifests / f".{name}.json").rename(self.manifests / f"{name}.json")
+
+    def remove_pod(self, name: str) -> None:
+        (self.manifests / f"{name}.json").unlink()
+
+    def remove_logs(self) -> None:
+        """The pods' log directories and symlinks kubelet made under /var/log."""
+        for directory in POD_LOGS.glob(f"default_*-{self.node}_*"):
+            subprocess.run(["rm", "-rf", str(directory)], check=False)
+        for link in CONTAINER_LOGS.glob(f"*-{self.node}_default_*"):
+            link.unlink(missing_ok=True)
+
+
+def other_kubelets(mine: int | None) -> set[int]:
+    """The kubelet processes on this machine other than `mine`. Each removes the
+    /var/log/pods directories of every pod it does not know (its log garbage collection),
+    those of this kubelet's pods too."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == mine:
+            continue
+        try:
+            program = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if Path(program.decode(errors="replace")).name == "kubelet":
+            found.add(int(entry.name))
+    return found
+
+
+# ---- kubelet's view, read ---------------------------------------------------------
+
+
+def containers_of(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod.get("status", {}).get("containerStatuses", [])}
+
+
+def running_and_ready(pod: dict[str, Any] | None) -> bool:
+    if pod is None or pod.get("status", {}).get("phase") != "Running":
+        return False
+    statuses = containers_of(pod).values()
+    return bool(statuses) and all(c.get("ready") and "running" in c["state"] for c in statuses)
+
+
+def container_id(status: dict[str, Any]) -> str:
+    """kubelet's `cri-shim://<id>` (the runtime's name from Version, then the ID)."""
+    return str(status["containerID"]).partition("://")[2]
