@@ -45,6 +45,7 @@ from cri_shim.runtime.gvisor import (
     drop_unknown_capabilities,
     exec_user_args,
     joining_waiter,
+    remove_locks,
 )
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
@@ -428,6 +429,8 @@ class RuntimeBackend:
         meta = self._read_meta(container_id)
         conmon = self._conmon_ref(container_id)
         await self.oci.delete(container_id, force=True)  # a missing container is fine
+        if self.conmon_runtime != self.runtime_path:
+            remove_locks(self.oci.root, container_id)
         if conmon is not None and _alive(conmon):
             await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
             if _alive(conmon):

@@ -22,6 +22,7 @@ starts with the waiter's streams, reopened through /proc.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -97,6 +98,14 @@ def conmon_runtime(runsc: Path, state_dir: Path, handler: str) -> Path:
     os.chmod(temporary, 0o755)
     os.replace(temporary, path)
     return path
+
+
+def remove_locks(root: Path, container_id: str) -> None:
+    """runsc's lock files of a deleted container (`<id>_sandbox:<sandbox id>.lock` in its
+    root), which its `delete` leaves behind for a container whose sandbox was gone."""
+    for lock in root.glob(f"{container_id}_sandbox:*.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
 
 
 STDIO_ENV = "CRI_SHIM_STDIO_OF"
