@@ -45,7 +45,9 @@ from cri_shim.runtime.gvisor import (
     drop_unknown_capabilities,
     exec_user_args,
     joining_waiter,
+    remove_cgroups,
     remove_locks,
+    sandboxes_of,
 )
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
@@ -428,9 +430,13 @@ class RuntimeBackend:
         cdir = self._containers / container_id
         meta = self._read_meta(container_id)
         conmon = self._conmon_ref(container_id)
+        gvisor = self.conmon_runtime != self.runtime_path
+        sandboxes = sandboxes_of(self.oci.root, container_id) if gvisor else set()
         await self.oci.delete(container_id, force=True)  # a missing container is fine
-        if self.conmon_runtime != self.runtime_path:
-            remove_locks(self.oci.root, container_id)
+        if gvisor:
+            remove_locks(self.oci.root, container_id, sandboxes)
+            if meta is not None:
+                await asyncio.to_thread(remove_cgroups, meta.cgroups_path)
         if conmon is not None and _alive(conmon):
             await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
             if _alive(conmon):

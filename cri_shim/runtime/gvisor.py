@@ -100,12 +100,39 @@ def conmon_runtime(runsc: Path, state_dir: Path, handler: str) -> Path:
     return path
 
 
-def remove_locks(root: Path, container_id: str) -> None:
-    """runsc's lock files of a deleted container (`<id>_sandbox:<sandbox id>.lock` in its
-    root), which its `delete` leaves behind for a container whose sandbox was gone."""
-    for lock in root.glob(f"{container_id}_sandbox:*.lock"):
+def sandboxes_of(root: Path, container_id: str) -> set[str]:
+    """The sandbox a runsc container is in, by its state files' names
+    (`<id>_sandbox:<sandbox id>.state`, `.lock`): empty for one runsc has no file of."""
+    prefix = f"{container_id}_sandbox:"
+    return {path.stem.removeprefix(prefix) for path in root.glob(f"{prefix}*")}
+
+
+def remove_locks(root: Path, container_id: str, sandboxes: set[str]) -> None:
+    """runsc's lock files of a deleted container, which its `delete` leaves behind; and
+    its sandbox's, which a `delete` after the sandbox's own makes again."""
+    locks = list(root.glob(f"{container_id}_sandbox:*.lock"))
+    for sandbox in sandboxes:
+        if not (root / f"{sandbox}_sandbox:{sandbox}.state").exists():
+            locks.append(root / f"{sandbox}_sandbox:{sandbox}.lock")
+    for lock in locks:
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
+
+
+def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+    """The empty cgroups of a deleted container: runsc's `delete` leaves them on cgroup
+    v1 for a container it never started or whose sandbox was gone. One still in use
+    (not empty) stays. A systemd cgroup (`slice:prefix:name`) is systemd's to remove."""
+    relative = cgroups_path.strip("/")
+    if not relative or ":" in relative:
+        return
+    if (cgroup_root / "cgroup.controllers").exists():
+        groups = [cgroup_root / relative]
+    else:
+        groups = [hierarchy / relative for hierarchy in cgroup_root.iterdir()]
+    for group in groups:
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 STDIO_ENV = "CRI_SHIM_STDIO_OF"

@@ -114,3 +114,32 @@ def test_the_relay_runs_busyboxs_nc_in_the_sandbox_container() -> None:
         "127.0.0.1",
         "8080",
     ]
+
+
+def test_a_deleted_containers_locks_go_and_its_gone_sandboxs_too(tmp_path: Path) -> None:
+    for name in ("c_sandbox:s.lock", "s_sandbox:s.lock", "other_sandbox:o.lock"):
+        (tmp_path / name).touch()
+    (tmp_path / "c_sandbox:s.state").touch()
+    sandboxes = gvisor.sandboxes_of(tmp_path, "c")
+    assert sandboxes == {"s"}
+    (tmp_path / "c_sandbox:s.state").unlink()  # runsc's delete
+    gvisor.remove_locks(tmp_path, "c", sandboxes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_sandbox:o.lock"]
+
+
+def test_a_running_sandboxs_lock_stays(tmp_path: Path) -> None:
+    for name in ("c_sandbox:s.lock", "s_sandbox:s.lock", "s_sandbox:s.state"):
+        (tmp_path / name).touch()
+    gvisor.remove_locks(tmp_path, "c", {"s"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s_sandbox:s.lock", "s_sandbox:s.state"]
+
+
+def test_empty_cgroups_of_a_deleted_container_are_removed(tmp_path: Path) -> None:
+    for hierarchy in ("cpu", "memory"):
+        (tmp_path / hierarchy / "cri-shim" / "c").mkdir(parents=True)
+    (tmp_path / "memory" / "cri-shim" / "c" / "busy").mkdir()  # not empty: stays
+    gvisor.remove_cgroups("/cri-shim/c", tmp_path)
+    assert not (tmp_path / "cpu" / "cri-shim" / "c").exists()
+    assert (tmp_path / "memory" / "cri-shim" / "c").exists()
+    gvisor.remove_cgroups("system.slice:cri-shim:c", tmp_path)  # systemd's: left alone
+    assert (tmp_path / "cpu" / "cri-shim").exists()
