@@ -8,7 +8,7 @@ inspection/census.py): persistence stays with the lifecycle.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from cri_shim.nri.api import api_pb2 as nri_api
 from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.gvisor import SandboxForwarding
 from cri_shim.runtime.oci import CallObserver
 from cri_shim.server.events import EventRenderer
 from cri_shim.server.limits import RequestLimiter
@@ -42,6 +43,7 @@ from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
+from cri_shim.state.records import SandboxRecord
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
@@ -87,11 +89,14 @@ def build_graph(config: Config) -> Graph:
         # own reaches its root filesystem as an unprivileged id) but neither list nor
         # read. An existing directory keeps the mode its operator gave it.
         path.mkdir(mode=0o711, parents=True, exist_ok=True)
-    storage = _storage(config)
     metrics = Metrics() if config.metrics.listen else None
     observe_call = metrics.observe_call if metrics is not None else None
+    backends = build_backends(config, observe_call)
+    # Port-forward into a gVisor pod: through its sandbox, or refused by name.
+    forwarding = SandboxForwarding(backends, config.runtime)
+    storage = _storage(config, forwarding.check)
     tracer = build_tracer(config.tracing)
-    nri, containers, sandboxes = _lifecycle(config, storage, observe_call, tracer)
+    nri, containers, sandboxes = _lifecycle(config, storage, backends, observe_call, tracer)
     interval = config.metrics.event_loop_sample_interval
     census = Census(sandboxes, containers, LoopMonitor(interval) if interval else None)
     names = ObjectNames(sandboxes.coordinator, containers.coordinator)
@@ -99,7 +104,11 @@ def build_graph(config: Config) -> Graph:
         config.streaming.address,
         config.streaming.tls_cert,
         config.streaming.tls_key,
-        RuncStreamingBackend(containers.streaming_endpoint, storage.pods.netns_of),
+        RuncStreamingBackend(
+            containers.streaming_endpoint,
+            storage.pods.netns_of,
+            resolve_relay=lambda pod, port: forwarding.relay(storage.pods.get_ready(pod), port),
+        ),
     )
     limiter = RequestLimiter(config.requests, census.creations_in_flight)
     puller = PullerOnDemand(storage.images, config.images)
@@ -144,7 +153,7 @@ def build_graph(config: Config) -> Graph:
     )
 
 
-def _storage(config: Config) -> _Storage:
+def _storage(config: Config, forwardable: Callable[[SandboxRecord], None]) -> _Storage:
     db = Database(config.state_db)
     container_rows = ContainerRepository(db)
 
@@ -158,20 +167,22 @@ def _storage(config: Config) -> _Storage:
         in_use=layers_in_use,
         unpack_policy=UnpackPolicy.from_config(config.images),
     )
-    return _Storage(
-        db, Journal(db), Ledger(db), Pods(SandboxRepository(db)), container_rows, images
-    )
+    pods = Pods(SandboxRepository(db), forwardable)
+    return _Storage(db, Journal(db), Ledger(db), pods, container_rows, images)
 
 
 def _lifecycle(
-    config: Config, storage: _Storage, observe_call: CallObserver | None, tracer: Tracer
+    config: Config,
+    storage: _Storage,
+    backends: dict[str, RuntimeBackend],
+    observe_call: CallObserver | None,
+    tracer: Tracer,
 ) -> tuple[NriHooks, ContainerLifecycle, SandboxLifecycle]:
-    backends = build_backends(config, observe_call)
     pods, journal = storage.pods, storage.journal
     # An event is rendered when it happens, and only for a subscriber: the pod's status
     # and its containers' as recorded at that moment.
     events = EventBus(render=EventRenderer(pods.get, storage.container_rows.list_visible_in))
-    pause = PauseProcesses(journal, backends)
+    pause = PauseProcesses(journal, backends, config.runtime.handlers)
 
     # NRI plugins and the container lifecycle call each other (a creation asks the
     # plugins; a plugin updates a container), so these two find the other side when they
@@ -250,6 +261,7 @@ def build_backends(
             config.runtime.conmon,
             config.run_root / "conmon" / name,
             observe_call=observe_call,
+            runtime_args=handler.runtime_args,
         )
     return backends
 

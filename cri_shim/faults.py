@@ -31,6 +31,13 @@ SANDBOX_CREATE = (
     "sandbox:network-added",
     "sandbox:ready",
 )
+# The pause container's creation: reached by pods whose handler runs a sandbox container
+# (runsc, Kata), and by pods that share their PID namespace.
+POD_SANDBOX_CREATE = (
+    "sandbox:pod-sandbox-journaled",
+    "sandbox:pod-sandbox-created",
+    "sandbox:pod-sandbox-started",
+)
 CONTAINER_CREATE = (
     "container:row",
     "container:rootfs",
@@ -60,7 +67,15 @@ TEARDOWN = (
     "undo:container_dir",
     "undo:nri_container_removed",
 )
-ALL = SANDBOX_CREATE + CONTAINER_CREATE + CONTAINER_START + CONTAINER_REMOVE + NRI_CREATE + TEARDOWN
+ALL = (
+    SANDBOX_CREATE
+    + POD_SANDBOX_CREATE
+    + CONTAINER_CREATE
+    + CONTAINER_START
+    + CONTAINER_REMOVE
+    + NRI_CREATE
+    + TEARDOWN
+)
 
 
 def undo_point(action: str) -> str:

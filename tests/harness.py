@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from cri_shim.runtime import gvisor
 from tests.waiting import wait_until as wait_until  # for the daemon tests
 
 REPO = Path(__file__).resolve().parent.parent
@@ -390,10 +391,15 @@ def runtime_leaks(daemon: Daemon) -> dict[str, list[str]]:
         state := sorted(str(p.relative_to(runtimes)) for p in runtimes.glob("*/*"))
     ):
         found["runtime_state"] = state
-    # conmon's pid, exit and attach files, under each handler's directory.
+    # conmon's pid, exit and attach files, under each handler's directory (a gVisor
+    # handler's script conmon runs is the handler's, written at each start).
     monitors = daemon.run_root / "conmon"
     if monitors.exists() and (
-        files := sorted(str(p.relative_to(monitors)) for p in monitors.rglob("*") if not p.is_dir())
+        files := sorted(
+            str(p.relative_to(monitors))
+            for p in monitors.rglob("*")
+            if not p.is_dir() and p.relative_to(monitors).parts[1:] != (gvisor.SCRIPT_NAME,)
+        )
     ):
         found["conmon_files"] = files
     roots = (str(daemon.root), str(daemon.run_root))

@@ -14,6 +14,7 @@ from typing import Any
 
 import tomli_w
 
+from cri_shim.config.handlers_doc import runtime_handlers_markdown
 from cri_shim.config.model import DURATION_KEYS, SIZE_KEYS, Config
 from cri_shim.config.units import format_duration, format_size
 
@@ -80,6 +81,15 @@ KEY_DOCS: dict[str, str] = {
     "runtime.stop_timeout_grace": "extra time after SIGKILL before a stop is reported failed",
     "runtime.handlers.NAME.path": "the OCI runtime binary (runc, crun) of handler NAME",
     "runtime.handlers.NAME.root": "that runtime's `--root` state directory",
+    "runtime.handlers.NAME.runtime_args": "global options given to every call of that "
+    'runtime, before the command (`runtime_args = ["--network=host"]` for gVisor on a '
+    "kernel whose network namespaces show `/proc/sys/net/core/rmem_default`, Linux 6.11 and "
+    "newer, where runsc releases before August 2024 refuse their own network stack)",
+    "runtime.handlers.NAME.pod_sandbox": "`true`: the runtime runs a pod as one sandbox that "
+    "its containers join (gVisor's `runsc`, Kata Containers), so each pod gets a sandbox "
+    "container (the daemon's static pause program, `io.kubernetes.cri.container-type: "
+    "sandbox`) created first, in the pod's network namespace, and removed last; `false`: "
+    "pods have no process of their own (runc, crun)",
     "images.insecure_registries": "registries reached over plain HTTP",
     "images.mirrors": "registry → mirror endpoints tried in order before it, e.g. "
     '`{ "docker.io" = ["http://127.0.0.1:5000"] }`',
@@ -158,6 +168,12 @@ KEY_DOCS: dict[str, str] = {
 _COMPUTED_DEFAULTS = {
     "runtime.handlers.NAME.path": "NAME",
     "runtime.handlers.NAME.root": "`<run_root>/runtime/NAME`",
+    "runtime.handlers.NAME.runtime_args": "global options given to every call of that "
+    'runtime, before the command (`runtime_args = ["--network=host"]` for gVisor on a '
+    "kernel whose network namespaces show `/proc/sys/net/core/rmem_default`, Linux 6.11 and "
+    "newer, where runsc releases before August 2024 refuse their own network stack)",
+    "runtime.handlers.NAME.pod_sandbox": "`true` where `path`'s file name is `runsc`, "
+    "`kata-runtime` or `containerd-shim-kata-v2`",
 }
 
 
@@ -280,7 +296,7 @@ def config_reference_markdown() -> str:
         )
         meaning = KEY_DOCS.get(key.path, "**undocumented**").replace("|", "\\|")
         lines.append(f"| `{shown}` | {key.kind} | {default} | {meaning} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + runtime_handlers_markdown()
 
 
 def config_reference_toml() -> str:

@@ -108,12 +108,18 @@ def _load_runtime(table: dict[str, Any]) -> RuntimeConfig:
     for name, spec in handlers.items():
         prefix = f"runtime.handlers.{name}"
         spec = _expect(spec, dict, prefix, "a table")
-        _unknown(spec, {"path", "root"}, prefix + ".")
+        _unknown(spec, {"path", "root", "pod_sandbox", "runtime_args"}, prefix + ".")
         handler = RuntimeHandler(
             path=Path(_expect(spec.get("path", name), str, prefix + ".path", "a path"))
         )
         if "root" in spec:
             handler.root = Path(_expect(spec["root"], str, prefix + ".root", "a path"))
+        if "runtime_args" in spec:
+            handler.runtime_args = _str_list(spec["runtime_args"], prefix + ".runtime_args")
+        if "pod_sandbox" in spec:
+            handler.pod_sandbox = _expect(
+                spec["pod_sandbox"], bool, prefix + ".pod_sandbox", "true or false"
+            )
         runtime.handlers[name] = handler
     if runtime.default_handler not in runtime.handlers:
         raise ConfigError(

@@ -305,7 +305,8 @@ class ContainerCreate:
             stdin=config.stdin,
             stdin_once=config.stdin_once,
         )
-        pinned.release()
+        if not backend.mounts_at_start:
+            pinned.release()  # else the bundle directory's undo unmounts them
         fault_point("container:runtime-created")
         return pid
 

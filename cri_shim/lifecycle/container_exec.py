@@ -53,6 +53,8 @@ class ContainerExec:
             attach_socket=backend.attach_socket(container.id),
             control_fifo=container.bundle_dir / "ctl",
             running=container.state == RUNNING,
+            exec_options=tuple(backend.exec_options(container.id)),
+            no_tty_exec=backend.no_tty_exec,
         )
 
 

@@ -17,6 +17,14 @@ Each container of the pod then joins `/proc/<pause pid>/ns/pid`; runc checks tha
 against the container's recorded start time (`runc state`), so a recycled pid is never
 joined. The pause container is journaled (`pause_delete`) before it is created, and
 StopPodSandbox removes it after the pod's containers have stopped.
+
+The same container is the pod's sandbox under a handler that runs a pod as one sandbox
+(gVisor's `runsc`, Kata: `[runtime.handlers.NAME] pod_sandbox`): marked
+`io.kubernetes.cri.container-type: sandbox`, it is what the runtime starts the sandbox
+with, and each container of the pod (marked `container`, with the pod's ID as
+`io.kubernetes.cri.sandbox-id`) joins it. Such a pod always has one, whether or not it
+shares its PID namespace, started once the pod's network is set up: gVisor's netstack
+takes over the interfaces it finds in the namespace when the sandbox starts.
 """
 
 from __future__ import annotations
@@ -26,12 +34,17 @@ import logging
 import os
 import platform
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.errors import FailedPrecondition, InvalidArgument
+from cri_shim.config.model import RuntimeHandler
+from cri_shim.errors import CriError, FailedPrecondition, InvalidArgument
+from cri_shim.faults import fault_point
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.features import handler_features
+from cri_shim.runtime.gvisor import relay_mount
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import SandboxRecord
@@ -81,6 +94,8 @@ _PAUSE_X86_64 = bytes.fromhex(
     "0240010000000000"
 )
 _LOAD_ADDRESS = 0x400000
+# gVisor's check for the host's network namespace, which newer kernels fool.
+_NETSTACK_REFUSED = "cannot run with network enabled in root network namespace"
 
 
 def pause_program(machine: str | None = None) -> bytes:
@@ -144,12 +159,29 @@ def shares_pid_namespace(config: api_pb2.PodSandboxConfig) -> bool:
 
 
 class PauseProcesses:
-    """Starts, finds and removes the pause process of pods sharing a PID namespace."""
+    """Starts, finds and removes the pause process of pods sharing a PID namespace, and
+    the sandbox container of pods whose handler needs one."""
 
-    def __init__(self, journal: Journal, backends: dict[str, RuntimeBackend]) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        backends: dict[str, RuntimeBackend],
+        handlers: Mapping[str, RuntimeHandler] | None = None,
+    ) -> None:
         self._journal = journal
         self._backends = backends
+        self._pod_sandbox_handlers = frozenset(
+            name for name, handler in (handlers or {}).items() if handler.needs_pod_sandbox
+        )
         journal.register(PAUSE_ACTION, self._undo)
+
+    def is_pod_sandbox(self, handler: str) -> bool:
+        """Whether pods of `handler` get a sandbox container their containers join."""
+        return handler in self._pod_sandbox_handlers
+
+    def runs_pause(self, sandbox: SandboxRecord) -> bool:
+        """Whether the pod has a pause container (its PID 1, or its sandbox container)."""
+        return shares_pid_namespace(sandbox.config) or self.is_pod_sandbox(sandbox.runtime_handler)
 
     async def start(
         self,
@@ -172,20 +204,44 @@ class PauseProcesses:
             # pod's root: the directory must be that root's (the program stays the host's).
             os.chown(rootfs, *context.userns.root_ids())
         spec = build_spec(
-            _pause_container_config(config),
+            _pause_container_config(config, sandbox=self.is_pod_sandbox(handler)),
             context,
             # No /etc in this root: nothing to look a user up in.
             ImageConfigView(read_etc=lambda _path: None),
             rootfs,
             container_id=sandbox_id,
         )
+        if self.is_pod_sandbox(handler) and handler_features(backend.runtime_path).kind == "gvisor":
+            relay_mount(spec, rootfs)  # port-forward's way into the sandbox
+        # The sandbox's own ID: runsc and Kata make the sandbox of a `sandbox` container,
+        # and join the pod's containers to the one whose ID they carry.
         spec["annotations"]["io.kubernetes.cri.container-type"] = "sandbox"
+        spec["annotations"]["io.kubernetes.cri.sandbox-id"] = sandbox_id
+        # Journaled before runc (or runsc) is asked: a crash in `create` leaves a
+        # container that only this entry knows of.
         self._journal.record(sandbox_id, PAUSE_ACTION, handler=handler, id=sandbox_id)
+        fault_point("sandbox:pod-sandbox-journaled")
         pid = await backend.create(
             sandbox_id, bundle, spec, bundle / "pause.log", tty=False, stdin=False
         )
-        await backend.start(sandbox_id)
-        log.info("sandbox %s: pause process %d is the pod's PID 1", sandbox_id, pid)
+        fault_point("sandbox:pod-sandbox-created")
+        try:
+            await backend.start(sandbox_id)
+        except CriError as err:
+            if _NETSTACK_REFUSED not in str(err):
+                raise
+            raise FailedPrecondition(
+                f"runtime handler {handler!r} could not start the pod's sandbox: {err} (runsc "
+                "releases before August 2024 mistake every network namespace for the host's "
+                "on Linux 6.11 and newer: install a newer runsc, or set "
+                f'[runtime.handlers.{handler}] runtime_args = ["--network=host"], which '
+                "gives the pod the kernel's network stack in its own namespace)"
+            ) from None
+        fault_point("sandbox:pod-sandbox-started")
+        if self.is_pod_sandbox(handler):
+            log.info("sandbox %s: sandbox container started (pid %d)", sandbox_id, pid)
+        else:
+            log.info("sandbox %s: pause process %d is the pod's PID 1", sandbox_id, pid)
         return pid
 
     async def join(self, sandbox: SandboxRecord, context: SandboxContext) -> SandboxContext:
@@ -194,6 +250,11 @@ class PauseProcesses:
         if not shares_pid_namespace(sandbox.config):
             return context
         backend = self._backend(sandbox.runtime_handler)
+        if handler_features(backend.runtime_path).kind == "gvisor":
+            # runsc puts a container whose spec names no PID namespace in the sandbox's
+            # own, where the sandbox container (this program) is PID 1; a path would
+            # make it a namespace of the containers alone.
+            return dataclasses.replace(context, host_pid=True)
         state: Any = None
         try:
             state = await backend.oci.state(sandbox.id)
@@ -207,8 +268,9 @@ class PauseProcesses:
         return dataclasses.replace(context, pid_ns_path=Path(f"/proc/{state.pid}/ns/pid"))
 
     def exited(self, sandbox: SandboxRecord) -> bool:
-        """Whether the pod's pause process has exited (conmon recorded it)."""
-        if not shares_pid_namespace(sandbox.config):
+        """Whether the pod's pause process, or its sandbox container, has exited (conmon
+        recorded it): the pod's containers went with it."""
+        if not self.runs_pause(sandbox):
             return False
         backend = self._backends.get(sandbox.runtime_handler)
         return backend is not None and backend.exit_status(sandbox.id) is not None
@@ -224,15 +286,20 @@ class PauseProcesses:
             raise FailedPrecondition(f"runtime handler {handler!r} is not configured") from None
 
 
-def _pause_container_config(pod: api_pb2.PodSandboxConfig) -> api_pb2.ContainerConfig:
+def _pause_container_config(
+    pod: api_pb2.PodSandboxConfig, *, sandbox: bool = False
+) -> api_pb2.ContainerConfig:
     """The pause container as if kubelet had asked for it: no capabilities, no new
-    privileges, read-only root, the runtime's default seccomp profile."""
+    privileges, read-only root, the runtime's default seccomp profile. A pod's sandbox
+    container keeps the default capabilities: runsc gives them to the sandbox itself,
+    whose host sockets (`--network=host`) bind the pod's low ports with them."""
+    drop = [] if sandbox else ["ALL"]
     return api_pb2.ContainerConfig(
         metadata=api_pb2.ContainerMetadata(name="POD"),
         command=[f"/{PAUSE_PROGRAM}"],
         linux=api_pb2.LinuxContainerConfig(
             security_context=api_pb2.LinuxContainerSecurityContext(
-                capabilities=api_pb2.Capability(drop_capabilities=["ALL"]),
+                capabilities=api_pb2.Capability(drop_capabilities=drop),
                 run_as_user=api_pb2.Int64Value(value=PAUSE_UID),
                 run_as_group=api_pb2.Int64Value(value=PAUSE_UID),
                 readonly_rootfs=True,

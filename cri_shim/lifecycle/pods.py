@@ -6,6 +6,7 @@ and implement the other without either lifecycle knowing the other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -26,8 +27,14 @@ class Pods:
     """Visible sandboxes by reference, for what acts on a pod (its containers, its
     port-forwards). Reads rows only, so that it exists before the lifecycles do."""
 
-    def __init__(self, rows: SandboxRepository) -> None:
+    def __init__(
+        self,
+        rows: SandboxRepository,
+        forwardable: Callable[[SandboxRecord], None] | None = None,
+    ) -> None:
         self.rows = rows
+        # Refuses port-forward into a pod whose runtime cannot serve it (gVisor's netstack).
+        self._forwardable = forwardable
 
     def find(self, ref: str) -> SandboxRecord | None:
         return self.rows.find_visible(ref)
@@ -50,4 +57,7 @@ class Pods:
     def netns_of(self, ref: str) -> Path | None:
         """The pinned network namespace of a ready pod (port-forward dials into it); None
         for a host-network pod, which shares the daemon's own."""
-        return self.get_ready(ref).netns_path
+        sandbox = self.get_ready(ref)
+        if self._forwardable is not None:
+            self._forwardable(sandbox)
+        return sandbox.netns_path

@@ -44,6 +44,7 @@ STAGE_STORAGE = "sandbox storage"
 STAGE_NAMESPACES = "sandbox namespaces"
 STAGE_PID_NAMESPACE = "sandbox pid namespace"
 STAGE_NETWORK = "sandbox network"
+STAGE_POD_SANDBOX = "sandbox container"
 STAGE_NRI = "sandbox NRI plugins"
 STAGE_READY = "sandbox ready"
 
@@ -110,7 +111,7 @@ class SandboxRun:
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
         features = self._handler_features(handler)
         userns = pod_mappings(config)
-        require_pod_features(userns, handler, features)
+        require_pod_features(userns, handler, features, config)
         if userns is not None:
             require_searchable(self._config.root)
         name = sandbox_name(meta.name, meta.namespace, meta.uid, meta.attempt)
@@ -130,8 +131,9 @@ class SandboxRun:
         stage: Stage,
     ) -> None:
         """The creation's steps in order: storage, namespaces, the pause process of a pod
-        sharing its PID namespace, the network, NRI. Each journals its undo before it
-        acts and has a fault point that the crash tests kill the daemon at."""
+        sharing its PID namespace, the network, the sandbox container of a handler whose
+        pods are sandboxes, NRI. Each journals its undo before it acts and has a fault
+        point that the crash tests kill the daemon at."""
         sandbox_dir = self._dir / sandbox_id
         stage.set(STAGE_STORAGE)
         # The row comes first: everything after it is a side effect that a crash may
@@ -153,7 +155,8 @@ class SandboxRun:
         stage.set(STAGE_NAMESPACES)
         pinned = await self._pin_namespaces(sandbox_id, config, userns)
 
-        if shares_pid_namespace(config):
+        pod_sandbox = self._pause is not None and self._pause.is_pod_sandbox(handler)
+        if shares_pid_namespace(config) and not pod_sandbox:
             stage.set(STAGE_PID_NAMESPACE)
             await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned, userns)
 
@@ -162,6 +165,12 @@ class SandboxRun:
         if pinned.net is not None:
             stage.set(STAGE_NETWORK)
             ips, result = await self._attach_network(sandbox_id, config, pinned.net)
+        if pod_sandbox:
+            # After the network: gVisor's netstack takes over the interfaces it finds in
+            # the namespace when its sandbox starts. Journaled after CNI DEL, so undone
+            # before it: the sandbox lets go of the interfaces before the plugins delete them.
+            stage.set(STAGE_POD_SANDBOX)
+            await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned, userns)
         self._rows.mark_ready(sandbox_id, ips, result)
         if self._nri is not None and self._nri.enabled:
             # Last, so that plugins see the pod's IPs; a refusal rolls the pod back.

@@ -38,6 +38,17 @@ from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
+from cri_shim.runtime.features import handler_features, require_resource_updates
+from cri_shim.runtime.gvisor import (
+    STDIO_ENV,
+    conmon_runtime,
+    drop_unknown_capabilities,
+    exec_user_args,
+    joining_waiter,
+    remove_cgroups,
+    remove_locks,
+    sandboxes_of,
+)
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
@@ -101,6 +112,7 @@ class RuntimeBackend:
         call_timeout: float = 30.0,
         create_timeout: float = CREATE_TIMEOUT,
         conmon_log_level: str = "info",
+        runtime_args: Sequence[str] = (),
         observe_call: CallObserver | None = None,
     ) -> None:
         self.handler_name = handler_name
@@ -121,9 +133,14 @@ class RuntimeBackend:
             runtime_root,
             log_dir=state_dir / "runc-logs",
             call_timeout=call_timeout,
+            extra_args=runtime_args,
             observe_call=observe_call,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
+        # What conmon runs: gVisor's containers need a process it can wait for.
+        self.conmon_runtime = self.runtime_path
+        if handler_features(self.runtime_path).kind == "gvisor":
+            self.conmon_runtime = conmon_runtime(self.runtime_path, state_dir, handler_name)
 
     @property
     def exits_dir(self) -> Path:
@@ -208,7 +225,7 @@ class RuntimeBackend:
             "-n",
             container_id,
             "-r",
-            str(self.runtime_path),
+            str(self.conmon_runtime),
             "-b",
             str(bundle),
             "-p",
@@ -306,6 +323,8 @@ class RuntimeBackend:
         config = copy.deepcopy(dict(spec))
         # The tty flag is conmon's and the spec's at once; one source so they cannot differ.
         config.setdefault("process", {})["terminal"] = tty
+        if self.conmon_runtime != self.runtime_path:
+            drop_unknown_capabilities(config)
         bundle.mkdir(parents=True, exist_ok=True)
         _write_atomic(bundle / "config.json", json.dumps(config).encode())
         with contextlib.suppress(FileNotFoundError):
@@ -319,8 +338,40 @@ class RuntimeBackend:
         _write_atomic(cdir / "meta.json", json.dumps(asdict(meta)).encode())
         return meta
 
+    @property
+    def no_tty_exec(self) -> str:
+        """Why exec with a terminal is refused ("" where it works)."""
+        if self.conmon_runtime == self.runtime_path:
+            return ""
+        return (
+            f"exec with a terminal (tty) is not supported by runtime handler "
+            f"{self.handler_name!r}: runsc hands no terminal over to the command of a "
+            "container started without one; exec without tty works"
+        )
+
+    @property
+    def mounts_at_start(self) -> bool:
+        """Whether the runtime makes a container's mounts when it starts it rather than
+        when it creates it (gVisor: the container's gofer is started then), so that the
+        bind-mount sources staged for it must stay until its bundle goes."""
+        return self.conmon_runtime != self.runtime_path
+
+    def _joining_waiter(self, container_id: str) -> int:
+        """The waiter conmon waits for, of a gVisor container joining a sandbox; else 0."""
+        meta = self._read_meta(container_id)
+        if meta is None or self.conmon_runtime == self.runtime_path:
+            return 0
+        return joining_waiter(Path(meta.bundle))
+
     async def start(self, container_id: str) -> None:
-        await self.oci.start(container_id)
+        waiter = self._joining_waiter(container_id)
+        if waiter:
+            # gVisor: the container takes the stdio of `runsc start` (runtime/gvisor.py).
+            await self.oci.start(
+                container_id, program=self.conmon_runtime, env={STDIO_ENV: str(waiter)}
+            )
+        else:
+            await self.oci.start(container_id)
 
     # ---- stop / delete --------------------------------------------------------------
 
@@ -358,6 +409,14 @@ class RuntimeBackend:
             await self.oci.kill(container_id, sig, all=all_processes)
         except NotFound:
             return False
+        except Internal as err:
+            # runsc cannot signal a container that joins a sandbox before it is started;
+            # nothing runs yet, so ending its waiter is its exit (runtime/gvisor.py).
+            waiter = self._joining_waiter(container_id)
+            if not waiter or "in state created" not in str(err):
+                raise
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(waiter, signal.SIGKILL)
         except FailedPrecondition:
             # "container not running": it exited after our check; conmon records it.
             await self._wait_monitor(container_id, KILL_GRACE)
@@ -371,7 +430,13 @@ class RuntimeBackend:
         cdir = self._containers / container_id
         meta = self._read_meta(container_id)
         conmon = self._conmon_ref(container_id)
+        gvisor = self.conmon_runtime != self.runtime_path
+        sandboxes = sandboxes_of(self.oci.root, container_id) if gvisor else set()
         await self.oci.delete(container_id, force=True)  # a missing container is fine
+        if gvisor:
+            remove_locks(self.oci.root, container_id, sandboxes)
+            if meta is not None:
+                await asyncio.to_thread(remove_cgroups, meta.cgroups_path)
         if conmon is not None and _alive(conmon):
             await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
             if _alive(conmon):
@@ -532,9 +597,24 @@ class RuntimeBackend:
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
         with tracing.span("exec", **{"cri.container_id": container_id}) as span:
-            result = await self.oci.exec_sync(container_id, cmd, timeout, env)
+            result = await self.oci.exec_sync(
+                container_id,
+                cmd,
+                timeout,
+                env,
+                options=self.exec_options(container_id),
+                sandboxed=self.conmon_runtime != self.runtime_path,
+            )
             span.set_attribute("process.exit.code", result.exit_code)
             return result
+
+    def exec_options(self, container_id: str) -> list[str]:
+        """Options of `<runtime> exec` that make the process the container's (runsc's
+        exec needs the user spelled out)."""
+        meta = self._read_meta(container_id)
+        if meta is None or self.conmon_runtime == self.runtime_path:
+            return []
+        return exec_user_args(Path(meta.bundle))
 
     async def reopen_log(self, container_id: str) -> None:
         """Ask conmon to reopen the log file (kubelet renamed it to rotate), and return
@@ -570,6 +650,7 @@ class RuntimeBackend:
         container_id: str,
         resources: api_pb2.LinuxContainerResources | Mapping[str, Any],
     ) -> None:
+        require_resource_updates(self.handler_name, handler_features(self.runtime_path))
         if isinstance(resources, api_pb2.LinuxContainerResources):
             oci_resources = linux_resources(resources, self._host_limits())
         else:

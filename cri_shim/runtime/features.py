@@ -2,7 +2,12 @@
 request that a handler would silently get wrong.
 
 An OCI runtime says what it supports through `<runtime> features` (runc >= 1.1; crun
-1.8 has no such command, and is then assumed to support nothing optional). kubelet
+1.8 has no such command, and is then assumed to support nothing optional). gVisor's
+`runsc` has none either; it is known by its `--version` and given what gVisor can do: its
+own kernel (the Sentry) runs the pod, so the host's PID, IPC and network namespaces are
+not the host's inside it, a privileged container gets no host devices or capabilities,
+it has no `update` command, and it maps no user namespace. Kata Containers (a VM per
+pod) is known by its binary's name and has no host namespaces either. kubelet
 trusts what Status advertises: a handler that advertises recursive read-only mounts and
 then mounts a volume writable underneath breaks a security promise, so a feature is
 advertised only when the runtime lists it and the kernel can do it.
@@ -21,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.errors import InvalidArgument
+from cri_shim.config.model import SANDBOXED_RUNTIMES
+from cri_shim.errors import FailedPrecondition, InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.runtime.userns import IDMAP_KERNEL
 
@@ -38,6 +44,15 @@ class HandlerFeatures:
     # The runtime joins a user namespace by path; the daemon idmaps the mounts itself
     # (see runtime/userns.py), which needs the kernel's idmapped mounts for tmpfs too.
     user_namespaces: bool = False
+    # The pod may share the host's PID, IPC or network namespace (false for a runtime
+    # with its own kernel: the host's would not be what the pod sees).
+    host_namespaces: bool = True
+    # A privileged container gets the host's devices and every capability.
+    privileged: bool = True
+    # `<runtime> update` changes a running container's resources.
+    resource_updates: bool = True
+    # What the runtime is, for messages and Status: "oci", "gvisor" or "kata".
+    kind: str = "oci"
 
 
 def kernel_version(release: str | None = None) -> tuple[int, int]:
@@ -63,17 +78,44 @@ def features_from_json(text: str, kernel: tuple[int, int]) -> HandlerFeatures:
     )
 
 
+GVISOR = HandlerFeatures(
+    host_namespaces=False, privileged=False, resource_updates=False, kind="gvisor"
+)
+KATA = HandlerFeatures(host_namespaces=False, kind="kata")
+KATA_RUNTIMES = SANDBOXED_RUNTIMES - {"runsc"}
+
+
+def _ask(runtime_path: Path, argument: str) -> subprocess.CompletedProcess[str]:
+    """`<runtime> <argument>`, within the probe's budget."""
+    return subprocess.run(
+        [str(runtime_path), argument],
+        capture_output=True,
+        text=True,
+        timeout=PROBE_TIMEOUT,
+        check=False,
+    )
+
+
+def _sandboxed_features(runtime_path: Path) -> HandlerFeatures | None:
+    """gVisor or Kata, which `features` does not tell; None for any other runtime."""
+    if runtime_path.name in KATA_RUNTIMES:
+        return KATA
+    try:
+        result = _ask(runtime_path, "--version")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return GVISOR if result.stdout.startswith("runsc version") else None
+
+
 @functools.cache
 def handler_features(runtime_path: Path) -> HandlerFeatures:
     """Probed once per runtime binary (a few milliseconds), then remembered."""
+    sandboxed = _sandboxed_features(runtime_path)
+    if sandboxed is not None:
+        log.info("runtime %s: %s", runtime_path, sandboxed)
+        return sandboxed
     try:
-        result = subprocess.run(
-            [str(runtime_path), "features"],
-            capture_output=True,
-            text=True,
-            timeout=PROBE_TIMEOUT,
-            check=False,
-        )
+        result = _ask(runtime_path, "features")
     except (OSError, subprocess.TimeoutExpired) as err:
         log.warning("%s features: %s; assuming no optional features", runtime_path, err)
         return HandlerFeatures()
@@ -96,18 +138,52 @@ def user_namespaces_allowed(limit_file: Path = Path("/proc/sys/user/max_user_nam
         return False
 
 
+def require_resource_updates(handler: str, features: HandlerFeatures) -> None:
+    """UpdateContainerResources on a runtime that cannot change a running container."""
+    if not features.resource_updates:
+        raise FailedPrecondition(
+            f"runtime handler {handler!r} ({_KIND_NAMES[features.kind]}) cannot change a "
+            "running container's resources; recreate the container with the new ones"
+        )
+
+
 def require_pod_features(
-    userns: UserNamespaceMappings | None, handler: str, features: HandlerFeatures
+    userns: UserNamespaceMappings | None,
+    handler: str,
+    features: HandlerFeatures,
+    config: api_pb2.PodSandboxConfig | None = None,
 ) -> None:
     """Refuse a pod whose namespaces its handler cannot give it, rather than run it in
-    the host's user namespace while it believes itself isolated. `userns` is the pod's
-    user namespace (pod_mappings), None for the host's."""
+    the host's user namespace while it believes itself isolated, or in a sandbox's own
+    PID namespace while it asked for the host's. `userns` is the pod's user namespace
+    (pod_mappings), None for the host's."""
     if userns is not None and not features.user_namespaces:
         raise InvalidArgument(
             "linux.security_context.namespace_options.userns_options: user namespaces are "
             f"not supported by runtime handler {handler!r} (Status advertises "
             "user_namespaces: false)"
         )
+    if config is None:
+        return
+    security = config.linux.security_context
+    if not features.host_namespaces:
+        options = security.namespace_options
+        for field in ("network", "pid", "ipc"):
+            if getattr(options, field) == api_pb2.NODE:
+                raise InvalidArgument(
+                    f"linux.security_context.namespace_options.{field}: NODE (the host's "
+                    f"namespace) is not supported by runtime handler {handler!r}, whose "
+                    f"{_KIND_NAMES[features.kind]} runs the pod in namespaces of its own"
+                )
+    if security.privileged and not features.privileged:
+        raise InvalidArgument(
+            "linux.security_context.privileged: privileged pods are not supported by runtime "
+            f"handler {handler!r} ({_KIND_NAMES[features.kind]} gives no host devices or "
+            "capabilities)"
+        )
+
+
+_KIND_NAMES = {"oci": "runtime", "gvisor": "gVisor kernel", "kata": "Kata VM"}
 
 
 def require_features(
@@ -115,6 +191,12 @@ def require_features(
 ) -> None:
     """Refuse what the pod's runtime handler cannot do, naming the field and the handler,
     before anything is created."""
+    if config.linux.security_context.privileged and not features.privileged:
+        raise InvalidArgument(
+            "linux.security_context.privileged: privileged containers are not supported by "
+            f"runtime handler {handler!r} ({_KIND_NAMES[features.kind]} gives no host devices "
+            "or capabilities)"
+        )
     for index, mount in enumerate(config.mounts):
         if mount.recursive_read_only and not features.recursive_read_only_mounts:
             raise InvalidArgument(

@@ -105,19 +105,22 @@ class OciRuntime:
         *,
         log_dir: Path,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        extra_args: Sequence[str] = (),
         observe_call: CallObserver | None = None,
     ) -> None:
         self.path = path
         self.root = root
         self.log_dir = log_dir
         self.call_timeout = call_timeout
+        # The handler's own global options (`runtime_args`), given to every call.
+        self.extra_args = tuple(extra_args)
         # The daemon's metrics, when it exports them.
         self._observe_call = observe_call
 
     def conmon_runtime_args(self) -> list[str]:
         """Global options for conmon's `--runtime-arg`, so that the create it runs uses the
         same state root and writes errors in the same parseable form."""
-        return [f"--root={self.root}", "--log-format=json"]
+        return [f"--root={self.root}", "--log-format=json", *self.extra_args]
 
     # Every call takes `timeout` (seconds; None = the handler's call_timeout) rather than
     # relying on callers to wrap it: a runc that hangs must be killed, not just abandoned.
@@ -128,15 +131,24 @@ class OciRuntime:
         *,
         timeout: float | None = None,
     ) -> ContainerState:
-        out = await self._call(["state", container_id], container_id, timeout)
+        out = await self._call(["state", container_id], container_id, timeout, output=True)
         return _parse_state(json.loads(out))
 
     async def list(self, *, timeout: float | None = None) -> list[ContainerState]:
-        out = await self._call(["list", "--format", "json"], "", timeout)
+        out = await self._call(["list", "--format", "json"], "", timeout, output=True)
         return [_parse_state(entry) for entry in json.loads(out) or []]
 
-    async def start(self, container_id: str, *, timeout: float | None = None) -> None:
-        await self._call(["start", container_id], container_id, timeout)
+    async def start(
+        self,
+        container_id: str,
+        *,
+        timeout: float | None = None,
+        program: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """`program` runs instead of the runtime, with the same arguments and `env` added
+        to the environment (gVisor's containers start through a script)."""
+        await self._call(["start", container_id], container_id, timeout, program=program, env=env)
 
     async def kill(
         self,
@@ -178,14 +190,22 @@ class OciRuntime:
         cmd: Sequence[str],
         timeout: float | None,
         env: Mapping[str, str] | None = None,
+        *,
+        options: Sequence[str] = (),
+        sandboxed: bool = False,
     ) -> ExecResult:
         """Run `cmd` in the container and collect its output. On timeout the process and
         its group are killed and the call returns at once with `timed_out=True`.
-        timeout None or 0 means no limit."""
+        timeout None or 0 means no limit. `options` go to `exec` before the ID.
+        `sandboxed`: the command runs inside the runtime's own kernel (gVisor), where
+        no host signal reaches it: it is killed through the runtime, by its pid there."""
         if not cmd:
             raise FailedPrecondition("exec: no command given")
         log_name = self._new_log_file("exec")
         pid_file = Path(log_name).with_suffix(".pid")
+        inner_pid_file = Path(log_name).with_suffix(".inner-pid")
+        if sandboxed:
+            options = ["--internal-pid-file", str(inner_pid_file), *options]
         env_args = [f"--env={key}={value}" for key, value in (env or {}).items()]
         args = [
             str(self.path),
@@ -194,6 +214,7 @@ class OciRuntime:
             "--pid-file",
             str(pid_file),
             *env_args,
+            *options,
             container_id,
             *cmd,
         ]
@@ -204,7 +225,10 @@ class OciRuntime:
                 limit=MAX_EXEC_OUTPUT,
                 # Output may still be in flight, or held open by a background child.
                 drain=EXEC_OUTPUT_DRAIN,
-                kill=_exec_killer(pid_file),
+                kill=_exec_killer(
+                    pid_file,
+                    self._inner_killer(container_id, inner_pid_file) if sandboxed else None,
+                ),
             )
             stdout, stderr, timed_out = done.stdout, done.stderr, done.timed_out
             if timed_out:
@@ -221,9 +245,23 @@ class OciRuntime:
                 bytes(stdout), bytes(stderr), code if code >= 0 else 128 - code, False
             )
         finally:
-            for leftover in (log_name, pid_file):
+            for leftover in (log_name, pid_file, inner_pid_file):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
+
+    def _inner_killer(self, container_id: str, inner_pid_file: Path) -> Callable[[], None]:
+        """Kills an exec'd process by its pid inside the runtime's kernel (runsc's
+        `kill --pid`); run on the spawn thread that waits for the exec."""
+
+        def kill() -> None:
+            inner = _read_pid(inner_pid_file)
+            if inner <= 0:
+                return
+            argv = [str(self.path), "--root", str(self.root), *self.extra_args, "kill"]
+            argv += ["--pid", str(inner), container_id, str(int(signal.SIGKILL))]
+            subprocess.run(argv, capture_output=True, timeout=self.call_timeout, check=False)
+
+        return kill
 
     def _new_log_file(self, verb: str) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +271,15 @@ class OciRuntime:
 
     # `list` is a method of this class, so the builtin is spelled out below it.
     def _global_args(self, log_file: str) -> builtins.list[str]:
-        return ["--root", str(self.root), "--log", log_file, "--log-format", "json"]
+        return [
+            "--root",
+            str(self.root),
+            "--log",
+            log_file,
+            "--log-format",
+            "json",
+            *self.extra_args,
+        ]
 
     async def _call(
         self,
@@ -242,21 +288,32 @@ class OciRuntime:
         timeout: float | None,
         *,
         stdin: bytes | None = None,
+        output: bool = False,
+        program: Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> bytes:
+        """Run one command; its stdout when `output`. Only then is stdout a pipe, and
+        stderr is always a file: runsc's `start` leaves a process behind (the container's
+        gofer) holding the streams it was given, so a pipe would never reach its end."""
         budget = timeout if timeout is not None else self.call_timeout
         log_name = self._new_log_file(args[0])
+        err_name = log_name + ".stderr"
         started = time.monotonic()
         try:
             ok = False
+            err_fd = os.open(err_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 with tracing.span(
                     f"{self.path.name} {args[0]}",
                     **{"oci.runtime": self.path.name, "oci.command": args[0]},
                 ) as span:
                     done = await spawn.run(
-                        [str(self.path), *self._global_args(log_name), *args],
+                        [str(program or self.path), *self._global_args(log_name), *args],
                         input=stdin,
                         timeout=budget,
+                        stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+                        stderr=err_fd,
+                        env={**os.environ, **env} if env else None,
                     )
                     span.set_attribute("process.exit.code", done.returncode)
                 ok = done.returncode == 0
@@ -265,9 +322,10 @@ class OciRuntime:
                     f"{self.path.name} {' '.join(args)} did not finish within {budget:g}s"
                 ) from None
             finally:
+                os.close(err_fd)
                 if self._observe_call is not None:
                     self._observe_call(self.path.name, args[0], time.monotonic() - started, ok)
-            returncode, out, err = done.returncode, done.stdout, done.stderr
+            returncode, out = done.returncode, done.stdout
             log.debug(
                 "%s %s: rc=%s in %.1f ms",
                 self.path.name,
@@ -278,14 +336,15 @@ class OciRuntime:
             if returncode != 0:
                 message = (
                     runtime_error_message(_read_text(log_name))
-                    or runtime_error_message(err.decode(errors="replace"))
+                    or runtime_error_message(_read_text(err_name))
                     or f"exit status {returncode}"
                 )
                 raise _classify(f"{self.path.name} {args[0]}", container_id, message)
             return out
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(log_name)
+            for leftover in (log_name, err_name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
 
 
 def _classify(what: str, container_id: str, message: str) -> Exception:
@@ -324,7 +383,7 @@ def _read_text(path: str) -> str:
 RUNC_REAP_GRACE = 5.0
 
 
-def _exec_killer(pid_file: Path) -> spawn.Killer:
+def _exec_killer(pid_file: Path, inside: Callable[[], None] | None = None) -> spawn.Killer:
     """Kill the exec'd process and everything in its process group at once, then let runc
     reap it. runc makes the exec'd process a session leader, so its group is separate
     from runc's and must be killed by its own id.
@@ -336,6 +395,8 @@ def _exec_killer(pid_file: Path) -> spawn.Killer:
     """
 
     def kill(runc: subprocess.Popen[bytes]) -> None:
+        if inside is not None:
+            inside()
         exec_pid = _read_pid(pid_file)  # 0: runc had not started it yet; killing runc is enough
         if exec_pid > 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -67,10 +67,16 @@ class ContainerEndpoint:
     attach_socket: Path  # `attach` in the container's bundle (its path may be long)
     control_fifo: Path  # the bundle's `ctl` FIFO
     running: bool
+    # Options of `exec` before the container's ID (runsc's: the container's user).
+    exec_options: tuple[str, ...] = ()
+    # Why exec with a terminal cannot be had, where it cannot (runsc's exec hands no
+    # terminal over its console socket to a non-terminal container's command).
+    no_tty_exec: str = ""
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]
 NetnsResolver = Callable[[str], Path | Awaitable[Path | None] | None]
+RelayResolver = Callable[[str, int], list[str] | None]
 
 
 async def _resolve(value: T | Awaitable[T]) -> T:
@@ -88,9 +94,13 @@ class RuncStreamingBackend:
         resolve_netns: NetnsResolver,
         *,
         work_dir: Path | None = None,
+        resolve_relay: RelayResolver | None = None,
     ) -> None:
         self._resolve_container = resolve_container
         self._resolve_netns = resolve_netns
+        # A command whose stdio is a connection to the port inside the pod, for a pod
+        # whose network stack a dial from the node cannot reach (gVisor's); else None.
+        self._resolve_relay = resolve_relay
         # Console sockets go here; unix socket paths are limited to 108 bytes, so short.
         self._work_dir = work_dir
 
@@ -118,6 +128,17 @@ class RuncStreamingBackend:
         self, sandbox_id: str, port: int
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         netns = await _resolve(self._resolve_netns(sandbox_id))
+        relay = self._resolve_relay(sandbox_id, port) if self._resolve_relay else None
+        if relay is not None:
+            log.debug("port-forward to pod %s port %d through its sandbox", sandbox_id, port)
+            process = await asyncio.create_subprocess_exec(
+                *relay,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            assert process.stdout is not None and process.stdin is not None
+            return process.stdout, process.stdin
         sock = await dial_in_netns(netns, port)
         return await asyncio.open_connection(sock=sock)
 
@@ -160,10 +181,12 @@ class RuncExecProcess:
         stdin: bool,
         work_dir: Path | None = None,
     ) -> RuncExecProcess:
+        if tty and endpoint.no_tty_exec:
+            raise FailedPrecondition(endpoint.no_tty_exec)
         scratch = Path(tempfile.mkdtemp(prefix="cs-exec-", dir=work_dir or "/tmp"))
         pid_file = scratch / "pid"
         argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "exec"]
-        argv += ["--pid-file", str(pid_file)]
+        argv += ["--pid-file", str(pid_file), *endpoint.exec_options]
         try:
             if not tty:
                 process = await asyncio.create_subprocess_exec(

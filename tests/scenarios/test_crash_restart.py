@@ -8,6 +8,7 @@ back and its name usable again; an interrupted removal completes when retried.
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -575,3 +576,70 @@ def test_restart_while_a_duplicate_create_container_waits(slow_pod, signal: str)
 def _watchers(daemon: Daemon, kind: str) -> int:
     """How many duplicate requests wait on the creations of `kind` in flight."""
     return sum(c["watchers"] for c in daemon.creations(kind)["in_flight"])
+
+
+# ---- a handler whose pods are sandboxes (gVisor) -------------------------------------
+
+# The runsc Debian ships needs `--network=host` on Linux 6.11 and newer (tests/integration/
+# test_cri_runsc.py says why).
+_RUNSC = shutil.which("runsc")
+_RUNSC_HANDLERS = {
+    "runc": {"path": "runc"},
+    "runsc": {"path": str(_RUNSC), "runtime_args": ["--network=host"]},
+}
+# A runsc pod's removal: its sandbox container lets go of the interfaces before CNI DEL.
+RUNSC_SANDBOX_TEARDOWN = (faults.undo_point("pause_delete"),)
+
+
+def _runsc_containers(daemon: Daemon) -> list[str]:
+    root = daemon.run_root / "runtime" / "runsc"
+    listed = subprocess.run(
+        [str(_RUNSC), "--root", str(root), "list", "-quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return listed.stdout.split()
+
+
+@pytest.fixture
+def runsc_daemon(make_daemon) -> Daemon:  # type: ignore[no-untyped-def]
+    if _RUNSC is None:
+        pytest.skip("runsc (gVisor) is not installed")
+    daemon: Daemon = make_daemon(settings={"runtime": {"handlers": _RUNSC_HANDLERS}})
+    daemon.start()
+    return daemon
+
+
+def _run_runsc_pod(daemon: Daemon) -> str:
+    request = api_pb2.RunPodSandboxRequest(config=pod_config("gv"), runtime_handler="runsc")
+    return daemon.runtime().RunPodSandbox(request, timeout=60).pod_sandbox_id
+
+
+@pytest.mark.parametrize("fault", faults.POD_SANDBOX_CREATE)
+def test_crash_while_starting_a_pod_sandbox_container(runsc_daemon: Daemon, fault: str) -> None:
+    daemon = runsc_daemon
+    crash_and_restart(daemon, fault, lambda: _run_runsc_pod(daemon))
+    assert listed(daemon) == []
+    assert _runsc_containers(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
+    sandbox_id = _run_runsc_pod(daemon)  # the name is free again
+    assert _runsc_containers(daemon) == [sandbox_id]
+    remove_pod(daemon, sandbox_id)
+    assert listed(daemon) == []
+    assert _runsc_containers(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()
+
+
+@pytest.mark.parametrize("fault", RUNSC_SANDBOX_TEARDOWN)
+def test_crash_while_removing_a_pod_sandbox_container(runsc_daemon: Daemon, fault: str) -> None:
+    daemon = runsc_daemon
+    sandbox_id = _run_runsc_pod(daemon)
+    assert _runsc_containers(daemon) == [sandbox_id]
+    assert set(RUNSC_SANDBOX_TEARDOWN) <= journaled(daemon, f"object_id = '{sandbox_id}'")
+    crash_and_restart(daemon, fault, lambda: remove_pod(daemon, sandbox_id))
+    remove_pod(daemon, sandbox_id)  # kubelet retries the removal
+    assert listed(daemon) == []
+    assert _runsc_containers(daemon) == []
+    assert daemon.leaks() == {}, daemon.log()

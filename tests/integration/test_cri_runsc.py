@@ -1,0 +1,320 @@
+"""gVisor (`runsc`) as a runtime handler: each pod is one sandbox that its containers join.
+
+The handler is configured by its path alone, plus `--network=host`: the runsc Debian
+ships (2022-12) takes every network namespace of Linux 6.11 and newer for the host's and
+refuses to start its own network stack there (the pod keeps its own namespace; gVisor
+then uses the kernel's network stack in it). The daemon's runsc state root is
+`<run_root>/runtime/runsc`, where `runsc list` shows what the daemon made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cri_shim.api.v1 import api_pb2
+from tests.harness import Daemon, wait_until
+from tests.integration.cri_testkit import (
+    container_config,
+    create,
+    exec_sync,
+    import_image,
+    output,
+    pod,
+    run_to_exit,
+    start,
+    status,
+)
+from tests.integration.streaming.clients import (
+    PORTFORWARD,
+    SpdyClient,
+    spdy_exec,
+    spdy_forward_once,
+)
+
+RUNSC = shutil.which("runsc")
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.root,
+    pytest.mark.skipif(RUNSC is None, reason="runsc (gVisor) is not installed"),
+]
+
+HANDLERS = {
+    "runc": {"path": "runc"},
+    "runsc": {"path": str(RUNSC), "runtime_args": ["--network=host"]},
+}
+
+
+def runsc_list(daemon: Daemon) -> list[dict[str, Any]]:
+    listed = subprocess.run(
+        [str(RUNSC), "--root", str(daemon.run_root / "runtime" / "runsc"), "list", "-format=json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(listed.stdout) or []
+
+
+@pytest.fixture
+def gvisor(make_daemon: Any, busybox_layout: Path) -> Iterator[Daemon]:
+    daemon: Daemon = make_daemon(settings={"runtime": {"handlers": HANDLERS}})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    yield daemon
+
+
+def test_a_pod_is_one_sandbox_holding_both_its_containers(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "gv", short_tmp, handler="runsc") as p:
+        sandbox_id = p[0]
+        first = create(gvisor, p, container_config("first", "exec sleep 60"))
+        second = create(gvisor, p, container_config("second", "exec sleep 60"))
+        for container_id in (first, second):
+            start(gvisor, container_id)
+        listed = {c["id"]: c for c in runsc_list(gvisor)}
+        assert set(listed) == {sandbox_id, first, second}
+        types = {
+            cid: c["annotations"]["io.kubernetes.cri.container-type"] for cid, c in listed.items()
+        }
+        assert types == {sandbox_id: "sandbox", first: "container", second: "container"}
+        assert {c["annotations"]["io.kubernetes.cri.sandbox-id"] for c in listed.values()} == {
+            sandbox_id
+        }
+        # One sandbox process: runsc reports its pid for every container in it.
+        assert len({c["pid"] for c in listed.values()}) == 1
+        assert {c["status"] for c in listed.values()} == {"running"}
+        # gVisor's own kernel: the container sees its own process as PID 1, and the pod's
+        # address on its interface.
+        ps = exec_sync(gvisor, first, ["ps", "-o", "pid,args"])
+        assert b"1 sleep 60" in ps.stdout
+        assert status(gvisor, first).state == api_pb2.CONTAINER_RUNNING
+        # A command past its timeout is killed inside the sandbox, and only it.
+        with pytest.raises(grpc.RpcError) as timed_out:
+            gvisor.runtime().ExecSync(
+                api_pb2.ExecSyncRequest(container_id=first, cmd=["sleep", "77"], timeout=1),
+                timeout=60,
+            )
+        assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ps = exec_sync(gvisor, first, ["ps", "-o", "args"])
+        assert b"sleep 77" not in ps.stdout, ps
+        assert status(gvisor, first).state == api_pb2.CONTAINER_RUNNING
+        assert status(gvisor, second).state == api_pb2.CONTAINER_RUNNING
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_exit_codes_and_logs_come_back_from_the_sandbox(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "exits", short_tmp, handler="runsc") as p:
+        done = run_to_exit(gvisor, p, container_config("three", "echo bye; exit 3"))
+        assert done.exit_code == 3
+        assert Path(done.log_path).read_text().rstrip().endswith("bye")
+        # Stopped by the daemon: killed inside the sandbox, reported as runc's would be.
+        long = create(gvisor, p, container_config("long", "exec sleep 600"))
+        start(gvisor, long)
+        gvisor.runtime().StopContainer(
+            api_pb2.StopContainerRequest(container_id=long, timeout=0), timeout=60
+        )
+        stopped = status(gvisor, long)
+        assert stopped.state == api_pb2.CONTAINER_EXITED
+        assert stopped.exit_code == 137
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_bind_mounts_and_a_stop_before_start(gvisor: Daemon, short_tmp: Path) -> None:
+    volume = short_tmp / "volume"
+    volume.mkdir()
+    (volume / "note").write_text("from the host\n")
+    with pod(gvisor, "mounts", short_tmp, handler="runsc") as p:
+        # runsc makes a container's mounts when it starts it, not when it creates it.
+        mount = api_pb2.Mount(container_path="/data", host_path=str(volume), readonly=True)
+        done = run_to_exit(gvisor, p, container_config("reader", "cat /data/note", mounts=[mount]))
+        assert done.exit_code == 0
+        assert Path(done.log_path).read_text().rstrip().endswith("from the host")
+        # runsc cannot signal a container it has only created.
+        never = create(gvisor, p, container_config("never", "exec sleep 600"))
+        gvisor.runtime().StopContainer(
+            api_pb2.StopContainerRequest(container_id=never, timeout=0), timeout=60
+        )
+        assert status(gvisor, never).state == api_pb2.CONTAINER_EXITED
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "streams", short_tmp, handler="runsc") as p:
+        user = api_pb2.LinuxContainerConfig(
+            security_context=api_pb2.LinuxContainerSecurityContext(
+                run_as_user=api_pb2.Int64Value(value=1001)
+            )
+        )
+        config = container_config("echo", "echo ready; exec cat", stdin=True, stdin_once=True)
+        attached = create(gvisor, p, config)
+        shell = create(gvisor, p, container_config("shell", "exec sleep 300", linux=user))
+        for container_id in (attached, shell):
+            start(gvisor, container_id)
+        # As the container's user (runsc's exec would run as root), with stdin.
+        request = api_pb2.ExecRequest(
+            container_id=shell, cmd=["sh", "-c", "id -u; tr a-z A-Z"], stdin=True, stdout=True
+        )
+        url = gvisor.runtime().Exec(request, timeout=10).url
+        result = asyncio.run(spdy_exec(url, stdin=b"through stdin\n"))
+        assert result.stdout.decode().splitlines() == ["1001", "THROUGH STDIN"], result
+        # With a terminal: refused by name (runsc hands no terminal over).
+        request = api_pb2.ExecRequest(container_id=shell, cmd=["tty"], tty=True, stdout=True)
+        url = gvisor.runtime().Exec(request, timeout=10).url
+        refused = asyncio.run(spdy_exec(url, tty=True, stderr=False))
+        assert b"'runsc'" in refused.error and b"tty" in refused.error, refused
+        # Attach goes through conmon, whose streams the container got when it started.
+        wait_until(lambda: output(status(gvisor, attached)) == ["ready"], timeout=10)
+        request = api_pb2.AttachRequest(container_id=attached, stdin=True, stdout=True, stderr=True)
+        url = gvisor.runtime().Attach(request, timeout=10).url
+        result = asyncio.run(spdy_exec(url, stdin=b"through attach\n"))
+        assert result.stdout == b"through attach\n", result
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_a_shared_pid_namespace_is_the_sandboxs_own(gvisor: Daemon, short_tmp: Path) -> None:
+    linux = api_pb2.LinuxPodSandboxConfig(
+        security_context=api_pb2.LinuxSandboxSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(pid=api_pb2.POD)
+        )
+    )
+    shared = api_pb2.LinuxContainerConfig(
+        security_context=api_pb2.LinuxContainerSecurityContext(
+            namespace_options=api_pb2.NamespaceOption(pid=api_pb2.POD)
+        )
+    )
+    with pod(gvisor, "sharedpid", short_tmp, handler="runsc", linux=linux) as p:
+        first = create(gvisor, p, container_config("first", "exec sleep 301", linux=shared))
+        second = create(gvisor, p, container_config("second", "exec sleep 302", linux=shared))
+        for container_id in (first, second):
+            start(gvisor, container_id)
+        ps = exec_sync(gvisor, second, ["ps", "-o", "pid,args"]).stdout.decode()
+        # The sandbox container's pause program is PID 1; both containers are there.
+        assert "1 /pause" in ps, ps
+        assert "sleep 301" in ps and "sleep 302" in ps, ps
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_a_restart_adopts_the_sandbox_and_its_end_stops_the_pod(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    with pod(gvisor, "adopted", short_tmp, handler="runsc") as p:
+        sandbox_id = p[0]
+        container_id = create(gvisor, p, container_config("c", "exec sleep 300"))
+        start(gvisor, container_id)
+        gvisor.kill9()
+        gvisor.start()
+        assert {c["id"] for c in runsc_list(gvisor)} == {sandbox_id, container_id}
+        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
+        assert exec_sync(gvisor, container_id, ["echo", "still"]).stdout == b"still\n"
+
+        def pod_state() -> int:
+            request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+            return gvisor.runtime().PodSandboxStatus(request, timeout=10).status.state
+
+        assert pod_state() == api_pb2.SANDBOX_READY
+        # The sandbox gone (killed from outside): the pod and its container with it.
+        (sandbox,) = [c for c in runsc_list(gvisor) if c["id"] == sandbox_id]
+        subprocess.run(["kill", "-9", str(sandbox["pid"])], check=True)
+        wait_until(lambda: pod_state() == api_pb2.SANDBOX_NOTREADY, timeout=30)
+        wait_until(
+            lambda: status(gvisor, container_id).state == api_pb2.CONTAINER_EXITED, timeout=30
+        )
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_port_forward_reaches_the_pods_loopback_through_its_sandbox(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    serve = (
+        "mkdir -p /tmp/www && echo hello-from-gvisor > /tmp/www/index.html && "
+        "exec httpd -f -p 127.0.0.1:8080 -h /tmp/www"
+    )
+    with pod(gvisor, "forward", short_tmp, handler="runsc") as p:
+        start(gvisor, create(gvisor, p, container_config("web", serve)))
+        request = api_pb2.PortForwardRequest(pod_sandbox_id=p[0], port=[8080])
+
+        async def get() -> tuple[bytes, bytes]:
+            url = gvisor.runtime().PortForward(request, timeout=10).url  # single use
+            client = await SpdyClient.connect(url, [PORTFORWARD])
+            try:
+                return await spdy_forward_once(client, 8080, 0, b"GET / HTTP/1.0\r\n\r\n")
+            finally:
+                await client.close()
+
+        received, error = wait_until(lambda: (r := asyncio.run(get()))[0] and r, timeout=20)
+        assert b"hello-from-gvisor" in received, (received, error)
+        # Through the sandbox (runsc exec of the relay), not a dial from the node's side,
+        # which gVisor's own network stack would never answer.
+        assert "through its sandbox" in gvisor.log_path.read_text()
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_runc_pods_keep_no_process_of_their_own(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "plain", short_tmp, handler="runc") as p:
+        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
+        start(gvisor, container_id)
+        assert gvisor.runc_containers() == [container_id]
+        assert runsc_list(gvisor) == []
+
+
+def test_what_gvisor_cannot_do_is_refused_naming_the_handler(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    response = gvisor.runtime().Status(api_pb2.StatusRequest(), timeout=10)
+    features = {h.name: h.features for h in response.runtime_handlers}
+    assert not features["runsc"].recursive_read_only_mounts
+    assert not features["runsc"].user_namespaces
+    for field in ("pid", "ipc", "network"):
+        linux = api_pb2.LinuxPodSandboxConfig(
+            security_context=api_pb2.LinuxSandboxSecurityContext(
+                namespace_options=api_pb2.NamespaceOption(**{field: api_pb2.NODE})
+            )
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            with pod(gvisor, f"host{field}", short_tmp, handler="runsc", linux=linux):
+                pass
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"namespace_options.{field}" in str(refused.value.details())
+        assert "'runsc'" in str(refused.value.details())
+    with pod(gvisor, "limits", short_tmp, handler="runsc") as p:
+        privileged = container_config(
+            "priv",
+            "exec sleep 60",
+            linux=api_pb2.LinuxContainerConfig(
+                security_context=api_pb2.LinuxContainerSecurityContext(privileged=True)
+            ),
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            create(gvisor, p, privileged)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'runsc'" in str(refused.value.details())
+        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
+        start(gvisor, container_id)
+        with pytest.raises(grpc.RpcError) as refused:
+            gvisor.runtime().UpdateContainerResources(
+                api_pb2.UpdateContainerResourcesRequest(
+                    container_id=container_id,
+                    linux=api_pb2.LinuxContainerResources(cpu_shares=512),
+                ),
+                timeout=30,
+            )
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "'runsc'" in str(refused.value.details())
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}

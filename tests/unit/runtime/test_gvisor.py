@@ -1,0 +1,145 @@
+"""gVisor's handler: the script conmon runs, the waiter it finds, what is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cri_shim.api.v1 import api_pb2
+from cri_shim.errors import FailedPrecondition, InvalidArgument
+from cri_shim.runtime import gvisor
+from cri_shim.runtime.features import (
+    GVISOR,
+    HandlerFeatures,
+    require_features,
+    require_pod_features,
+    require_resource_updates,
+)
+from cri_shim.runtime.gvisor import (
+    conmon_runtime,
+    joining_waiter,
+    relay_argv,
+    require_port_forward,
+)
+
+
+def test_the_script_is_valid_shell_and_names_its_runsc(tmp_path: Path) -> None:
+    script = conmon_runtime(Path("/usr/bin/runsc"), tmp_path, "runsc")
+    assert script.stat().st_mode & 0o111
+    assert "runsc=/usr/bin/runsc\n" in script.read_text()
+    subprocess.run(["sh", "-n", str(script)], check=True)
+
+
+def test_commands_other_than_create_go_to_runsc_unchanged(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-runsc"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    script = conmon_runtime(fake, tmp_path, "runsc")
+    done = subprocess.run(
+        [str(script), "--root=/r", "state", "abc"], capture_output=True, text=True, check=True
+    )
+    assert done.stdout == "--root=/r state abc\n"
+
+
+def _bundle(tmp_path: Path, kind: str, pid: str = "4242") -> Path:
+    spec = {"annotations": {"io.kubernetes.cri.container-type": kind}}
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    (tmp_path / "pidfile").write_text(pid)
+    return tmp_path
+
+
+def test_only_a_container_joining_a_sandbox_has_a_waiter(tmp_path: Path) -> None:
+    assert joining_waiter(_bundle(tmp_path, "container")) == 4242
+    assert joining_waiter(_bundle(tmp_path, "sandbox")) == 0
+    assert joining_waiter(tmp_path / "missing") == 0
+
+
+def test_port_forward_without_the_relay_needs_the_kernels_network_stack(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(gvisor, "RELAY_PROGRAM", tmp_path / "no-busybox")
+    with pytest.raises(FailedPrecondition, match="'gv'"):
+        require_port_forward("gv", [], "gvisor")
+    require_port_forward("gv", ["--network=host"], "gvisor")
+    require_port_forward("gv", ["--network", "host"], "gvisor")
+    require_port_forward("runc", [], "oci")
+
+
+def _pod(**options: int) -> api_pb2.PodSandboxConfig:
+    return api_pb2.PodSandboxConfig(
+        linux=api_pb2.LinuxPodSandboxConfig(
+            security_context=api_pb2.LinuxSandboxSecurityContext(
+                namespace_options=api_pb2.NamespaceOption(**options)
+            )
+        )
+    )
+
+
+@pytest.mark.parametrize("field", ["network", "pid", "ipc"])
+def test_host_namespaces_are_refused_under_gvisor_only(field: str) -> None:
+    with pytest.raises(InvalidArgument, match=rf"namespace_options.{field}.*'gv'"):
+        require_pod_features(None, "gv", GVISOR, _pod(**{field: api_pb2.NODE}))
+    require_pod_features(None, "runc", HandlerFeatures(), _pod(**{field: api_pb2.NODE}))
+    require_pod_features(None, "gv", GVISOR, _pod(**{field: api_pb2.POD}))
+
+
+def test_privileged_and_updates_are_refused_under_gvisor() -> None:
+    privileged = api_pb2.ContainerConfig(
+        linux=api_pb2.LinuxContainerConfig(
+            security_context=api_pb2.LinuxContainerSecurityContext(privileged=True)
+        )
+    )
+    with pytest.raises(InvalidArgument, match=r"privileged.*'gv'"):
+        require_features(privileged, "gv", GVISOR)
+    require_features(privileged, "runc", HandlerFeatures())
+    with pytest.raises(FailedPrecondition, match="'gv'"):
+        require_resource_updates("gv", GVISOR)
+    require_resource_updates("runc", HandlerFeatures())
+
+
+def test_the_relay_runs_busyboxs_nc_in_the_sandbox_container() -> None:
+    argv = relay_argv(Path("/usr/bin/runsc"), Path("/run/r"), ["--network=host"], "pod1", 8080)
+    assert argv[:4] == ["/usr/bin/runsc", "--root", "/run/r", "--network=host"]
+    # busybox picks its applet by the name it runs as: the mount point is named busybox.
+    assert argv[4:] == [
+        "exec",
+        "--user",
+        "65535:65535",
+        "pod1",
+        "/busybox",
+        "nc",
+        "127.0.0.1",
+        "8080",
+    ]
+
+
+def test_a_deleted_containers_locks_go_and_its_gone_sandboxs_too(tmp_path: Path) -> None:
+    for name in ("c_sandbox:s.lock", "s_sandbox:s.lock", "other_sandbox:o.lock"):
+        (tmp_path / name).touch()
+    (tmp_path / "c_sandbox:s.state").touch()
+    sandboxes = gvisor.sandboxes_of(tmp_path, "c")
+    assert sandboxes == {"s"}
+    (tmp_path / "c_sandbox:s.state").unlink()  # runsc's delete
+    gvisor.remove_locks(tmp_path, "c", sandboxes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_sandbox:o.lock"]
+
+
+def test_a_running_sandboxs_lock_stays(tmp_path: Path) -> None:
+    for name in ("c_sandbox:s.lock", "s_sandbox:s.lock", "s_sandbox:s.state"):
+        (tmp_path / name).touch()
+    gvisor.remove_locks(tmp_path, "c", {"s"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s_sandbox:s.lock", "s_sandbox:s.state"]
+
+
+def test_empty_cgroups_of_a_deleted_container_are_removed(tmp_path: Path) -> None:
+    for hierarchy in ("cpu", "memory"):
+        (tmp_path / hierarchy / "cri-shim" / "c").mkdir(parents=True)
+    (tmp_path / "memory" / "cri-shim" / "c" / "busy").mkdir()  # not empty: stays
+    gvisor.remove_cgroups("/cri-shim/c", tmp_path)
+    assert not (tmp_path / "cpu" / "cri-shim" / "c").exists()
+    assert (tmp_path / "memory" / "cri-shim" / "c").exists()
+    gvisor.remove_cgroups("system.slice:cri-shim:c", tmp_path)  # systemd's: left alone
+    assert (tmp_path / "cpu" / "cri-shim").exists()
