@@ -43,14 +43,9 @@ class ContainerRemove:
         forward by restore, and the name and the row (so the ID) stay held until the
         teardown has ended (DESIGN §4).
         """
-        found = self._containers.find(ref)
-        if found is None:
-            return
-        async with self._locks.held(found.id):
-            # A removal that held the lock first has hidden it: it answered for both.
-            container = self._containers.find(found.id)
+        async with self._locks.current(self._containers.find, ref) as container:
             if container is None:
-                return
+                return  # absent, or hidden by a removal that held the lock first
             await self._stopper.stop_record(container, 0)
             if self._nri is not None:
                 # Plugins hear of the removal as kubelet does, before the teardown runs on.

@@ -13,8 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+
+class _Identified(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+Found = TypeVar("Found", bound=_Identified)
 
 
 @dataclass
@@ -40,6 +49,19 @@ class ObjectLocks:
             entry.users -= 1
             if entry.users == 0:
                 del self._held[object_id]
+
+    @contextlib.asynccontextmanager
+    async def current(
+        self, find: Callable[[str], Found | None], ref: str
+    ) -> AsyncIterator[Found | None]:
+        """The object `ref` names, read again once its lock is held: None when there is
+        none, or when a call that held the lock first took it away meanwhile."""
+        found = find(ref)
+        if found is None:
+            yield None
+            return
+        async with self.held(found.id):
+            yield find(found.id)
 
     def __len__(self) -> int:
         """How many objects are locked or waited on (none once every call has ended)."""

@@ -35,15 +35,11 @@ class SandboxRemove:
         self._coordinator = coordinator
 
     async def remove(self, sandbox_ref: str) -> None:
-        found = self._pods.find(sandbox_ref)
-        if found is None:
-            return  # an absent pod is removed already, as the CRI says
         # One stop or removal of a pod at a time: a second removal waits for the first
         # and then finds the pod gone, so the pod is undone and announced deleted once.
-        async with self._locks.held(found.id):
-            sandbox = self._pods.find(found.id)
+        async with self._locks.current(self._pods.find, sandbox_ref) as sandbox:
             if sandbox is None:
-                return
+                return  # an absent pod is removed already, as the CRI says
             await self._containers.remove_all_in(sandbox.id)
             try:
                 await self._journal.undo(sandbox.id, budget=self._budget)

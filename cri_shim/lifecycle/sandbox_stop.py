@@ -45,14 +45,12 @@ class SandboxStop:
         self._pause = pause
 
     async def stop(self, sandbox_ref: str) -> None:
-        found = self._pods.find(sandbox_ref)
-        if found is None:
-            return  # kubelet retries stop for pods it forgot about; unknown is success
         # One stop or removal of a pod at a time: two would run its undo steps twice.
-        async with self._locks.held(found.id):
-            sandbox = self._pods.find(found.id)
+        async with self._locks.current(self._pods.find, sandbox_ref) as sandbox:
             if sandbox is None:
-                return  # removed while this call waited
+                # kubelet retries stop for pods it forgot about (or it was removed while
+                # this call waited): unknown is success.
+                return
             # The containers first: they run in what the undo steps take away.
             await self._containers.stop_all_in(sandbox.id)
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,4 +57,30 @@ async def test_a_waiter_that_is_cancelled_leaves_nothing_behind() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+    assert len(locks) == 0
+
+
+async def test_current_reads_the_object_again_once_the_lock_is_held() -> None:
+    """A second caller waits for the first, then sees what the first left: here, nothing."""
+    locks = ObjectLocks()
+    objects = {"abc123": SimpleNamespace(id="abc123")}
+    seen: list[object] = []
+    first_holds = asyncio.Event()
+
+    async def first() -> None:
+        async with locks.current(objects.get, "abc123") as found:
+            first_holds.set()
+            await asyncio.sleep(0)
+            seen.append(found)
+            del objects["abc123"]  # removed by the first caller
+
+    async def second() -> None:
+        await first_holds.wait()
+        async with locks.current(objects.get, "abc123") as found:
+            seen.append(found)
+
+    await asyncio.gather(first(), second())
+    assert seen[0] is not None and seen[1] is None
+    async with locks.current(objects.get, "gone") as absent:
+        assert absent is None
     assert len(locks) == 0
