@@ -99,7 +99,10 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
         with (
             logcontext.scope(),  # what the request binds ends with it
             tracing.serving(
-                view.tracer, name, _metadata(context), _span_attributes(request)
+                view.tracer,
+                name,
+                lambda: _metadata(context),
+                lambda: _span_attributes(request),
             ) as span,
         ):
             try:
@@ -168,6 +171,8 @@ def _span_attributes(request: Any) -> dict[str, str]:
 
 def _note_response(span: tracing.Span, response: Any) -> None:
     """The ID a creation answered with (RunPodSandbox, CreateContainer)."""
+    if span is tracing.NO_SPAN:
+        return
     for field, kind in _OBJECT_FIELDS:
         value = getattr(response, field, "")
         if isinstance(value, str) and value:

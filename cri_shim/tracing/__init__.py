@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from cri_shim import logcontext
@@ -84,13 +84,14 @@ def current() -> Span:
     return _current.get()
 
 
-def _make_current(span: Span) -> None:
+def _make_current(span: Span) -> contextvars.Token[Span]:
     """From now on (in this task and what it starts) work belongs to `span`, and log lines
-    carry its IDs."""
-    _current.set(span)
+    carry its IDs; the token undoes the first."""
+    token = _current.set(span)
     trace_id, span_id = span.ids()
     if trace_id:
         logcontext.bind_trace(trace_id, span_id)
+    return token
 
 
 @contextlib.contextmanager
@@ -253,17 +254,20 @@ NO_TRACER: Tracer = _NoTracer()
 
 @contextlib.contextmanager
 def serving(
-    tracer: Tracer, method: str, metadata: Mapping[str, str], attributes: Mapping[str, Any]
+    tracer: Tracer,
+    method: str,
+    metadata: Callable[[], Mapping[str, str]],
+    attributes: Callable[[], Mapping[str, Any]],
 ) -> Iterator[Span]:
-    """The server span of one CRI call, current for the call's work and its log lines."""
+    """The server span of one CRI call, current for the call's work and its log lines.
+
+    `metadata` and `attributes` are read only when tracing is on: every call passes here,
+    and an untraced one should not pay for them."""
     if tracer is NO_TRACER:
         yield NO_SPAN
         return
-    server = tracer.server_span(method, metadata, attributes)
-    token = _current.set(server)
-    trace_id, span_id = server.ids()
-    if trace_id:
-        logcontext.bind_trace(trace_id, span_id)
+    server = tracer.server_span(method, metadata(), attributes())
+    token = _make_current(server)  # the log binding ends with the caller's log scope
     try:
         yield server
     finally:
