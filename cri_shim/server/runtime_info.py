@@ -95,9 +95,9 @@ def _features(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
 async def runtime_config(
     view: RuntimeView, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RuntimeConfigResponse:
-    driver = api_pb2.SYSTEMD if view.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
+    # The one driver the configuration accepts (a systemd one stops the start).
     return api_pb2.RuntimeConfigResponse(
-        linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver)
+        linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=api_pb2.CGROUPFS)
     )
 
 
