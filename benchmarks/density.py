@@ -35,6 +35,7 @@ nothing is pulled). Never run it while another cri-shim run measures on the same
 
 Usage: sudo .venv/bin/python benchmarks/density.py [--pods 50,110] [--workloads plain,probe]
            [--runtime cri-shim|containerd|both] [--steady 60] [--analyse]
+           [--kubelet-arg=--FLAG=VALUE ...]
 
 The figures are printed, never asserted.
 """
@@ -444,7 +445,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
     result = Result(runtime.name, workload, pods)
     node = f"dn{os.getpid() % 100000}{workload}{pods}"
     runtime.start()
-    kubelet = Kubelet(base / "node", runtime.endpoint, node)
+    kubelet = Kubelet(base / "node", runtime.endpoint, node, extra_args=list(args.kubelet_arg))
     analyse = isinstance(runtime, ShimRuntime) and args.analyse
     profiler: Profiler | None = None
     try:
@@ -613,6 +614,13 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--analyse", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the logs and profiles")
+    parser.add_argument(
+        "--kubelet-arg",
+        action="append",
+        default=[],
+        help="one more kubelet flag, after (and so over) the defaults, e.g. "
+        "--kubelet-arg=--cgroups-per-qos=false --kubelet-arg=--enforce-node-allocatable=",
+    )
     args = parser.parse_args()
     if not KUBELET.exists():
         sys.exit(f"no kubelet at {KUBELET}")
