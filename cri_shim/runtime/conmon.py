@@ -339,15 +339,10 @@ class RuntimeBackend:
         return meta
 
     @property
-    def no_tty_exec(self) -> str:
-        """Why exec with a terminal is refused ("" where it works)."""
-        if self.conmon_runtime == self.runtime_path:
-            return ""
-        return (
-            f"exec with a terminal (tty) is not supported by runtime handler "
-            f"{self.handler_name!r}: runsc hands no terminal over to the command of a "
-            "container started without one; exec without tty works"
-        )
+    def sandboxed(self) -> bool:
+        """Whether the containers' processes live in the runtime's own kernel (gVisor),
+        not the host's: reached by the runtime, never by a host signal or cgroup."""
+        return self.conmon_runtime != self.runtime_path
 
     @property
     def mounts_at_start(self) -> bool:

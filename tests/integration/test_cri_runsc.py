@@ -35,7 +35,9 @@ from tests.integration.cri_testkit import (
 )
 from tests.integration.streaming.clients import (
     PORTFORWARD,
+    CommandResult,
     SpdyClient,
+    SpdyCommand,
     spdy_exec,
     spdy_forward_once,
 )
@@ -169,11 +171,24 @@ def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp
         url = gvisor.runtime().Exec(request, timeout=10).url
         result = asyncio.run(spdy_exec(url, stdin=b"through stdin\n"))
         assert result.stdout.decode().splitlines() == ["1001", "THROUGH STDIN"], result
-        # With a terminal: refused by name (runsc hands no terminal over).
-        request = api_pb2.ExecRequest(container_id=shell, cmd=["tty"], tty=True, stdout=True)
+        # With a terminal: runsc's console socket hands one over, sized by the client.
+        command = ["sh", "-c", "[ -t 0 ] && echo terminal; read line; stty size; exit 3"]
+        request = api_pb2.ExecRequest(
+            container_id=shell, cmd=command, tty=True, stdin=True, stdout=True
+        )
         url = gvisor.runtime().Exec(request, timeout=10).url
-        refused = asyncio.run(spdy_exec(url, tty=True, stderr=False))
-        assert b"'runsc'" in refused.error and b"tty" in refused.error, refused
+        typed = asyncio.run(_terminal_session(url, b"typed\r"))
+        assert typed.stdout.splitlines() == [b"terminal", b"typed", b"30 100"], typed
+        assert b"exit status 3" in typed.error, typed
+        # A client that leaves: its command is killed inside the sandbox, where no host
+        # signal reaches it (killing the host's `runsc exec` alone would leave it running).
+        for tty in (True, False):
+            request = api_pb2.ExecRequest(
+                container_id=shell, cmd=["sleep", "997"], tty=tty, stdout=True
+            )
+            url = gvisor.runtime().Exec(request, timeout=10).url
+            asyncio.run(_leave_while_running(url, gvisor, shell, tty))
+            wait_until(lambda: len(runsc_processes(gvisor, shell)) == 1, timeout=30)
         # Attach goes through conmon, whose streams the container got when it started.
         wait_until(lambda: output(status(gvisor, attached)) == ["ready"], timeout=10)
         request = api_pb2.AttachRequest(container_id=attached, stdin=True, stdout=True, stderr=True)
@@ -182,6 +197,41 @@ def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp
         assert result.stdout == b"through attach\n", result
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
+
+
+def runsc_processes(daemon: Daemon, container_id: str) -> list[dict[str, Any]]:
+    """The processes of a container in its sandbox (gVisor's kernel), by `runsc ps`."""
+    root = daemon.run_root / "runtime" / "runsc"
+    listed = subprocess.run(
+        [str(RUNSC), "--root", str(root), "ps", "--format=json", container_id],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(listed.stdout) or []
+
+
+async def _leave_while_running(url: str, daemon: Daemon, container_id: str, tty: bool) -> None:
+    command = await SpdyCommand.start(url, stderr=not tty, tty=tty)
+    try:
+        await asyncio.to_thread(
+            wait_until, lambda: len(runsc_processes(daemon, container_id)) == 2, 30
+        )
+    finally:
+        await command.close()
+
+
+async def _terminal_session(url: str, line: bytes) -> CommandResult:
+    """Exec with a terminal: resized to 100x30 before the command reads `line`."""
+    command = await SpdyCommand.start(url, stdin=True, stderr=False, tty=True)
+    try:
+        await command.resize(100, 30)
+        await command.wait_for(b"terminal")
+        await command.send(line)
+        return await command.result()
+    finally:
+        await command.close()
 
 
 def test_a_shared_pid_namespace_is_the_sandboxs_own(gvisor: Daemon, short_tmp: Path) -> None:
