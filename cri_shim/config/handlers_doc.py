@@ -57,6 +57,29 @@ CRITEST_RUNSC_FAILURES = (
 )
 
 
+_GVISOR_UPDATES = """\
+UpdateContainerResources under gVisor: runsc (before 2026) has no `update`, and gVisor's
+kernel neither gives a container a cgroup of its own (all of a sandbox's tasks share its
+root cgroup) nor enforces the memory and CPU values of its cgroupfs (stubs, and only with
+`--cgroupfs`): no container has a limit of its own inside gVisor. Every process of the
+pod runs in the Sentry and its gofers, host processes in the host cgroup of the pod's
+sandbox container (`<cgroup_parent>/cri-shim-<pod ID>`). So the daemon writes host
+cgroups itself: the sandbox's gets the pod's total (the sum of its containers' memory,
+swap, pids and CPU quota limits, unlimited where one container is unlimited; the sum of
+their CPU shares; the union of their CPU sets, the parent's where one has none), again
+at each update and each container's creation; the container's own host cgroup (which
+runsc makes for tools such as cAdvisor, with no process in it) gets its limits as given;
+its spec (`linux.resources`, ContainerStatus verbose `runtimeSpec`) records them. The
+kernel enforces the total on the pod as a whole: a pod at its memory limit loses its
+sandbox to the host's OOM killer, every container with it; CPU is throttled for the pod.
+gVisor's own memory (Sentry, gofers) counts against that total, as it counts against
+kubelet's pod cgroup above it. Refused by name: `unified` and block-I/O settings (no sum
+of them means anything); hugepage limits are ignored (gVisor's kernel takes no host
+hugepages).
+
+"""
+
+
 def runtime_handlers_markdown() -> str:
     tally = "\n".join(f"| {name} | {p} | {f} | {s} |" for name, p, f, s in CRITEST_TALLY)
     failures = "\n".join(f"| {spec} | {why} |" for spec, why in CRITEST_RUNSC_FAILURES)
@@ -100,9 +123,10 @@ host pty whose replica gVisor's kernel takes as the command's controlling termin
 `[ -t 0 ]`, line editing, echo and resizing (`stty size`) work; `tty` prints "not a
 tty", as gVisor names that terminal `host:[N]`, not `/dev/pts/N`. Refused under gVisor,
 naming the handler: the host's PID, IPC and network namespaces, privileged pods and
-containers, user namespaces, UpdateContainerResources (runsc has no `update`).
-`Status.runtime_handlers` lists runsc with neither recursive read-only mounts nor user
-namespaces.
+containers, user namespaces.
+
+{_GVISOR_UPDATES}`Status.runtime_handlers` lists runsc with neither recursive read-only mounts
+nor user namespaces.
 
 critest with `--runtime-handler=runsc` (`runtime_args = ["--network=host"]`), beside the
 default handler, measured while exec with a terminal was still refused under runsc (that

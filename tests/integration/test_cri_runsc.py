@@ -354,17 +354,98 @@ def test_what_gvisor_cannot_do_is_refused_naming_the_handler(
             create(gvisor, p, privileged)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "'runsc'" in str(refused.value.details())
-        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
-        start(gvisor, container_id)
-        with pytest.raises(grpc.RpcError) as refused:
-            gvisor.runtime().UpdateContainerResources(
-                api_pb2.UpdateContainerResourcesRequest(
-                    container_id=container_id,
-                    linux=api_pb2.LinuxContainerResources(cpu_shares=512),
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+MiB = 1 << 20
+CGROUPS = Path("/sys/fs/cgroup")
+
+
+def cgroup_value(cgroups_path: str, controller: str, name: str) -> str:
+    return (CGROUPS / controller / cgroups_path.strip("/") / name).read_text().strip()
+
+
+def cgroups_path_of(daemon: Daemon, container_id: str) -> str:
+    spec = json.loads(status_info(daemon, container_id))["runtimeSpec"]
+    return str(spec["linux"]["cgroupsPath"])
+
+
+def status_info(daemon: Daemon, container_id: str) -> str:
+    response = daemon.runtime().ContainerStatus(
+        api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=10
+    )
+    return response.info["info"]
+
+
+def limits(memory: int, shares: int, quota: int, cpus: str = "") -> api_pb2.LinuxContainerResources:
+    return api_pb2.LinuxContainerResources(
+        memory_limit_in_bytes=memory,
+        cpu_shares=shares,
+        cpu_quota=quota,
+        cpu_period=100_000,
+        cpuset_cpus=cpus,
+    )
+
+
+@pytest.mark.skipif(
+    (CGROUPS / "cgroup.controllers").exists(), reason="the test reads cgroup v1's files"
+)
+def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "resize", short_tmp, handler="runsc") as p:
+        sandbox_group = f"/cri-shim/{p[0]}"
+        configs = {
+            "big": limits(64 * MiB, 512, 50_000),
+            "small": limits(32 * MiB, 256, 20_000),
+        }
+        ids = {}
+        for name, resources in configs.items():
+            config = container_config(name, "exec sleep 300")
+            config.linux.resources.CopyFrom(resources)
+            ids[name] = create(gvisor, p, config)
+            start(gvisor, ids[name])
+        # The sandbox, where every container's processes run, holds the pod's total.
+        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(96 * MiB)
+        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "768"
+        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "70000"
+
+        gvisor.runtime().UpdateContainerResources(
+            api_pb2.UpdateContainerResourcesRequest(
+                container_id=ids["big"], linux=limits(128 * MiB, 1024, 100_000, "0")
+            ),
+            timeout=30,
+        )
+        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(160 * MiB)
+        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "1280"
+        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "120000"
+        # "small" may use every CPU of the pod's parent: so may the sandbox.
+        parent = (CGROUPS / "cpuset" / "cri-shim" / "cpuset.cpus").read_text().strip()
+        assert cgroup_value(sandbox_group, "cpuset", "cpuset.cpus") == parent
+        # The container's own host cgroup and its spec (ContainerStatus) say its limits.
+        own = cgroups_path_of(gvisor, ids["big"])
+        assert cgroup_value(own, "memory", "memory.limit_in_bytes") == str(128 * MiB)
+        assert cgroup_value(own, "cpu", "cpu.cfs_quota_us") == "100000"
+        assert cgroup_value(own, "cpuset", "cpuset.cpus") == "0"
+        spec = json.loads(status_info(gvisor, ids["big"]))["runtimeSpec"]
+        assert spec["linux"]["resources"]["memory"]["limit"] == 128 * MiB
+        assert spec["linux"]["resources"]["cpu"]["cpus"] == "0"
+
+        # The kernel enforces the pod's memory limit on the sandbox: at it, the host's OOM
+        # killer takes the sandbox (the Sentry), and every container of the pod goes with it.
+        # The exec fails (how depends on whether the pod's end is seen first).
+        with pytest.raises(grpc.RpcError):
+            gvisor.runtime().ExecSync(
+                api_pb2.ExecSyncRequest(
+                    container_id=ids["small"], cmd=["sh", "-c", "tail /dev/zero"], timeout=60
                 ),
-                timeout=30,
+                timeout=90,
             )
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "'runsc'" in str(refused.value.details())
+        oom = cgroup_value(sandbox_group, "memory", "memory.oom_control").splitlines()
+        assert "oom_kill 1" in oom, oom
+        for container_id in ids.values():
+            wait_until(
+                lambda c=container_id: status(gvisor, c).state == api_pb2.CONTAINER_EXITED,
+                timeout=60,
+            )
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
