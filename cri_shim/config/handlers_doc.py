@@ -87,7 +87,10 @@ def runtime_handlers_markdown() -> str:
 ## Runtime handlers
 
 `[runtime.handlers.NAME]` names a runtime a pod can ask for (`runtime_handler`, kubelet's
-RuntimeClass); `Status.runtime_handlers` lists each with what it supports.
+RuntimeClass); `Status.runtime_handlers` lists each with what it supports. A pod that
+names none runs under `[runtime] default_handler` (`runc`): set it to a gVisor handler
+to run such pods under gVisor, kubelet's static pods among them (without an API server
+they cannot name a RuntimeClass).
 
 - **runc, crun**: a pod is its pinned namespaces and a directory; no process runs for it
   unless it shares its PID namespace (then the static pause program is its PID 1).
