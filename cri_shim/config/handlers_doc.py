@@ -80,6 +80,35 @@ hugepages).
 """
 
 
+_NETSTACK = """\
+gVisor's own network stack (netstack, runsc's default `--network=sandbox`) is not tested
+here: this runsc cannot run it on this kernel. Before it starts netstack, runsc
+2022-12-19 tells the host's network namespace from another by whether
+`/proc/sys/net/core/rmem_default` exists, which only the initial namespace had before
+Linux 6.11; from 6.11 every namespace has it, so `runsc start` of the pod's sandbox
+fails with "cannot run with network enabled in root network namespace", and
+RunPodSandbox answers FAILED_PRECONDITION naming the handler and both ways out (a newer
+runsc, or `--network=host`). Untested therefore: netstack taking over the interfaces,
+addresses and routes CNI set up in the pod's namespace, the port-forward relay reaching
+a pod's loopback inside netstack, and critest's network specs under it.
+
+"""
+
+_KATA = """\
+Kata Containers: a handler whose `path` is named `kata-runtime` or
+`containerd-shim-kata-v2` gets `pod_sandbox` (the sandbox container starts the pod's VM,
+which its containers join), and Status lists it without the host's PID, IPC and network
+namespaces, which are refused by name as under gVisor; privileged pods are not refused.
+Nothing else is specific to Kata, and none of it is tested: no Kata is installed here
+(Debian packages none) and this machine's CPU advertises no virtualisation (no vmx or
+svm). cri-shim drives a runtime through the OCI command line under conmon (`create`,
+`start`, `state`, `kill`, `delete`, `exec`, `update`): Kata 1.x's `kata-runtime` has
+those commands, but Kata 2.0 removed them (its `kata-runtime` checks and diagnoses), and
+`containerd-shim-kata-v2` speaks containerd's shim v2 API over ttrpc, not the OCI command
+line; so with Kata 2 or later the handler is recognised, and its pods cannot start.
+"""
+
+
 def runtime_handlers_markdown() -> str:
     tally = "\n".join(f"| {name} | {p} | {f} | {s} |" for name, p, f, s in CRITEST_TALLY)
     failures = "\n".join(f"| {spec} | {why} |" for spec, why in CRITEST_RUNSC_FAILURES)
@@ -99,9 +128,9 @@ they cannot name a RuntimeClass).
   program, `io.kubernetes.cri.container-type: sandbox`) through the handler under conmon,
   in the pod's network namespace once CNI has set it up; the pod's containers join it
   (`container`, `io.kubernetes.cri.sandbox-id`), and StopPodSandbox removes it once they
-  have stopped. (Kata is recognised by its binaries' names; only gVisor is tested here.)
-  Its steps are journaled like every other (`pause_delete`), with fault points
-  `sandbox:pod-sandbox-journaled`, `-created`, `-started`; a restart adopts it.
+  have stopped. (Kata is recognised by its binaries' names; only gVisor is tested here,
+  see below.) Its steps are journaled like every other (`pause_delete`), with fault
+  points `sandbox:pod-sandbox-journaled`, `-created`, `-started`; a restart adopts it.
 
 `path = "/usr/bin/runsc"` is all gVisor needs, except on Linux 6.11 and newer with a runsc
 released before August 2024 (Debian's is 2022-12-19): there runsc mistakes every network
@@ -114,7 +143,7 @@ network stack, so port-forward goes through the sandbox: `runsc exec` of busybox
 to 127.0.0.1:port inside the pod, its stdio the connection. Without that program, and
 without `--network=host`, port-forward is refused naming the handler.
 
-conmon cannot wait for a gVisor container (its processes are not the host's): conmon
+{_NETSTACK}conmon cannot wait for a gVisor container (its processes are not the host's): conmon
 runs runsc through a generated script that, for a container joining a sandbox, starts a
 waiter (`runsc wait`) conmon waits for instead, and whose streams the container gets
 when it starts. ExecSync and exec run as the container's user (runsc's exec would run as
@@ -131,6 +160,7 @@ containers, user namespaces.
 {_GVISOR_UPDATES}`Status.runtime_handlers` lists runsc with neither recursive read-only mounts
 nor user namespaces.
 
+{_KATA}
 critest with `--runtime-handler=runsc` (`runtime_args = ["--network=host"]`), beside the
 default handler, measured while exec with a terminal was still refused under runsc (that
 spec, "exec with tty=true and stdin=true", then failed; exec with a terminal now works and
