@@ -66,16 +66,17 @@ pod runs in the Sentry and its gofers, host processes in the host cgroup of the 
 sandbox container (`<cgroup_parent>/cri-shim-<pod ID>`). So the daemon writes host
 cgroups itself: the sandbox's gets the pod's total (the sum of its containers' memory,
 swap, pids and CPU quota limits, unlimited where one container is unlimited; the sum of
-their CPU shares; the union of their CPU sets, the parent's where one has none), again
-at each update and each container's creation; the container's own host cgroup (which
+their CPU shares; the union of their CPU sets, the parent's where one has none; plus
+the pod's overhead from kubelet, `linux.overhead`, as kubelet sizes the pod's cgroup),
+again at each update and each container's creation; the container's own host cgroup (which
 runsc makes for tools such as cAdvisor, with no process in it) gets its limits as given;
 its spec (`linux.resources`, ContainerStatus verbose `runtimeSpec`) records them. The
 kernel enforces the total on the pod as a whole: a pod at its memory limit loses its
 sandbox to the host's OOM killer, every container with it; CPU is throttled for the pod.
 gVisor's own memory (Sentry, gofers) counts against that total, as it counts against
-kubelet's pod cgroup above it. Refused by name: `unified` and block-I/O settings (no sum
-of them means anything); hugepage limits are ignored (gVisor's kernel takes no host
-hugepages).
+kubelet's pod cgroup above it: give gVisor's RuntimeClass an overhead for it. Refused
+by name: `unified` and block-I/O settings (no sum of them means anything); hugepage
+limits are ignored (gVisor's kernel takes no host hugepages).
 
 """
 

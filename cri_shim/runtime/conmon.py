@@ -58,6 +58,7 @@ from cri_shim.runtime.sandbox_cgroups import (
     merged_resources,
     pod_total,
     read_spec,
+    recorded_overhead,
     unappliable,
     write_cgroup,
 )
@@ -714,7 +715,8 @@ class RuntimeBackend:
             marks = member.get("annotations") or {}
             if marks.get(CONTAINER_TYPE) == "container" and marks.get(SANDBOX_ID) == sandbox_id:
                 members[cdir.name] = (member.get("linux") or {}).get("resources") or {}
-        self._write_cgroup(sandbox.cgroups_path, pod_total(members.values()))
+        overhead = recorded_overhead(read_spec(Path(sandbox.bundle)) or {})
+        self._write_cgroup(sandbox.cgroups_path, pod_total(members.values(), overhead))
 
     def _write_cgroup(self, cgroups_path: str, resources: Mapping[str, Any]) -> None:
         host = self._host_limits()

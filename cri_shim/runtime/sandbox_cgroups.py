@@ -12,10 +12,11 @@ with `--cgroupfs`), so no container has a limit of its own inside gVisor.
 So an update (UpdateContainerResources, or a container joining the pod) applies:
 - to the container's own host cgroup, its limits as given: what the host's tools and
   the stats read, as for a runc container (nothing runs there, nothing is enforced);
-- to the sandbox's host cgroup, the pod's total: the sum of its containers' limits (as
-  kubelet sizes a pod's cgroup), unlimited where one container is: there the host kernel
-  enforces it, on the pod as a whole (a pod past its memory limit loses its sandbox to the
-  host's OOM killer, and all its containers with it; CPU is throttled for the pod).
+- to the sandbox's host cgroup, the pod's total: the sum of its containers' limits and
+  the pod's overhead (as kubelet sizes a pod's cgroup), unlimited where one container
+  is: there the host kernel enforces it, on the pod as a whole (a pod past its memory
+  limit loses its sandbox to the host's OOM killer, and all its containers with it; CPU
+  is throttled for the pod).
 
 Each container's current limits are its bundle's spec (`linux.resources`), which an
 update rewrites: the spec is the record ContainerStatus reports (verbose `runtimeSpec`)
@@ -32,7 +33,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, Internal
+from cri_shim.runtime.host_limits import current_host_limits
+from cri_shim.runtime.resources import linux_resources
 
 # The CFS period a total is expressed in when the containers' periods differ.
 DEFAULT_CFS_PERIOD = 100_000
@@ -54,10 +58,50 @@ def merged_resources(current: Mapping[str, Any], update: Mapping[str, Any]) -> d
     return out
 
 
-def pod_total(containers: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+# The sandbox container's annotation holding the pod's overhead (OCI LinuxResources).
+POD_OVERHEAD = "io.cri-shim.pod-overhead"
+
+
+def record_overhead(spec: dict[str, Any], overhead: api_pb2.LinuxContainerResources) -> None:
+    """Note in a sandbox container's spec what the pod's sandbox may use on top of its
+    containers (kubelet's pod overhead, from the RuntimeClass). An annotation, not the
+    spec's resources: runsc would give those alone to the sandbox before any container
+    joins it, too little for gVisor's own start."""
+    resources = linux_resources(overhead, current_host_limits())
+    if resources:
+        spec.setdefault("annotations", {})[POD_OVERHEAD] = json.dumps(resources)
+
+
+def recorded_overhead(spec: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        overhead = json.loads((spec.get("annotations") or {}).get(POD_OVERHEAD) or "{}")
+    except ValueError:
+        return {}
+    return overhead if isinstance(overhead, dict) else {}
+
+
+def pod_total(
+    containers: Iterable[Mapping[str, Any]], overhead: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The OCI LinuxResources of a pod whose containers have the given ones: sums where
-    every container sets a limit, UNLIMITED where one does not; CPU sets united."""
-    resources = list(containers)
+    every container sets a limit, UNLIMITED where one does not; CPU sets united. The
+    pod's overhead is added to each finite sum (as kubelet sizes a pod's cgroup)."""
+    total = _containers_total(list(containers))
+    extra_cpu = (overhead or {}).get("cpu") or {}
+    extra_memory = (overhead or {}).get("memory") or {}
+    cpu, memory = total["cpu"], total["memory"]
+    if "shares" in cpu:
+        cpu["shares"] += int(extra_cpu.get("shares") or 0)
+    if int(cpu.get("quota", UNLIMITED)) > 0 and int(extra_cpu.get("quota") or 0) > 0:
+        period = int(extra_cpu.get("period") or DEFAULT_CFS_PERIOD)
+        cpu["quota"] += -(-int(extra_cpu["quota"]) * DEFAULT_CFS_PERIOD // period)
+    for key in ("limit", "swap"):
+        if int(memory.get(key, UNLIMITED)) > 0:
+            memory[key] += int(extra_memory.get(key) or 0)
+    return total
+
+
+def _containers_total(resources: list[Mapping[str, Any]]) -> dict[str, Any]:
     cpus = [r.get("cpu") or {} for r in resources]
     memories = [r.get("memory") or {} for r in resources]
     total: dict[str, Any] = {"cpu": {}, "memory": {}}

@@ -392,7 +392,11 @@ def limits(memory: int, shares: int, quota: int, cpus: str = "") -> api_pb2.Linu
     (CGROUPS / "cgroup.controllers").exists(), reason="the test reads cgroup v1's files"
 )
 def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_tmp: Path) -> None:
-    with pod(gvisor, "resize", short_tmp, handler="runsc") as p:
+    # The pod's overhead (kubelet's, from its RuntimeClass) is the sandbox's own share.
+    overhead = api_pb2.LinuxPodSandboxConfig(
+        overhead=limits(16 * MiB, 128, 10_000),
+    )
+    with pod(gvisor, "resize", short_tmp, handler="runsc", linux=overhead) as p:
         sandbox_group = f"/cri-shim/{p[0]}"
         configs = {
             "big": limits(64 * MiB, 512, 50_000),
@@ -405,9 +409,9 @@ def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_t
             ids[name] = create(gvisor, p, config)
             start(gvisor, ids[name])
         # The sandbox, where every container's processes run, holds the pod's total.
-        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(96 * MiB)
-        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "768"
-        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "70000"
+        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(112 * MiB)
+        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "896"
+        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "80000"
 
         gvisor.runtime().UpdateContainerResources(
             api_pb2.UpdateContainerResourcesRequest(
@@ -415,9 +419,9 @@ def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_t
             ),
             timeout=30,
         )
-        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(160 * MiB)
-        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "1280"
-        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "120000"
+        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(176 * MiB)
+        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "1408"
+        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "130000"
         # "small" may use every CPU of the pod's parent: so may the sandbox.
         parent = (CGROUPS / "cpuset" / "cri-shim" / "cpuset.cpus").read_text().strip()
         assert cgroup_value(sandbox_group, "cpuset", "cpuset.cpus") == parent

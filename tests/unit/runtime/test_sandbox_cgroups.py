@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition
 from cri_shim.runtime.sandbox_cgroups import (
     UNLIMITED,
@@ -14,6 +16,8 @@ from cri_shim.runtime.sandbox_cgroups import (
     merged_resources,
     parse_set,
     pod_total,
+    record_overhead,
+    recorded_overhead,
     unappliable,
     write_cgroup,
 )
@@ -125,3 +129,25 @@ def test_pids_limits_sum_and_what_has_no_sum_is_named() -> None:
     assert cgroup_writes({"pids": {"limit": UNLIMITED}}, v2=False) == [("pids", "pids.max", "max")]
     update = {"cpu": {}, "hugepageLimits": [], "unified": {"memory.high": "1"}, "blockIO": {}}
     assert unappliable(update) == ["blockIO", "unified"]
+
+
+def test_the_pods_overhead_is_added_to_finite_totals_only() -> None:
+    overhead = {"cpu": {"shares": 128, "quota": 5000, "period": 50000}, "memory": {"limit": 7}}
+    limited = [{"cpu": {"shares": 512, "quota": 50000}, "memory": {"limit": 64}}]
+    total = pod_total(limited, overhead)
+    assert total["cpu"]["shares"] == 640
+    assert total["cpu"]["quota"] == 60000  # 5 ms in 50 ms is 10 ms in 100 ms
+    assert total["memory"]["limit"] == 71
+    unlimited = pod_total([{"cpu": {"shares": 2}}], overhead)
+    assert unlimited["cpu"]["quota"] == UNLIMITED
+    assert unlimited["memory"]["limit"] == UNLIMITED
+    assert unlimited["cpu"]["shares"] == 130
+
+
+def test_the_overhead_is_noted_in_the_sandbox_spec_not_given_to_runsc() -> None:
+    spec: dict[str, Any] = {"annotations": {}, "linux": {}}
+    record_overhead(spec, api_pb2.LinuxContainerResources())
+    assert recorded_overhead(spec) == {}
+    record_overhead(spec, api_pb2.LinuxContainerResources(memory_limit_in_bytes=16 << 20))
+    assert recorded_overhead(spec)["memory"]["limit"] == 16 << 20
+    assert "resources" not in spec["linux"]
