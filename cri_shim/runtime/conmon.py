@@ -709,8 +709,11 @@ class RuntimeBackend:
         members = dict(changed or {})
         for cdir in self._containers.iterdir():
             meta = self._read_meta(cdir.name)
-            member = read_spec(Path(meta.bundle)) if meta is not None else None
-            if cdir.name in members or member is None:
+            if cdir.name in members or meta is None:
+                continue
+            # Only the pod's specs are parsed: every container of the handler is read.
+            member = read_spec(Path(meta.bundle), mentioning=sandbox_id)
+            if member is None:
                 continue
             marks = member.get("annotations") or {}
             if marks.get(CONTAINER_TYPE) == "container" and marks.get(SANDBOX_ID) == sandbox_id:

@@ -255,9 +255,13 @@ def _parent_value(group: Path, name: str) -> str:
     raise Internal(f"no ancestor of {group} has a {name}")
 
 
-def read_spec(bundle: Path) -> dict[str, Any] | None:
+def read_spec(bundle: Path, mentioning: str = "") -> dict[str, Any] | None:
+    """A bundle's spec; None where it cannot be read, or does not hold `mentioning`."""
     try:
-        spec: dict[str, Any] = json.loads((bundle / "config.json").read_text())
+        raw = (bundle / "config.json").read_bytes()
+        if mentioning and mentioning.encode() not in raw:
+            return None
+        spec: dict[str, Any] = json.loads(raw)
     except (OSError, ValueError):
         return None
     return spec
