@@ -28,14 +28,25 @@ turned on for this), and a py-spy sampling profile of each phase attributed to t
 handler on the stack (py-spy must be installed: `.venv/bin/pip install py-spy`). It
 perturbs the figures: use it apart from the runs that measure.
 
+`--handler runsc` runs cri-shim's pods under gVisor: kubelet's static pods cannot name a
+RuntimeClass without an API server, so the daemon's `[runtime] default_handler` is
+`runsc` (`/usr/bin/runsc`, with `runtime_args = ["--network=host"]`, which Debian's
+runsc needs on Linux 6.11 and newer). Each gVisor pod adds host processes of its own
+outside the daemon's: the Sentry (`runsc-sandbox`), a gofer per container and per pod,
+and the waiter conmon waits for per container (a shell and its `runsc wait`). Their PSS
+is the `sbx MiB` column (and per pod), beside the runtime's, which then holds the conmons
+of the pod's sandbox container too; under runc the column is 0, as a runc pod has no
+process of its own. The Sentry's CPU is the pod's (its cgroup's), not the runtime's.
+`--handler both` runs runc's and runsc's pods one after the other.
+
 `--runtime containerd` runs the same against containerd 1.6 started by
 `../shared/peers/containerd/start.sh` (which installs it if missing); the images are
 imported with `ctr`, the pause image being the test busybox image sleeping forever (so
 nothing is pulled). Never run it while another cri-shim run measures on the same machine.
 
 Usage: sudo .venv/bin/python benchmarks/density.py [--pods 50,110] [--workloads plain,probe]
-           [--runtime cri-shim|containerd|both] [--steady 60] [--analyse]
-           [--kubelet-arg=--FLAG=VALUE ...]
+           [--runtime cri-shim|containerd|both] [--handler runc|runsc|both] [--steady 60]
+           [--analyse] [--kubelet-arg=--FLAG=VALUE ...]
 
 The figures are printed, never asserted.
 """
@@ -60,7 +71,15 @@ from typing import Any, Protocol
 import grpc
 import httpx
 from common import cpu_seconds, percentiles
-from runtime_cost import CpuAccount, children, comm, process_cpu_seconds, pss_mib
+from runtime_cost import (
+    CpuAccount,
+    children,
+    comm,
+    command_lines,
+    gvisor_sandbox_processes,
+    process_cpu_seconds,
+    pss_mib,
+)
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.host.mounts import unmount_below
@@ -70,6 +89,21 @@ from tests.kubelet import KUBELET, LOOP, Kubelet, remove_all_sandboxes, running_
 from tests.registry import free_port
 from tests.waiting import wait_until
 
+RUNSC = Path("/usr/bin/runsc")
+# The daemon's configuration per handler its pods run under (kubelet's static pods name
+# none: the default handler is the one they get).
+HANDLER_SETTINGS: dict[str, dict[str, Any]] = {
+    "runc": {},
+    "runsc": {
+        "runtime": {
+            "default_handler": "runsc",
+            "handlers": {
+                "runc": {"path": "runc"},
+                "runsc": {"path": str(RUNSC), "runtime_args": ["--network=host"]},
+            },
+        }
+    },
+}
 CONTAINERD_PEER = REPO.parent / "shared" / "peers" / "containerd"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.9"  # what the peer's containerd runs sandboxes with
 # The daemon's handler of each CRI method is the method's name in snake case.
@@ -88,6 +122,7 @@ class Runtime(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def pss_mib(self) -> float: ...
+    def sandbox_pss_mib(self) -> float: ...
     def daemon_pid(self) -> int: ...
     def stub(self) -> api_pb2_grpc.RuntimeServiceStub: ...
 
@@ -96,12 +131,11 @@ class ShimRuntime:
     """cri-shim as an operator runs it (log level info), on a scratch root, with the
     bridge and portmap plugins on a network of its own."""
 
-    name = "cri-shim"
-
-    def __init__(self, base: Path, analyse: bool) -> None:
+    def __init__(self, base: Path, analyse: bool, handler: str = "runc") -> None:
+        self.name = "cri-shim" if handler == "runc" else f"cri-shim/{handler}"
         self.base = base
         self.network = make_test_network(base, 3, slow=False)
-        settings: dict[str, Any] = {"log_level": "info"}
+        settings: dict[str, Any] = {"log_level": "info", **HANDLER_SETTINGS[handler]}
         self.metrics_port = free_port() if analyse else 0
         if analyse:
             settings["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
@@ -126,6 +160,15 @@ class ShimRuntime:
         daemon = self.daemon_pid()
         helpers = [pid for pid in self.cpu.pids() if comm(pid) == "conmon"]
         return sum(pss_mib(pid) for pid in [daemon, *helpers])
+
+    def sandbox_pss_mib(self) -> float:
+        """The gVisor pods' own host processes: Sentries, gofers, waiters."""
+        found = gvisor_sandbox_processes(
+            command_lines(),
+            self.daemon.run_root / "runtime" / "runsc",
+            self.daemon.run_root / "conmon" / "runsc" / "runsc-under-conmon",
+        )
+        return sum(pss_mib(pid) for pid in found)
 
     def stop(self) -> None:
         try:
@@ -190,6 +233,9 @@ class ContainerdRuntime:
         pauses = [pid for pid in children(shims) if comm(pid) == "sleep"]
         return sum(pss_mib(pid) for pid in [self.daemon_pid(), *shims, *pauses])
 
+    def sandbox_pss_mib(self) -> float:
+        return 0.0  # runc's pods: the pause processes are counted with the shims
+
     def stop(self) -> None:
         try:
             remove_all_sandboxes(self.stub())
@@ -213,6 +259,7 @@ class Result:
     runtime_cpu: float = 0.0
     kubelet_cpu: float = 0.0
     pss: float = 0.0
+    sandbox_pss: float = 0.0
     removed: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -220,15 +267,17 @@ class Result:
         p50, p99 = percentiles(self.start, 0.99) if self.start else (float("nan"),) * 2
         missing = f"  ({self.not_ready} never ready)" if self.not_ready else ""
         return (
-            f"{self.runtime:<11} {self.workload:<6} {self.pods:>4}  {p50:7.1f} {p99:7.1f}  "
+            f"{self.runtime:<14} {self.workload:<6} {self.pods:>4}  {p50:7.1f} {p99:7.1f}  "
             f"{self.runtime_cpu:8.1f} {self.kubelet_cpu:8.1f}  {self.pss:7.1f} "
-            f"{self.pss / self.pods:6.2f}  {self.removed:7.1f}{missing}"
+            f"{self.pss / self.pods:6.2f}  {self.sandbox_pss:7.1f} "
+            f"{self.sandbox_pss / self.pods:6.2f}  {self.removed:7.1f}{missing}"
         )
 
 
 HEADER = (
-    f"{'runtime':<11} {'load':<6} {'pods':>4}  {'p50 s':>7} {'p99 s':>7}  "
-    f"{'rt CPU%':>8} {'kl CPU%':>8}  {'PSS MiB':>7} {'/pod':>6}  {'rm s':>7}"
+    f"{'runtime':<14} {'load':<6} {'pods':>4}  {'p50 s':>7} {'p99 s':>7}  "
+    f"{'rt CPU%':>8} {'kl CPU%':>8}  {'PSS MiB':>7} {'/pod':>6}  {'sbx MiB':>7} {'/pod':>6}  "
+    f"{'rm s':>7}"
 )
 
 
@@ -508,6 +557,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         result.runtime_cpu = (cpu1 - cpu0) / took * 100
         result.kubelet_cpu = (kl1 - kl0) / took * 100
         result.pss = runtime.pss_mib()
+        result.sandbox_pss = runtime.sandbox_pss_mib()
         if analyse:
             assert isinstance(runtime, ShimRuntime) and profiler is not None
             metrics1 = runtime.metrics()
@@ -610,6 +660,7 @@ def main() -> None:
     parser.add_argument("--pods", default="50,110")
     parser.add_argument("--workloads", default="plain,probe")
     parser.add_argument("--runtime", default="cri-shim", choices=["cri-shim", "containerd", "both"])
+    parser.add_argument("--handler", default="runc", choices=["runc", "runsc", "both"])
     parser.add_argument("--steady", type=float, default=60.0)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--analyse", action="store_true")
@@ -624,7 +675,12 @@ def main() -> None:
     args = parser.parse_args()
     if not KUBELET.exists():
         sys.exit(f"no kubelet at {KUBELET}")
-    runtimes = ["cri-shim", "containerd"] if args.runtime == "both" else [args.runtime]
+    if args.handler != "runc" and not RUNSC.exists():
+        sys.exit(f"no runsc at {RUNSC} (Debian's package: runsc)")
+    handlers = ["runc", "runsc"] if args.handler == "both" else [args.handler]
+    runtimes = [f"cri-shim/{handler}" for handler in handlers]
+    if args.runtime != "cri-shim":
+        runtimes = ["containerd"] if args.runtime == "containerd" else [*runtimes, "containerd"]
     results = []
     for pods in [int(n) for n in args.pods.split(",")]:
         for workload in args.workloads.split(","):
@@ -632,8 +688,8 @@ def main() -> None:
                 base = Path(tempfile.mkdtemp(prefix="csd-", dir="/tmp"))
                 base.chmod(0o711)
                 runtime: Runtime = (
-                    ShimRuntime(base, args.analyse)
-                    if name == "cri-shim"
+                    ShimRuntime(base, args.analyse, name.partition("/")[2])
+                    if name.startswith("cri-shim/")
                     else ContainerdRuntime(base)
                 )
                 print(f"{name}, {pods} pods, {workload}:", flush=True)

@@ -8,8 +8,10 @@ the proportional set size of the processes that make up the runtime.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -66,20 +68,25 @@ def comm(pid: int) -> str:
         return ""
 
 
-def children(pids: set[int]) -> list[int]:
-    """The processes whose parent is one of `pids`."""
-    found = []
+def each_process(name: str) -> Iterator[tuple[int, bytes]]:
+    """(pid, the contents of /proc/PID/<name>) of every process still there."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            yield int(entry.name), (entry / name).read_bytes()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        # The command may hold spaces and parentheses: the fields follow the last ')'.
-        if int(stat.rpartition(")")[2].split()[1]) in pids:
-            found.append(int(entry.name))
-    return found
+
+
+def children(pids: set[int]) -> list[int]:
+    """The processes whose parent is one of `pids`."""
+    # The command may hold spaces and parentheses: the fields follow the last ')'.
+    return [
+        pid
+        for pid, stat in each_process("stat")
+        if int(stat.rpartition(b")")[2].split()[1]) in pids
+    ]
 
 
 def process_cpu_seconds(pid: int) -> tuple[float, float]:
@@ -89,3 +96,36 @@ def process_cpu_seconds(pid: int) -> tuple[float, float]:
     own = (int(fields[11]) + int(fields[12])) / ticks
     reaped = (int(fields[13]) + int(fields[14])) / ticks
     return own, reaped
+
+
+def command_lines() -> dict[int, list[str]]:
+    """Every process's argv, by pid (empty for a kernel thread)."""
+    return {
+        pid: raw.decode(errors="replace").split("\0")[:-1] for pid, raw in each_process("cmdline")
+    }
+
+
+def gvisor_sandbox_processes(
+    argvs: dict[int, list[str]], runsc_root: Path, waiter_script: Path
+) -> dict[int, str]:
+    """The host processes of a cri-shim's gVisor pods, by pid, with their kind: the
+    Sentry (`runsc-sandbox`), the gofers (`runsc-gofer`), both under this runsc state root;
+    and the waiters conmon waits for (the background shell of the daemon's
+    runsc-under-conmon script and the `runsc wait` it runs)."""
+    root = str(runsc_root)
+    kinds = {}
+    for pid, argv in argvs.items():
+        if not argv:
+            continue
+        ours = f"--root={root}" in argv or any(
+            a == "--root" and b == root for a, b in itertools.pairwise(argv)
+        )
+        if argv[0] == "runsc-sandbox" and ours:
+            kinds[pid] = "sandbox"
+        elif argv[0] == "runsc-gofer" and ours:
+            kinds[pid] = "gofer"
+        elif len(argv) > 1 and argv[1] == str(waiter_script):
+            kinds[pid] = "waiter"
+        elif ours and "wait" in argv[1:]:
+            kinds[pid] = "waiter"
+    return kinds

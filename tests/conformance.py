@@ -260,15 +260,6 @@ RUNSC: tuple[Expected, ...] = (
         "network",
     ),
     Expected(
-        "[k8s.io] Streaming runtime should support streaming interfaces runtime should "
-        "support exec with tty=true and stdin=true [Conformance]",
-        _RUNSC_REFUSED + "exec with a terminal (runsc's exec hands no terminal over to a "
-        "command of a container started without one)",
-        r"failed to open streamer for .*"
-        + re.escape("exec with a terminal (tty) is not supported by runtime handler 'runsc'")
-        + ".*",
-    ),
-    Expected(
         "[k8s.io] PodSandbox runtime should support sysctls should support safe sysctls",
         "gVisor's /proc/sys has no kernel.shm_rmid_forced",
         ".*" + re.escape("can't open '/proc/sys/kernel/shm_rmid_forced'") + ".*",
@@ -352,7 +343,8 @@ HANDLERS: dict[str, Handler] = {
     "runc": Handler({"path": "runc"}),
     # gVisor (Debian's runsc, 2022-12-19): `--network=host`, as that runsc cannot start
     # its own network stack on Linux 6.11 and newer (it mistakes every namespace for the
-    # host's). 93 pass, 29 fail (2 of them EXPECTED's), 20 are skipped (14 EXPECTED's).
+    # host's). 94 pass, 28 fail (2 of them EXPECTED's), 20 are skipped (14 EXPECTED's), counting
+    # exec with a terminal as passing: its own integration test passes under runsc.
     "runsc": Handler({"path": "/usr/bin/runsc", "runtime_args": ["--network=host"]}, RUNSC),
 }
 DEFAULT_HANDLER = "runc"

@@ -54,7 +54,7 @@ class ContainerExec:
             control_fifo=container.bundle_dir / "ctl",
             running=container.state == RUNNING,
             exec_options=tuple(backend.exec_options(container.id)),
-            no_tty_exec=backend.no_tty_exec,
+            sandboxed=backend.sandboxed,
         )
 
 

@@ -45,6 +45,7 @@ from cri_shim.faults import fault_point
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.gvisor import relay_mount
+from cri_shim.runtime.sandbox_cgroups import record_overhead
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import SandboxRecord
@@ -213,6 +214,9 @@ class PauseProcesses:
         )
         if self.is_pod_sandbox(handler) and handler_features(backend.runtime_path).kind == "gvisor":
             relay_mount(spec, rootfs)  # port-forward's way into the sandbox
+            # What the sandbox itself may use on top of its containers (RuntimeClass
+            # overhead): part of the pod's total its cgroup gets (runtime/sandbox_cgroups.py).
+            record_overhead(spec, config.linux.overhead)
         # The sandbox's own ID: runsc and Kata make the sandbox of a `sandbox` container,
         # and join the pod's containers to the one whose ID they carry.
         spec["annotations"]["io.kubernetes.cri.container-type"] = "sandbox"

@@ -38,8 +38,10 @@ from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
-from cri_shim.runtime.features import handler_features, require_resource_updates
+from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.gvisor import (
+    CONTAINER_TYPE,
+    SANDBOX_ID,
     STDIO_ENV,
     conmon_runtime,
     drop_unknown_capabilities,
@@ -52,6 +54,14 @@ from cri_shim.runtime.gvisor import (
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
+from cri_shim.runtime.sandbox_cgroups import (
+    merged_resources,
+    pod_total,
+    read_spec,
+    recorded_overhead,
+    unappliable,
+    write_cgroup,
+)
 from cri_shim.runtime.stats import oom_kill_count
 
 log = logging.getLogger(__name__)
@@ -179,6 +189,9 @@ class RuntimeBackend:
             pid = await self._create(
                 container_id, cdir, bundle, spec, log_path, tty, stdin, stdin_once
             )
+            if self.sandboxed:
+                # The pod's sandbox grows by what the container may use.
+                await asyncio.to_thread(self._resize_sandbox, spec)
         except BaseException:
             await self._discard(container_id)
             raise
@@ -339,15 +352,10 @@ class RuntimeBackend:
         return meta
 
     @property
-    def no_tty_exec(self) -> str:
-        """Why exec with a terminal is refused ("" where it works)."""
-        if self.conmon_runtime == self.runtime_path:
-            return ""
-        return (
-            f"exec with a terminal (tty) is not supported by runtime handler "
-            f"{self.handler_name!r}: runsc hands no terminal over to the command of a "
-            "container started without one; exec without tty works"
-        )
+    def sandboxed(self) -> bool:
+        """Whether the containers' processes live in the runtime's own kernel (gVisor),
+        not the host's: reached by the runtime, never by a host signal or cgroup."""
+        return self.conmon_runtime != self.runtime_path
 
     @property
     def mounts_at_start(self) -> bool:
@@ -650,13 +658,78 @@ class RuntimeBackend:
         container_id: str,
         resources: api_pb2.LinuxContainerResources | Mapping[str, Any],
     ) -> None:
-        require_resource_updates(self.handler_name, handler_features(self.runtime_path))
         if isinstance(resources, api_pb2.LinuxContainerResources):
             oci_resources = linux_resources(resources, self._host_limits())
         else:
             oci_resources = dict(resources)
-        if oci_resources:
-            await self.oci.update(container_id, oci_resources)
+        if not oci_resources:
+            return
+        if self.sandboxed:
+            # runsc has no `update`: the host cgroups, where gVisor's limits apply.
+            await asyncio.to_thread(self._update_sandboxed, container_id, oci_resources)
+            return
+        await self.oci.update(container_id, oci_resources)
+
+    def _update_sandboxed(self, container_id: str, update: Mapping[str, Any]) -> None:
+        """A gVisor container's new limits (runtime/sandbox_cgroups.py): the pod's new
+        total on the sandbox's cgroup first (where the kernel may refuse a lower memory
+        limit), then the container's own cgroup, then its spec, the record of both."""
+        meta = self._read_meta(container_id)
+        spec = read_spec(Path(meta.bundle)) if meta is not None else None
+        if meta is None or spec is None:
+            raise NotFound(
+                f"container {container_id} is not known to runtime handler {self.handler_name}"
+            )
+        refused = unappliable(update)
+        if refused:
+            raise FailedPrecondition(
+                f"runtime handler {self.handler_name!r} (gVisor) cannot apply "
+                f"{', '.join(refused)} to a running container: its limits apply to the pod's "
+                "sandbox as a whole, summed over the pod's containers, which these cannot be"
+            )
+        linux = spec.setdefault("linux", {})
+        resources = merged_resources(linux.get("resources") or {}, update)
+        self._resize_sandbox(spec, {container_id: resources})
+        self._write_cgroup(meta.cgroups_path, resources)
+        linux["resources"] = resources
+        _write_atomic(Path(meta.bundle) / "config.json", json.dumps(spec).encode())
+
+    def _resize_sandbox(
+        self, spec: Mapping[str, Any], changed: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        """Give the sandbox a gVisor container joins the total of the limits of its
+        containers (`changed` overrides what their specs say)."""
+        annotations = spec.get("annotations") or {}
+        if annotations.get(CONTAINER_TYPE) != "container":
+            return
+        sandbox_id = annotations.get(SANDBOX_ID, "")
+        sandbox = self._read_meta(sandbox_id) if sandbox_id else None
+        if sandbox is None:
+            return
+        members = dict(changed or {})
+        for cdir in self._containers.iterdir():
+            meta = self._read_meta(cdir.name)
+            if cdir.name in members or meta is None:
+                continue
+            # Only the pod's specs are parsed: every container of the handler is read.
+            member = read_spec(Path(meta.bundle), mentioning=sandbox_id)
+            if member is None:
+                continue
+            marks = member.get("annotations") or {}
+            if marks.get(CONTAINER_TYPE) == "container" and marks.get(SANDBOX_ID) == sandbox_id:
+                members[cdir.name] = (member.get("linux") or {}).get("resources") or {}
+        overhead = recorded_overhead(read_spec(Path(sandbox.bundle)) or {})
+        self._write_cgroup(sandbox.cgroups_path, pod_total(members.values(), overhead))
+
+    def _write_cgroup(self, cgroups_path: str, resources: Mapping[str, Any]) -> None:
+        host = self._host_limits()
+        write_cgroup(
+            cgroups_path,
+            resources,
+            v2=host.cgroup_v2,
+            swap_accounting=host.swap_accounting,
+            cgroup_root=self.cgroup_root,
+        )
 
     # ---- files ----------------------------------------------------------------------
 

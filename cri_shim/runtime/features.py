@@ -6,11 +6,11 @@ An OCI runtime says what it supports through `<runtime> features` (runc >= 1.1; 
 `runsc` has none either; it is known by its `--version` and given what gVisor can do: its
 own kernel (the Sentry) runs the pod, so the host's PID, IPC and network namespaces are
 not the host's inside it, a privileged container gets no host devices or capabilities,
-it has no `update` command, and it maps no user namespace. Kata Containers (a VM per
-pod) is known by its binary's name and has no host namespaces either. kubelet
-trusts what Status advertises: a handler that advertises recursive read-only mounts and
-then mounts a volume writable underneath breaks a security promise, so a feature is
-advertised only when the runtime lists it and the kernel can do it.
+and it maps no user namespace (its resource updates: runtime/sandbox_cgroups.py). Kata
+Containers (a VM per pod) is known by its binary's name and has no host namespaces
+either. kubelet trusts what Status advertises: a handler that advertises recursive
+read-only mounts and then mounts a volume writable underneath breaks a security promise,
+so a feature is advertised only when the runtime lists it and the kernel can do it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config.model import SANDBOXED_RUNTIMES
-from cri_shim.errors import FailedPrecondition, InvalidArgument
+from cri_shim.errors import InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.runtime.userns import IDMAP_KERNEL
 
@@ -49,8 +49,6 @@ class HandlerFeatures:
     host_namespaces: bool = True
     # A privileged container gets the host's devices and every capability.
     privileged: bool = True
-    # `<runtime> update` changes a running container's resources.
-    resource_updates: bool = True
     # What the runtime is, for messages and Status: "oci", "gvisor" or "kata".
     kind: str = "oci"
 
@@ -78,9 +76,7 @@ def features_from_json(text: str, kernel: tuple[int, int]) -> HandlerFeatures:
     )
 
 
-GVISOR = HandlerFeatures(
-    host_namespaces=False, privileged=False, resource_updates=False, kind="gvisor"
-)
+GVISOR = HandlerFeatures(host_namespaces=False, privileged=False, kind="gvisor")
 KATA = HandlerFeatures(host_namespaces=False, kind="kata")
 KATA_RUNTIMES = SANDBOXED_RUNTIMES - {"runsc"}
 
@@ -136,15 +132,6 @@ def user_namespaces_allowed(limit_file: Path = Path("/proc/sys/user/max_user_nam
         return int(limit_file.read_text()) > 0
     except (OSError, ValueError):
         return False
-
-
-def require_resource_updates(handler: str, features: HandlerFeatures) -> None:
-    """UpdateContainerResources on a runtime that cannot change a running container."""
-    if not features.resource_updates:
-        raise FailedPrecondition(
-            f"runtime handler {handler!r} ({_KIND_NAMES[features.kind]}) cannot change a "
-            "running container's resources; recreate the container with the new ones"
-        )
 
 
 def require_pod_features(

@@ -136,6 +136,9 @@ def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")
 
 
 STDIO_ENV = "CRI_SHIM_STDIO_OF"
+# How runsc tells a pod's sandbox container from the containers that join it, and which.
+CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
 
 
 def joining_waiter(bundle: Path) -> int:
@@ -147,7 +150,7 @@ def joining_waiter(bundle: Path) -> int:
     except (OSError, ValueError):
         return 0
     annotations = spec.get("annotations") or {}
-    joins = annotations.get("io.kubernetes.cri.container-type") == "container"
+    joins = annotations.get(CONTAINER_TYPE) == "container"
     return pid if joins else 0
 
 

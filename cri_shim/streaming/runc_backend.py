@@ -4,7 +4,11 @@
   `--detach --tty --console-socket <sock>` and runc hands us the pty master over that
   socket (SCM_RIGHTS); resizing is TIOCSWINSZ on the master. The command is killed by its host
   PID (from the pid file): runc exec only forwards signals it can catch, so SIGKILL sent
-  to runc itself would leave the command running in the container.
+  to runc itself would leave the command running in the container. gVisor's `runsc exec`
+  has no `--tty`: its console socket alone asks for a terminal (a host pty whose replica
+  the Sentry takes as the command's controlling terminal); and its command lives in
+  gVisor's kernel, where no host signal reaches it, so it is killed by its pid there
+  (`--internal-pid-file`, then `runsc kill --pid`).
 - attach: conmon's `attach` socket (SOCK_SEQPACKET; each packet from conmon starts with
   the pipe it came from; what we send is the container's stdin) and its `ctl` FIFO for
   terminal size (`1 <height> <width>`).
@@ -26,6 +30,7 @@ import errno
 import inspect
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -69,9 +74,8 @@ class ContainerEndpoint:
     running: bool
     # Options of `exec` before the container's ID (runsc's: the container's user).
     exec_options: tuple[str, ...] = ()
-    # Why exec with a terminal cannot be had, where it cannot (runsc's exec hands no
-    # terminal over its console socket to a non-terminal container's command).
-    no_tty_exec: str = ""
+    # The command runs in the runtime's own kernel (gVisor's runsc), not as a host process.
+    sandboxed: bool = False
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]
@@ -162,12 +166,14 @@ class RuncExecProcess:
         scratch: Path,
         pty: PtyMaster | None = None,
         pidfd: int = -1,
+        inside: _InsideKiller | None = None,
     ) -> None:
         self._process = process
         self._pid_file = pid_file
         self._scratch = scratch
         self._pty = pty
         self._pidfd = pidfd
+        self._inside = inside
         self._exit: asyncio.Task[int] | None = None
 
     @classmethod
@@ -181,12 +187,13 @@ class RuncExecProcess:
         stdin: bool,
         work_dir: Path | None = None,
     ) -> RuncExecProcess:
-        if tty and endpoint.no_tty_exec:
-            raise FailedPrecondition(endpoint.no_tty_exec)
         scratch = Path(tempfile.mkdtemp(prefix="cs-exec-", dir=work_dir or "/tmp"))
         pid_file = scratch / "pid"
         argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "exec"]
         argv += ["--pid-file", str(pid_file), *endpoint.exec_options]
+        inside = _InsideKiller(endpoint, container_id, scratch) if endpoint.sandboxed else None
+        if inside is not None:
+            argv += ["--internal-pid-file", str(inside.pid_file)]
         try:
             if not tty:
                 process = await asyncio.create_subprocess_exec(
@@ -195,15 +202,23 @@ class RuncExecProcess:
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                 )  # fmt: skip
-                return cls(process, pid_file, scratch)
-            return await cls._start_tty(argv, container_id, cmd, pid_file, scratch)
+                return cls(process, pid_file, scratch, inside=inside)
+            # runsc's console socket is its terminal option; runc needs both.
+            argv += ["--detach", *(() if endpoint.sandboxed else ("--tty",))]
+            return await cls._start_tty(argv, container_id, cmd, pid_file, scratch, inside)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
 
     @classmethod
     async def _start_tty(
-        cls, argv: list[str], container_id: str, cmd: list[str], pid_file: Path, scratch: Path
+        cls,
+        argv: list[str],
+        container_id: str,
+        cmd: list[str],
+        pid_file: Path,
+        scratch: Path,
+        inside: _InsideKiller | None,
     ) -> RuncExecProcess:
         set_child_subreaper()
         console = scratch / "console.sock"
@@ -212,7 +227,7 @@ class RuncExecProcess:
             listener.listen(1)
             listener.setblocking(False)
             process = await asyncio.create_subprocess_exec(
-                *argv, "--detach", "--tty", "--console-socket", str(console), container_id, *cmd,
+                *argv, "--console-socket", str(console), container_id, *cmd,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
@@ -235,7 +250,7 @@ class RuncExecProcess:
         except BaseException:
             pty.close()
             raise
-        return cls(process, pid_file, scratch, pty, pidfd)
+        return cls(process, pid_file, scratch, pty, pidfd, inside)
 
     async def write_stdin(self, data: bytes) -> None:
         if self._pty is not None:
@@ -293,6 +308,9 @@ class RuncExecProcess:
 
     async def kill(self) -> None:
         try:
+            if self._inside is not None and not self._runtime_exited():
+                # While `runsc exec` waits, the command's pid in the sandbox is its own.
+                await self._inside.kill()
             if self._pidfd >= 0:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
@@ -331,6 +349,38 @@ class RuncExecProcess:
         if self._process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def _runtime_exited(self) -> bool:
+        """Whether the runtime's exec (the one holding the command) has exited."""
+        if self._pidfd >= 0:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        return self._process.returncode is not None
+
+
+class _InsideKiller:
+    """Kills an exec'd command in the runtime's own kernel (runsc), by its pid there: a
+    SIGKILL to the host's `runsc exec` would leave it running in the sandbox."""
+
+    def __init__(self, endpoint: ContainerEndpoint, container_id: str, scratch: Path) -> None:
+        self.pid_file = scratch / "inner-pid"
+        self._argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "kill"]
+        self._container_id = container_id
+
+    async def kill(self) -> None:
+        try:
+            pid = _read_pid(self.pid_file)
+        except (OSError, ValueError):
+            return  # not started in the sandbox yet: killing `runsc exec` stops the start
+        argv = [*self._argv, "--pid", str(pid), self._container_id, str(int(signal.SIGKILL))]
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        )
+        try:
+            await asyncio.wait_for(process.wait(), KILL_TIMEOUT)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
 
 
 def _read_pid(path: Path) -> int:

@@ -35,7 +35,9 @@ from tests.integration.cri_testkit import (
 )
 from tests.integration.streaming.clients import (
     PORTFORWARD,
+    CommandResult,
     SpdyClient,
+    SpdyCommand,
     spdy_exec,
     spdy_forward_once,
 )
@@ -169,11 +171,24 @@ def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp
         url = gvisor.runtime().Exec(request, timeout=10).url
         result = asyncio.run(spdy_exec(url, stdin=b"through stdin\n"))
         assert result.stdout.decode().splitlines() == ["1001", "THROUGH STDIN"], result
-        # With a terminal: refused by name (runsc hands no terminal over).
-        request = api_pb2.ExecRequest(container_id=shell, cmd=["tty"], tty=True, stdout=True)
+        # With a terminal: runsc's console socket hands one over, sized by the client.
+        command = ["sh", "-c", "[ -t 0 ] && echo terminal; read line; stty size; exit 3"]
+        request = api_pb2.ExecRequest(
+            container_id=shell, cmd=command, tty=True, stdin=True, stdout=True
+        )
         url = gvisor.runtime().Exec(request, timeout=10).url
-        refused = asyncio.run(spdy_exec(url, tty=True, stderr=False))
-        assert b"'runsc'" in refused.error and b"tty" in refused.error, refused
+        typed = asyncio.run(_terminal_session(url, b"typed\r"))
+        assert typed.stdout.splitlines() == [b"terminal", b"typed", b"30 100"], typed
+        assert b"exit status 3" in typed.error, typed
+        # A client that leaves: its command is killed inside the sandbox, where no host
+        # signal reaches it (killing the host's `runsc exec` alone would leave it running).
+        for tty in (True, False):
+            request = api_pb2.ExecRequest(
+                container_id=shell, cmd=["sleep", "997"], tty=tty, stdout=True
+            )
+            url = gvisor.runtime().Exec(request, timeout=10).url
+            asyncio.run(_leave_while_running(url, gvisor, shell, tty))
+            wait_until(lambda: len(runsc_processes(gvisor, shell)) == 1, timeout=30)
         # Attach goes through conmon, whose streams the container got when it started.
         wait_until(lambda: output(status(gvisor, attached)) == ["ready"], timeout=10)
         request = api_pb2.AttachRequest(container_id=attached, stdin=True, stdout=True, stderr=True)
@@ -182,6 +197,41 @@ def test_streaming_exec_and_attach_reach_the_container(gvisor: Daemon, short_tmp
         assert result.stdout == b"through attach\n", result
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
+
+
+def runsc_processes(daemon: Daemon, container_id: str) -> list[dict[str, Any]]:
+    """The processes of a container in its sandbox (gVisor's kernel), by `runsc ps`."""
+    root = daemon.run_root / "runtime" / "runsc"
+    listed = subprocess.run(
+        [str(RUNSC), "--root", str(root), "ps", "--format=json", container_id],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(listed.stdout) or []
+
+
+async def _leave_while_running(url: str, daemon: Daemon, container_id: str, tty: bool) -> None:
+    command = await SpdyCommand.start(url, stderr=not tty, tty=tty)
+    try:
+        await asyncio.to_thread(
+            wait_until, lambda: len(runsc_processes(daemon, container_id)) == 2, 30
+        )
+    finally:
+        await command.close()
+
+
+async def _terminal_session(url: str, line: bytes) -> CommandResult:
+    """Exec with a terminal: resized to 100x30 before the command reads `line`."""
+    command = await SpdyCommand.start(url, stdin=True, stderr=False, tty=True)
+    try:
+        await command.resize(100, 30)
+        await command.wait_for(b"terminal")
+        await command.send(line)
+        return await command.result()
+    finally:
+        await command.close()
 
 
 def test_a_shared_pid_namespace_is_the_sandboxs_own(gvisor: Daemon, short_tmp: Path) -> None:
@@ -304,17 +354,102 @@ def test_what_gvisor_cannot_do_is_refused_naming_the_handler(
             create(gvisor, p, privileged)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "'runsc'" in str(refused.value.details())
-        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
-        start(gvisor, container_id)
-        with pytest.raises(grpc.RpcError) as refused:
-            gvisor.runtime().UpdateContainerResources(
-                api_pb2.UpdateContainerResourcesRequest(
-                    container_id=container_id,
-                    linux=api_pb2.LinuxContainerResources(cpu_shares=512),
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+MiB = 1 << 20
+CGROUPS = Path("/sys/fs/cgroup")
+
+
+def cgroup_value(cgroups_path: str, controller: str, name: str) -> str:
+    return (CGROUPS / controller / cgroups_path.strip("/") / name).read_text().strip()
+
+
+def cgroups_path_of(daemon: Daemon, container_id: str) -> str:
+    spec = json.loads(status_info(daemon, container_id))["runtimeSpec"]
+    return str(spec["linux"]["cgroupsPath"])
+
+
+def status_info(daemon: Daemon, container_id: str) -> str:
+    response = daemon.runtime().ContainerStatus(
+        api_pb2.ContainerStatusRequest(container_id=container_id, verbose=True), timeout=10
+    )
+    return response.info["info"]
+
+
+def limits(memory: int, shares: int, quota: int, cpus: str = "") -> api_pb2.LinuxContainerResources:
+    return api_pb2.LinuxContainerResources(
+        memory_limit_in_bytes=memory,
+        cpu_shares=shares,
+        cpu_quota=quota,
+        cpu_period=100_000,
+        cpuset_cpus=cpus,
+    )
+
+
+@pytest.mark.skipif(
+    (CGROUPS / "cgroup.controllers").exists(), reason="the test reads cgroup v1's files"
+)
+def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_tmp: Path) -> None:
+    # The pod's overhead (kubelet's, from its RuntimeClass) is the sandbox's own share.
+    overhead = api_pb2.LinuxPodSandboxConfig(
+        overhead=limits(16 * MiB, 128, 10_000),
+    )
+    with pod(gvisor, "resize", short_tmp, handler="runsc", linux=overhead) as p:
+        sandbox_group = f"/cri-shim/{p[0]}"
+        configs = {
+            "big": limits(64 * MiB, 512, 50_000),
+            "small": limits(32 * MiB, 256, 20_000),
+        }
+        ids = {}
+        for name, resources in configs.items():
+            config = container_config(name, "exec sleep 300")
+            config.linux.resources.CopyFrom(resources)
+            ids[name] = create(gvisor, p, config)
+            start(gvisor, ids[name])
+        # The sandbox, where every container's processes run, holds the pod's total.
+        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(112 * MiB)
+        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "896"
+        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "80000"
+
+        gvisor.runtime().UpdateContainerResources(
+            api_pb2.UpdateContainerResourcesRequest(
+                container_id=ids["big"], linux=limits(128 * MiB, 1024, 100_000, "0")
+            ),
+            timeout=30,
+        )
+        assert cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes") == str(176 * MiB)
+        assert cgroup_value(sandbox_group, "cpu", "cpu.shares") == "1408"
+        assert cgroup_value(sandbox_group, "cpu", "cpu.cfs_quota_us") == "130000"
+        # "small" may use every CPU of the pod's parent: so may the sandbox.
+        parent = (CGROUPS / "cpuset" / "cri-shim" / "cpuset.cpus").read_text().strip()
+        assert cgroup_value(sandbox_group, "cpuset", "cpuset.cpus") == parent
+        # The container's own host cgroup and its spec (ContainerStatus) say its limits.
+        own = cgroups_path_of(gvisor, ids["big"])
+        assert cgroup_value(own, "memory", "memory.limit_in_bytes") == str(128 * MiB)
+        assert cgroup_value(own, "cpu", "cpu.cfs_quota_us") == "100000"
+        assert cgroup_value(own, "cpuset", "cpuset.cpus") == "0"
+        spec = json.loads(status_info(gvisor, ids["big"]))["runtimeSpec"]
+        assert spec["linux"]["resources"]["memory"]["limit"] == 128 * MiB
+        assert spec["linux"]["resources"]["cpu"]["cpus"] == "0"
+
+        # The kernel enforces the pod's memory limit on the sandbox: at it, the host's OOM
+        # killer takes the sandbox (the Sentry), and every container of the pod goes with it.
+        # The exec fails (how depends on whether the pod's end is seen first).
+        with pytest.raises(grpc.RpcError):
+            gvisor.runtime().ExecSync(
+                api_pb2.ExecSyncRequest(
+                    container_id=ids["small"], cmd=["sh", "-c", "tail /dev/zero"], timeout=60
                 ),
-                timeout=30,
+                timeout=90,
             )
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "'runsc'" in str(refused.value.details())
+        oom = cgroup_value(sandbox_group, "memory", "memory.oom_control").splitlines()
+        assert "oom_kill 1" in oom, oom
+        for container_id in ids.values():
+            wait_until(
+                lambda c=container_id: status(gvisor, c).state == api_pb2.CONTAINER_EXITED,
+                timeout=60,
+            )
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}

@@ -16,7 +16,6 @@ from cri_shim.runtime.features import (
     HandlerFeatures,
     require_features,
     require_pod_features,
-    require_resource_updates,
 )
 from cri_shim.runtime.gvisor import (
     conmon_runtime,
@@ -86,7 +85,7 @@ def test_host_namespaces_are_refused_under_gvisor_only(field: str) -> None:
     require_pod_features(None, "gv", GVISOR, _pod(**{field: api_pb2.POD}))
 
 
-def test_privileged_and_updates_are_refused_under_gvisor() -> None:
+def test_privileged_is_refused_under_gvisor() -> None:
     privileged = api_pb2.ContainerConfig(
         linux=api_pb2.LinuxContainerConfig(
             security_context=api_pb2.LinuxContainerSecurityContext(privileged=True)
@@ -95,9 +94,6 @@ def test_privileged_and_updates_are_refused_under_gvisor() -> None:
     with pytest.raises(InvalidArgument, match=r"privileged.*'gv'"):
         require_features(privileged, "gv", GVISOR)
     require_features(privileged, "runc", HandlerFeatures())
-    with pytest.raises(FailedPrecondition, match="'gv'"):
-        require_resource_updates("gv", GVISOR)
-    require_resource_updates("runc", HandlerFeatures())
 
 
 def test_the_relay_runs_busyboxs_nc_in_the_sandbox_container() -> None:
