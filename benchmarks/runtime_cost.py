@@ -9,6 +9,8 @@ the proportional set size of the processes that make up the runtime.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,3 +91,41 @@ def process_cpu_seconds(pid: int) -> tuple[float, float]:
     own = (int(fields[11]) + int(fields[12])) / ticks
     reaped = (int(fields[13]) + int(fields[14])) / ticks
     return own, reaped
+
+
+class Profiler:
+    """py-spy recording the daemon (raw collapsed stacks) for one phase. `native` adds the
+    C frames (the extensions' and the syscalls'), for which py-spy pauses the process at
+    each sample rather than reading it as it runs."""
+
+    def __init__(self, pid: int, out: Path, *, native: bool = False, rate: int = 100) -> None:
+        self.out = out
+        py_spy = Path(sys.executable).parent / "py-spy"
+        self.proc = subprocess.Popen(
+            [
+                str(py_spy),
+                "record",
+                "--pid",
+                str(pid),
+                "--format",
+                "raw",
+                "--rate",
+                str(rate),
+                "--output",
+                str(out),
+                "--native" if native else "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def finish(self) -> dict[str, int]:
+        """Stop it (SIGINT: it writes what it has) and read the samples by stack."""
+        self.proc.send_signal(2)
+        self.proc.wait(60)
+        stacks: dict[str, int] = {}
+        if self.out.exists():
+            for line in self.out.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                stacks[stack] = stacks.get(stack, 0) + int(count)
+        return stacks
