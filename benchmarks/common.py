@@ -84,6 +84,16 @@ def row(name: str, samples: list[float]) -> str:
     )
 
 
+def sleeping_container(log_path: str = "") -> api_pb2.ContainerConfig:
+    """A busybox container named `c` that sleeps for an hour."""
+    return api_pb2.ContainerConfig(
+        metadata=api_pb2.ContainerMetadata(name="c"),
+        image=api_pb2.ImageSpec(image=IMAGE),
+        command=["sleep", "3600"],
+        log_path=log_path,
+    )
+
+
 def pod_with_container(daemon: Daemon, name: str) -> str:
     """A pod running one sleeping busybox container; the pod's sandbox ID."""
     rt = daemon.runtime()
@@ -93,13 +103,7 @@ def pod_with_container(daemon: Daemon, name: str) -> str:
     ).pod_sandbox_id
     container_id = rt.CreateContainer(
         api_pb2.CreateContainerRequest(
-            pod_sandbox_id=sandbox_id,
-            sandbox_config=config,
-            config=api_pb2.ContainerConfig(
-                metadata=api_pb2.ContainerMetadata(name="c"),
-                image=api_pb2.ImageSpec(image=IMAGE),
-                command=["sleep", "3600"],
-            ),
+            pod_sandbox_id=sandbox_id, sandbox_config=config, config=sleeping_container()
         ),
         timeout=60,
     ).container_id

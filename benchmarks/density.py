@@ -73,6 +73,7 @@ import httpx
 from common import cpu_seconds, percentiles
 from runtime_cost import (
     CpuAccount,
+    Profiler,
     children,
     comm,
     command_lines,
@@ -305,42 +306,6 @@ def kubelet_cpu(kubelet: Kubelet) -> float:
 def running_containers(runtime: Runtime) -> int:
     listed = runtime.stub().ListContainers(api_pb2.ListContainersRequest(), timeout=30)
     return sum(1 for c in listed.containers if c.state == api_pb2.CONTAINER_RUNNING)
-
-
-class Profiler:
-    """py-spy recording the daemon (raw collapsed stacks) for one phase."""
-
-    def __init__(self, pid: int, out: Path) -> None:
-        self.out = out
-        py_spy = Path(sys.executable).parent / "py-spy"
-        self.proc = subprocess.Popen(
-            [
-                str(py_spy),
-                "record",
-                "--pid",
-                str(pid),
-                "--format",
-                "raw",
-                "--rate",
-                "100",
-                "--output",
-                str(out),
-                "--nonblocking",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-    def finish(self) -> dict[str, int]:
-        """Stop it (SIGINT: it writes what it has) and read the samples by stack."""
-        self.proc.send_signal(2)
-        self.proc.wait(60)
-        stacks: dict[str, int] = {}
-        if self.out.exists():
-            for line in self.out.read_text().splitlines():
-                stack, _, count = line.rpartition(" ")
-                stacks[stack] = stacks.get(stack, 0) + int(count)
-        return stacks
 
 
 # Where a thread waits rather than runs: a sample whose innermost frame is one of these is

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,3 +131,41 @@ def gvisor_sandbox_processes(
         elif ours and "wait" in argv[1:]:
             kinds[pid] = "waiter"
     return kinds
+
+
+class Profiler:
+    """py-spy recording the daemon (raw collapsed stacks) for one phase. `native` adds the
+    C frames (the extensions' and the syscalls'), for which py-spy pauses the process at
+    each sample rather than reading it as it runs."""
+
+    def __init__(self, pid: int, out: Path, *, native: bool = False, rate: int = 100) -> None:
+        self.out = out
+        py_spy = Path(sys.executable).parent / "py-spy"
+        self.proc = subprocess.Popen(
+            [
+                str(py_spy),
+                "record",
+                "--pid",
+                str(pid),
+                "--format",
+                "raw",
+                "--rate",
+                str(rate),
+                "--output",
+                str(out),
+                "--native" if native else "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def finish(self) -> dict[str, int]:
+        """Stop it (SIGINT: it writes what it has) and read the samples by stack."""
+        self.proc.send_signal(2)
+        self.proc.wait(60)
+        stacks: dict[str, int] = {}
+        if self.out.exists():
+            for line in self.out.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                stacks[stack] = stacks.get(stack, 0) + int(count)
+        return stacks

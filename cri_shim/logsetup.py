@@ -115,10 +115,20 @@ def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS and k[:1] != "_"}
 
 
+# The last whole second formatted, and its text: a pod's start writes a dozen lines in a
+# second, and gmtime with strftime costs more than the rest of the stamp.
+_last_second: tuple[int, str] = (-1, "")
+
+
 def _timestamp(record: logging.LogRecord) -> str:
     # RFC 3339 in UTC with milliseconds: sortable, and the same on every node.
-    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-    return f"{seconds}.{int(record.msecs):03d}Z"
+    global _last_second
+    whole = int(record.created)
+    second, text = _last_second  # one read: another thread may replace it meanwhile
+    if second != whole:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        _last_second = (whole, text)
+    return f"{text}.{int(record.msecs):03d}Z"
 
 
 def _event(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -144,7 +146,11 @@ class _Job:
     ) -> Finished:
         with self._started(argv, stdin=PIPE if input is not None else DEVNULL, **options) as proc:
             try:
-                out, err = proc.communicate(input, timeout)
+                if proc.stdin is None and proc.stdout is None and proc.stderr is None:
+                    _wait(proc, timeout)  # nothing to talk to it about
+                    out, err = b"", b""
+                else:
+                    out, err = proc.communicate(input, timeout)
             except subprocess.TimeoutExpired:
                 self._kill(proc)
                 out, err = self._drain(proc)
@@ -285,6 +291,25 @@ def _read_capped(
     proc.stdout.close()
     proc.stderr.close()
     return bytes(kept[out_fd]), bytes(kept[err_fd]), timed_out
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float | None) -> None:
+    """proc.wait(timeout), woken by the exit itself: Popen's own wait with a timeout
+    polls, sleeping up to 50 ms between looks, which every runc start, kill and delete and
+    every conmon launch would wait on top of its own time (and wake the thread for)."""
+    if timeout is None:
+        proc.wait()
+        return
+    # Not reaped till proc.wait(): the pid is still this child's, and readable once it exits.
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(max(0, math.ceil(timeout * 1000))):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(pidfd)
+    proc.wait()
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -40,7 +40,7 @@ from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.cdi import CdiRegistry
 from cri_shim.runtime.features import require_features
 from cri_shim.runtime.host_limits import current_host_limits
-from cri_shim.runtime.mount_sources import pin_bind_sources
+from cri_shim.runtime.mount_sources import PinnedSources, pin_bind_sources
 from cri_shim.runtime.resources import clamp_oom_score_adj
 from cri_shim.runtime.spec import SandboxContext, build_spec
 from cri_shim.runtime.userns import pod_mappings
@@ -141,22 +141,27 @@ class ContainerCreate:
         """The creation's steps, each recording its inverse before it acts."""
         bundle = self._dir / container_id
         stage.set(STAGE_STORAGE)
-        # The row comes first: restore finds an interrupted creation through it.
+        # The row comes first: restore finds an interrupted creation through it. It is
+        # committed with the undo of the storage steps, which may run before those steps
+        # did (an unmount of what is not mounted, the removal of a missing directory).
         image_name, repo_digest = image_names(image, config.image)
-        self._rows.insert(
-            container_id,
-            name,
-            sandbox.id,
-            stage=STAGE_STORAGE,
-            image_id=image.id,
-            image_ref=image_name,
-            repo_digest=repo_digest,
-            config=config,
-            log_path=log_path,
-            bundle_dir=bundle,
-            rootfs=bundle / "rootfs",
-            layers=list(image.layers),
-        )
+        with self._journal.batch():
+            self._rows.insert(
+                container_id,
+                name,
+                sandbox.id,
+                stage=STAGE_STORAGE,
+                image_id=image.id,
+                image_ref=image_name,
+                repo_digest=repo_digest,
+                config=config,
+                log_path=log_path,
+                bundle_dir=bundle,
+                rootfs=bundle / "rootfs",
+                layers=list(image.layers),
+            )
+            self._journal.record(container_id, "container_dir", path=str(bundle))
+            self._journal.record(container_id, "rootfs_unmount", path=str(bundle / "rootfs"))
         fault_point("container:row")
         context = sandbox_context(sandbox)
         image_mounts = await self._make_storage(
@@ -204,15 +209,12 @@ class ContainerCreate:
         log_path: str,
         context: SandboxContext,
     ) -> dict[int, Path]:
-        """The bundle directory, the overlay root filesystem and the image volumes; the
-        host path of each image volume, by index in `config.mounts`."""
+        """The bundle directory, the overlay root filesystem (its mount makes the bundle's
+        directories) and the image volumes; the host path of each image volume, by index
+        in `config.mounts`. Their undo is journaled with the row."""
         rootfs = bundle / "rootfs"
-        self._journal.record(container_id, "container_dir", path=str(bundle))
-        for sub in ("upper", "work", "rootfs"):
-            (bundle / sub).mkdir(parents=True, exist_ok=True)
         if log_path:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._journal.record(container_id, "rootfs_unmount", path=str(rootfs))
         lower = self._images.lower_dirs(image)
         if context.userns is None or context.userns_path is None:
             await asyncio.to_thread(
@@ -275,27 +277,25 @@ class ContainerCreate:
     ) -> int:
         """The runc container under its conmon; its process's pid."""
         backend = self._handlers.backend(sandbox.runtime_handler)
-        if log_path and not await asyncio.to_thread(os.path.lexists, log_path):
-            # conmon creates the log file. kubelet numbers the next attempt after the log
-            # files in the pod's log directory when it knows no container of that name, so
-            # a creation that is rolled back must take its file with it.
-            self._journal.record(container_id, "container_log", path=log_path)
-            fault_point("container:log-journaled")
-        self._journal.record(
-            container_id, "runtime_delete", handler=sandbox.runtime_handler, id=container_id
-        )
-        fault_point("container:runtime-journaled")
         # Host paths opened once and mounted by fd, so that a path swapped for a symlink
         # between the request's check and runc's mount cannot redirect a bind mount;
         # staging mounts left by a failure go with the bundle directory. Opening host
-        # paths may block (a hung NFS mount): off the event loop.
-        pinned = await asyncio.to_thread(
-            pin_bind_sources,
-            spec,
-            config.mounts,
-            bundle / "mounts",
-            userns_path=context.userns_path,
+        # paths (and looking for the log) may block on a hung NFS mount: off the loop.
+        new_log, pinned = await asyncio.to_thread(
+            _pin_host_paths, spec, config, bundle, log_path, context.userns_path
         )
+        with self._journal.batch():
+            if new_log:
+                # conmon creates the log file. kubelet numbers the next attempt after the
+                # log files in the pod's log directory when it knows no container of that
+                # name, so a creation that is rolled back must take its file with it.
+                self._journal.record(container_id, "container_log", path=log_path)
+            self._journal.record(
+                container_id, "runtime_delete", handler=sandbox.runtime_handler, id=container_id
+            )
+        if new_log:
+            fault_point("container:log-journaled")
+        fault_point("container:runtime-journaled")
         pid = await backend.create(
             container_id,
             bundle,
@@ -341,6 +341,19 @@ class ContainerCreate:
         sandbox_id = self._rows.sandbox_of(object_id)
         if sandbox_id is not None:
             self._events.emit(object_id, sandbox_id, CONTAINER_CREATED)
+
+
+def _pin_host_paths(
+    spec: dict[str, Any],
+    config: api_pb2.ContainerConfig,
+    bundle: Path,
+    log_path: str,
+    userns_path: Path | None,
+) -> tuple[bool, PinnedSources]:
+    """Whether the log file is still to be made (conmon makes it), and the bind mounts'
+    host paths pinned (pin_bind_sources): one trip off the loop for both."""
+    new_log = bool(log_path) and not os.path.lexists(log_path)
+    return new_log, pin_bind_sources(spec, config.mounts, bundle / "mounts", userns_path)
 
 
 async def _teardown_starts(object_id: str) -> None:

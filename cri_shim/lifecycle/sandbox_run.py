@@ -135,20 +135,23 @@ class SandboxRun:
         pods are sandboxes, NRI. Each journals its undo before it acts and has a fault
         point that the crash tests kill the daemon at."""
         sandbox_dir = self._dir / sandbox_id
+        shm = sandbox_dir / "shm"
         stage.set(STAGE_STORAGE)
         # The row comes first: everything after it is a side effect that a crash may
-        # interrupt, and restore finds interrupted creations through this row.
-        self._rows.insert(sandbox_id, name, STAGE_STORAGE, handler, config, sandbox_dir)
+        # interrupt, and restore finds interrupted creations through this row. It is
+        # committed with the undo of the storage steps, which may run before those steps
+        # did (an unmount of what is not mounted, the removal of a missing directory).
+        with self._journal.batch():
+            self._rows.insert(sandbox_id, name, STAGE_STORAGE, handler, config, sandbox_dir)
+            self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
+            self._journal.record(sandbox_id, "unmount", path=str(shm))
         fault_point("sandbox:row")
-        self._journal.record(sandbox_id, "remove_dir", path=str(sandbox_dir))
         sandbox_dir.mkdir(parents=True, exist_ok=True)
         _write_files(sandbox_id, sandbox_dir, config)
         if config.log_directory:
             os.makedirs(config.log_directory, exist_ok=True)
         fault_point("sandbox:files")
-        shm = sandbox_dir / "shm"
         shm.mkdir(exist_ok=True)
-        self._journal.record(sandbox_id, "unmount", path=str(shm))
         mounts.mount_tmpfs(shm, size=SHM_SIZE, mode=0o1777)
         fault_point("sandbox:shm")
 
@@ -190,16 +193,17 @@ class SandboxRun:
         in the ledger and its unpin journaled before the pinning starts."""
         options = config.linux.security_context.namespace_options
         hostnet = host_network(config)
-        for kind, wanted in (
-            ("netns", not hostnet),
-            ("utsns", not hostnet),
-            ("ipcns", options.ipc != api_pb2.NODE),
-            (USERNS_DIR, userns is not None),
-        ):
-            if wanted:
-                path = self._config.run_root / kind / sandbox_id
-                self._ledger.allocate("path", str(path), sandbox_id)
-                self._journal.record(sandbox_id, "unpin", path=str(path), owner=sandbox_id)
+        with self._journal.batch():  # one commit for them all
+            for kind, wanted in (
+                ("netns", not hostnet),
+                ("utsns", not hostnet),
+                ("ipcns", options.ipc != api_pb2.NODE),
+                (USERNS_DIR, userns is not None),
+            ):
+                if wanted:
+                    path = self._config.run_root / kind / sandbox_id
+                    self._ledger.allocate("path", str(path), sandbox_id)
+                    self._journal.record(sandbox_id, "unpin", path=str(path), owner=sandbox_id)
         pinned = await self._pinner.pin(
             sandbox_id,
             net=not hostnet,
@@ -251,9 +255,10 @@ class SandboxRun:
         added = await self._cni.add(request, self._config.network.setup_timeout)
         # DEL must reach the plugins that did the ADD, even if the configuration
         # directory changes meanwhile (a CNI daemonset replacing the bundled network).
-        self._journal.amend(sandbox_id, seq, prev_result=added.raw, config=added.config)
-        for ip in added.ips:
-            self._ledger.allocate("ip", ip, sandbox_id)
+        with self._journal.batch():
+            self._journal.amend(sandbox_id, seq, prev_result=added.raw, config=added.config)
+            for ip in added.ips:
+                self._ledger.allocate("ip", ip, sandbox_id)
         fault_point("sandbox:network-added")
         return added.ips, added.raw
 

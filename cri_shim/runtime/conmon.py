@@ -333,11 +333,12 @@ class RuntimeBackend:
         tty: bool,
     ) -> _Meta:
         """Write config.json and meta.json (small local files: not worth a thread)."""
-        config = copy.deepcopy(dict(spec))
-        # The tty flag is conmon's and the spec's at once; one source so they cannot differ.
-        config.setdefault("process", {})["terminal"] = tty
+        config = dict(spec)  # the caller's spec is left as it was
         if self.conmon_runtime != self.runtime_path:
+            config = copy.deepcopy(config)
             drop_unknown_capabilities(config)
+        # The tty flag is conmon's and the spec's at once; one source so they cannot differ.
+        config["process"] = {**config.get("process", {}), "terminal": tty}
         bundle.mkdir(parents=True, exist_ok=True)
         _write_atomic(bundle / "config.json", json.dumps(config).encode())
         with contextlib.suppress(FileNotFoundError):
@@ -366,8 +367,10 @@ class RuntimeBackend:
 
     def _joining_waiter(self, container_id: str) -> int:
         """The waiter conmon waits for, of a gVisor container joining a sandbox; else 0."""
+        if self.conmon_runtime == self.runtime_path:
+            return 0  # not gVisor: no file to read
         meta = self._read_meta(container_id)
-        if meta is None or self.conmon_runtime == self.runtime_path:
+        if meta is None:
             return 0
         return joining_waiter(Path(meta.bundle))
 
@@ -797,16 +800,33 @@ def _remaining(deadline: float) -> float:
 
 async def _read_sync_line(fd: int, timeout: float) -> bytes:
     """conmon writes one JSON line when runc create finished, and keeps the pipe open for
-    the container's lifetime: read that line, never wait for EOF."""
+    the container's lifetime: read that line (what came before EOF, if it came without
+    one), never wait for EOF. Read by the loop when the pipe is readable: a transport and
+    a stream reader per container cost more than the line."""
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", buffering=0)
-    )
+    os.set_blocking(fd, False)
+    received = bytearray()
+    line: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError as err:
+            if not line.done():
+                line.set_exception(err)
+            return
+        received.extend(chunk)
+        end = received.find(b"\n")
+        if (end >= 0 or not chunk) and not line.done():
+            line.set_result(bytes(received[: end + 1] if end >= 0 else received))
+
+    loop.add_reader(fd, readable)
     try:
-        return await asyncio.wait_for(reader.readline(), timeout)
+        return await asyncio.wait_for(line, timeout)
     finally:
-        transport.close()
+        loop.remove_reader(fd)
 
 
 def _process_stat(pid: int) -> tuple[str, int, int] | None:

@@ -264,8 +264,11 @@ class OciRuntime:
         return kill
 
     def _new_log_file(self, verb: str) -> str:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f"runc-{verb}-", suffix=".log", dir=self.log_dir)
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"runc-{verb}-", suffix=".log", dir=self.log_dir)
+        except FileNotFoundError:  # made at start; gone only if someone removed it
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f"runc-{verb}-", suffix=".log", dir=self.log_dir)
         os.close(fd)
         return name
 

@@ -11,7 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,15 @@ class Journal:
                 (object_id, seq, action, json.dumps(args, sort_keys=True)),
             )
         return seq
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The steps recorded in the block, and every other row written in it, are
+        committed together when it ends: one commit where each would have made its own.
+        Nothing may be awaited inside (another task's writes would join the transaction);
+        a side effect recorded here must come after the block."""
+        with self._db.transaction():
+            yield
 
     def amend(self, object_id: str, seq: int, **args: Any) -> None:
         """Add what a step learned while running (a CNI result) to its recorded inverse."""

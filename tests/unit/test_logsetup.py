@@ -87,6 +87,25 @@ def test_logfmt_line_has_time_level_logger_message_and_fields(root_logger: loggi
     assert list(fields)[:4] == ["ts", "level", "logger", "msg"]
 
 
+def test_each_line_is_stamped_with_its_own_second_and_millisecond(
+    root_logger: logging.Logger,
+) -> None:
+    stream, log = emit("logfmt", root_logger)
+    # Back and forth across second boundaries: a line never takes another's second.
+    for created in (1700000000.999, 1700000001.0, 1700000000.5, 1700000061.25, 1700000061.75):
+        record = log.makeRecord(log.name, logging.INFO, __file__, 1, "at %s", (created,), None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        log.handle(record)
+    stamps = [parse_logfmt(line)["ts"] for line in lines(stream)]
+    assert stamps == [
+        "2023-11-14T22:13:20.999Z",
+        "2023-11-14T22:13:21.000Z",
+        "2023-11-14T22:13:20.500Z",
+        "2023-11-14T22:14:21.250Z",
+        "2023-11-14T22:14:21.750Z",
+    ]
+
+
 def test_logfmt_quotes_what_needs_it_and_stays_on_one_line(root_logger: logging.Logger) -> None:
     stream, log = emit("logfmt", root_logger)
     try:

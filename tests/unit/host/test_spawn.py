@@ -99,3 +99,32 @@ async def test_a_capped_run_waits_for_a_process_that_closed_its_output() -> None
         kill=lambda proc: None,
     )
     assert (done.returncode, done.timed_out) == (6, False)
+
+
+async def test_a_process_without_pipes_is_waited_for_by_its_exit_not_by_polling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Popen.wait(timeout) sleeps between looks (up to 50 ms each); every runc start and
+    # conmon launch would wait that on top of its own time.
+    slept: list[float] = []
+    real_sleep = subprocess.time.sleep  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        subprocess.time,  # type: ignore[attr-defined]
+        "sleep",
+        lambda seconds: slept.append(seconds) or real_sleep(seconds),
+    )
+    log = tmp_path / "out"
+    with log.open("wb") as out:
+        done = await spawn.run(
+            ["sh", "-c", "sleep 0.2; echo done; exit 5"],
+            timeout=20,
+            stdout=out.fileno(),
+            stderr=out.fileno(),
+        )
+    assert done == spawn.Finished(5, b"", b"")
+    assert log.read_bytes() == b"done\n"
+    assert slept == []
+    with pytest.raises(spawn.TimedOut) as raised:
+        await spawn.run(["sleep", "60"], timeout=0.2, stdout=spawn.DEVNULL, stderr=spawn.DEVNULL)
+    assert raised.value.finished.returncode == -9
+    assert spawn.owned() == frozenset()

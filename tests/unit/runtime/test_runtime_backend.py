@@ -387,3 +387,17 @@ async def test_ids_that_could_escape_the_state_dir_are_refused(
 ) -> None:
     with pytest.raises(FailedPrecondition, match="invalid container id"):
         await create(stub_backend, tmp_path, "true", cid=bad)
+
+
+async def test_create_writes_the_tty_flag_into_the_bundle_not_into_the_callers_spec(
+    stub_backend: RuntimeBackend, tmp_path: Path
+) -> None:
+    spec = spec_for(tmp_path, "exit 0")
+    before = json.dumps(spec, sort_keys=True)
+    bundle = tmp_path / "bundles" / "c1"
+    await stub_backend.create("c1", bundle, spec, tmp_path / "c1.log", True, False)
+    assert json.dumps(spec, sort_keys=True) == before
+    written = json.loads((bundle / "config.json").read_text())
+    assert written["process"]["terminal"] is True
+    assert written["process"]["args"] == spec["process"]["args"]
+    await stub_backend.delete("c1")

@@ -79,6 +79,26 @@ async def test_journal_runs_backwards_and_forgets_done_steps(tmp_path: Path) -> 
     assert journal.steps("obj") == []
 
 
+def test_a_journal_batch_commits_its_steps_together(tmp_path: Path) -> None:
+    db, journal = _journal(tmp_path, FakeHost())
+    ledger = Ledger(db)
+    other = sqlite3.connect(tmp_path / "state.db")  # what a restart after a crash reads
+    commits: list[str] = []
+    db._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    with journal.batch():
+        journal.record("obj", "a", n=1)
+        ledger.allocate("path", "/run/netns/obj", "obj")
+        journal.record("obj", "b", n=2)
+        assert other.execute("SELECT COUNT(*) FROM journal").fetchone() == (0,)
+    assert commits == ["COMMIT"]
+    assert other.execute("SELECT action FROM journal ORDER BY seq").fetchall() == [("a",), ("b",)]
+    with pytest.raises(DoubleAllocation), journal.batch():
+        journal.record("obj2", "a", n=1)
+        ledger.allocate("path", "/run/netns/obj", "obj2")
+    assert journal.steps("obj2") == []  # none of a failed batch is kept
+    other.close()
+
+
 async def test_journal_retries_then_queues_for_gc(tmp_path: Path) -> None:
     host = FakeHost()
     db, journal = _journal(tmp_path, host)
