@@ -120,10 +120,12 @@ class ObjectRepository(Generic[Record]):
 
     def _write(self, object_id: str, sql: str, params: tuple[Any, ...]) -> int:
         """One statement that changes the object's row, and the index told in the same
-        step; the count of rows changed."""
-        changed = self._db.execute(sql, params)
-        self._index.touch(object_id)
-        return changed
+        step (whatever became of the statement: the next read asks the row); the count of
+        rows changed."""
+        try:
+            return self._db.execute(sql, params)
+        finally:
+            self._index.touch(object_id)
 
     # ---- the coordinator's decisions ----------------------------------------------
 
