@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from cri_shim.lifecycle.events import CONTAINER_STOPPED, EventBus
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
@@ -33,7 +34,8 @@ class ContainerExits:
         self._nri = nri
 
     def record(self, container: ContainerRecord, backend: RuntimeBackend) -> ContainerRecord:
-        """Record the exit conmon wrote (137 and now when it wrote none)."""
+        """Record the exit conmon wrote (137 and now when it wrote none); the container
+        as it is then."""
         status = backend.exit_status(container.id)
         code, finished = status if status is not None else (137, time.time_ns())
         # The exit file's mtime comes from the kernel's coarse clock, which can lag the
@@ -46,8 +48,9 @@ class ContainerExits:
         else:
             reason = "Error"
         changed = self._rows.mark_exited(container.id, code, finished, reason)
-        container.state, container.exit_code = EXITED, code
-        container.finished_at, container.reason = finished, reason
+        container = replace(
+            container, state=EXITED, exit_code=code, finished_at=finished, reason=reason
+        )
         if changed:  # a stop and the exit watcher may both notice it; one event
             self._events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
             if self._nri is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from cri_shim.errors import CriError, FailedPrecondition
 from cri_shim.faults import fault_point
@@ -62,17 +63,18 @@ class ContainerStart:
                 raise
             log.warning("container %s (%s) was already started", container.id, container.name)
         fault_point("container:started")
-        self.mark_started(container, started_at)
+        container = self.mark_started(container, started_at)
         if self._nri is not None and self._nri.enabled:
             await self._nri.container_event(
                 nri_api.POST_START_CONTAINER, pod_of_record(sandbox), container_of_record(container)
             )
 
-    def mark_started(self, container: ContainerRecord, started_at: int) -> None:
-        container.state, container.started_at = RUNNING, started_at
+    def mark_started(self, container: ContainerRecord, started_at: int) -> ContainerRecord:
+        """Record the start; the container as it is then."""
         self._rows.mark_running(container.id, started_at)
         log.info("container %s (%s) started", container.id, container.name)
         self._events.emit(container.id, container.sandbox_id, CONTAINER_STARTED)
         # A process that exited at once wrote its exit file before the row said running;
         # the exit watcher found nothing to do then, so look now.
         self._exits.notice(container.id)
+        return replace(container, state=RUNNING, started_at=started_at)

@@ -132,8 +132,8 @@ class ContainerLifecycle:
     def refresh(self, container: ContainerRecord) -> ContainerRecord:
         return self._exits.refresh(container)
 
-    def mark_started(self, container: ContainerRecord, started_at: int) -> None:
-        self._start.mark_started(container, started_at)
+    def mark_started(self, container: ContainerRecord, started_at: int) -> ContainerRecord:
+        return self._start.mark_started(container, started_at)
 
     def mark_lost(self, container: ContainerRecord) -> None:
         self._exits.mark_lost(container)

@@ -124,8 +124,7 @@ def _check_containers(containers: ContainerLifecycle, listed: dict[str, dict[str
                 container.name,
                 extra=object_fields("container", container.id, container.name),
             )
-            containers.mark_started(container, time.time_ns())
-            containers.refresh(container)
+            containers.refresh(containers.mark_started(container, time.time_ns()))
             found += 1
             continue
         if container.state != RUNNING:

@@ -66,6 +66,12 @@ def image_spec(container: ContainerRecord) -> api_pb2.ImageSpec:
 
 
 def to_container(container: ContainerRecord) -> api_pb2.Container:
+    """A container as ListContainers lists it. Made once per record and shared: a
+    message's constructor and extend() copy it; never change it."""
+    return container.derived(_container)
+
+
+def _container(container: ContainerRecord) -> api_pb2.Container:
     return api_pb2.Container(
         id=container.id,
         pod_sandbox_id=container.sandbox_id,
@@ -117,6 +123,12 @@ async def stream_containers(
 
 
 def to_status(container: ContainerRecord) -> api_pb2.ContainerStatus:
+    """ContainerStatus's status (and each container event's, and PodSandboxStatus's);
+    made once per record and shared, as to_container() is."""
+    return container.derived(_status)
+
+
+def _status(container: ContainerRecord) -> api_pb2.ContainerStatus:
     config = container.config
     return api_pb2.ContainerStatus(
         id=container.id,

@@ -49,7 +49,12 @@ def _state(sandbox: SandboxRecord) -> api_pb2.PodSandboxState.ValueType:
 
 
 def to_pod_sandbox_status(sandbox: SandboxRecord) -> api_pb2.PodSandboxStatus:
-    """The CRI status of a sandbox (PodSandboxStatus, and each container event)."""
+    """The CRI status of a sandbox (PodSandboxStatus, and each container event). Made once
+    per record and shared: a message's constructor and extend() copy it; never change it."""
+    return sandbox.derived(_pod_sandbox_status)
+
+
+def _pod_sandbox_status(sandbox: SandboxRecord) -> api_pb2.PodSandboxStatus:
     config = sandbox.config
     network = api_pb2.PodSandboxNetworkStatus()
     if sandbox.ips and sandbox.ready:
@@ -64,6 +69,25 @@ def to_pod_sandbox_status(sandbox: SandboxRecord) -> api_pb2.PodSandboxStatus:
         linux=api_pb2.LinuxPodSandboxStatus(
             namespaces=api_pb2.Namespace(options=config.linux.security_context.namespace_options)
         ),
+        labels=config.labels,
+        annotations=config.annotations,
+        runtime_handler=sandbox.runtime_handler,
+    )
+
+
+def to_pod_sandbox(sandbox: SandboxRecord) -> api_pb2.PodSandbox:
+    """A sandbox as ListPodSandbox lists it; made once per record and shared, as
+    to_pod_sandbox_status() is."""
+    return sandbox.derived(_pod_sandbox)
+
+
+def _pod_sandbox(sandbox: SandboxRecord) -> api_pb2.PodSandbox:
+    config = sandbox.config
+    return api_pb2.PodSandbox(
+        id=sandbox.id,
+        metadata=config.metadata,
+        state=_state(sandbox),
+        created_at=sandbox.created_at,
         labels=config.labels,
         annotations=config.annotations,
         runtime_handler=sandbox.runtime_handler,
@@ -113,15 +137,7 @@ def pod_sandboxes_listed(
             continue
         if any(sandbox.config.labels.get(k) != v for k, v in f.label_selector.items()):
             continue
-        yield api_pb2.PodSandbox(
-            id=sandbox.id,
-            metadata=sandbox.config.metadata,
-            state=_state(sandbox),
-            created_at=sandbox.created_at,
-            labels=sandbox.config.labels,
-            annotations=sandbox.config.annotations,
-            runtime_handler=sandbox.runtime_handler,
-        )
+        yield to_pod_sandbox(sandbox)
 
 
 async def list_pod_sandbox(

@@ -41,7 +41,8 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
         layers: list[str],
     ) -> None:
         """The row of a creation that is starting: in flight, created."""
-        self._db.execute(
+        self._write(
+            container_id,
             "INSERT INTO containers (id, name, sandbox_id, phase, stage, state, created_at, "
             "image_id, image_ref, repo_digest, config, log_path, bundle_dir, rootfs, "
             "layers) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -75,16 +76,19 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
             conn.execute(
                 "UPDATE containers SET layers = ? WHERE id = ?", (json.dumps(merged), container_id)
             )
+        self._index.touch(container_id)
 
     def set_created(self, container_id: str, pid: int, process_user: dict[str, Any]) -> None:
         """The runtime made the container: its process and who that runs as."""
-        self._db.execute(
+        self._write(
+            container_id,
             "UPDATE containers SET pid = ?, process_user = ? WHERE id = ?",
             (pid, json.dumps(process_user, sort_keys=True), container_id),
         )
 
     def mark_running(self, container_id: str, started_at: int) -> None:
-        self._db.execute(
+        self._write(
+            container_id,
             "UPDATE containers SET state = ?, started_at = ? WHERE id = ?",
             (RUNNING, started_at, container_id),
         )
@@ -100,13 +104,15 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
         """True when this call changed it; an exit already recorded stays as it was,
         unless `message` is given (an exit the daemon had to make up)."""
         if message is None:
-            changed = self._db.execute(
+            changed = self._write(
+                container_id,
                 "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ? "
                 "WHERE id = ? AND state != ?",
                 (EXITED, exit_code, finished_at, reason, container_id, EXITED),
             )
         else:
-            changed = self._db.execute(
+            changed = self._write(
+                container_id,
                 "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ?, "
                 "message = ? WHERE id = ?",
                 (EXITED, exit_code, finished_at, reason, message, container_id),
@@ -118,11 +124,7 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
         return str(row[0]) if row is not None else None
 
     def list_visible_in(self, sandbox_id: str) -> list[ContainerRecord]:
-        rows = self._db.query(
-            "SELECT * FROM containers WHERE phase = ? AND sandbox_id = ? ORDER BY created_at",
-            (Phase.VISIBLE, sandbox_id),
-        )
-        return list(self._records(rows))
+        return [c for c in self._index.current().values() if c.sandbox_id == sandbox_id]
 
     def cleaning_in(self, sandbox_id: str) -> list[PhaseRow]:
         """The sandbox's containers being torn down (removed, or rolled back)."""

@@ -1,19 +1,47 @@
-"""Domain records read from the state database: typed views of rows, nothing more."""
+"""Domain records read from the state database: typed views of rows, nothing more.
+
+A sandbox's or container's record is the row as it was read, and frozen: a write to the
+row is read into a new record (state/objects.py keeps the visible ones), so that what is
+worked out from a record once (`derived`, the CRI items List and Status answer with) holds
+for as long as the record does.
+"""
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.pod_rules import host_network, pod_hostname
 
+Value = TypeVar("Value")
+Snapshot = TypeVar("Snapshot", bound="RowSnapshot")
 
-@dataclass
-class SandboxRecord:
+
+@dataclass(frozen=True)
+class RowSnapshot:
+    """One row as read. `derived` works a value out of it once, keyed by the function
+    that makes it: a List or Status call answers an unchanged object for the cost of a
+    lookup, not of translating it again."""
+
+    _derived: dict[Callable[[Any], Any], Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def derived(self: Snapshot, make: Callable[[Snapshot], Value]) -> Value:
+        try:
+            value: Value = self._derived[make]
+        except KeyError:
+            value = self._derived[make] = make(self)
+        return value
+
+
+@dataclass(frozen=True)
+class SandboxRecord(RowSnapshot):
     id: str
     name: str
     phase: str
@@ -69,8 +97,8 @@ def _path(value: str | None) -> Path | None:
     return Path(value) if value else None
 
 
-@dataclass
-class ContainerRecord:
+@dataclass(frozen=True)
+class ContainerRecord(RowSnapshot):
     id: str
     name: str
     sandbox_id: str

@@ -33,7 +33,8 @@ class SandboxRepository(ObjectRepository[SandboxRecord]):
         sandbox_dir: Path,
     ) -> None:
         """The row of a creation that is starting: in flight, not ready."""
-        self._db.execute(
+        self._write(
+            sandbox_id,
             "INSERT INTO sandboxes (id, name, phase, stage, state, created_at, "
             "runtime_handler, config, sandbox_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -58,7 +59,8 @@ class SandboxRepository(ObjectRepository[SandboxRecord]):
         uts: Path | None,
         user: Path | None,
     ) -> None:
-        self._db.execute(
+        self._write(
+            sandbox_id,
             "UPDATE sandboxes SET netns_path = ?, ipc_path = ?, uts_path = ?, userns_path = ? "
             "WHERE id = ?",
             (_str(net), _str(ipc), _str(uts), _str(user), sandbox_id),
@@ -68,7 +70,8 @@ class SandboxRepository(ObjectRepository[SandboxRecord]):
         self, sandbox_id: str, ips: list[str], cni_result: dict[str, Any] | None
     ) -> None:
         """The pod's network is up (or it has none): its addresses, and ready."""
-        self._db.execute(
+        self._write(
+            sandbox_id,
             "UPDATE sandboxes SET ips = ?, cni_result = ?, state = ? WHERE id = ?",
             (json.dumps(ips), json.dumps(cni_result) if cni_result else None, READY, sandbox_id),
         )
@@ -76,7 +79,8 @@ class SandboxRepository(ObjectRepository[SandboxRecord]):
     def mark_not_ready(self, sandbox_id: str) -> bool:
         """True when this call changed it (one event per transition)."""
         return (
-            self._db.execute(
+            self._write(
+                sandbox_id,
                 "UPDATE sandboxes SET state = ? WHERE id = ? AND state != ?",
                 (NOT_READY, sandbox_id, NOT_READY),
             )
