@@ -12,6 +12,11 @@ exit status. asyncio's watcher reaps a child as soon as it exits (a thread block
 waitpid() per child on Python 3.11), and host/spawn.py names the processes its threads
 wait for, so a zombie child still there at the next scan, with the same start time and
 not spawn's, has nobody else to reap it.
+
+Most scans find nothing: a conmon is reaped as soon as its exit is read, so a zombie here
+is rare. One waitid(WNOWAIT), which reports a zombie child without
+reaping it, answers whether there is any at all; only then are the children read from
+/proc. Reading them every second cost a daemon with 50 pods 4-6 % of its samples.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class OrphanReaper:
 
     def scan(self) -> list[int]:
         """Reap the zombie children seen at the previous scan too; return their pids."""
+        if not _any_zombie_child():
+            self._seen = set()
+            return []
         current = set(_zombie_children())
         reaped = []
         # The start time is part of the key: a reused pid is a different process.
@@ -58,6 +66,16 @@ class OrphanReaper:
         while True:
             await asyncio.to_thread(self.scan)
             await asyncio.sleep(interval)
+
+
+def _any_zombie_child() -> bool:
+    """Whether a child of this process has exited and is not reaped yet; it stays so
+    (WNOWAIT), for whoever waits for it."""
+    try:
+        found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False  # no children at all
+    return found is not None
 
 
 def _zombie_children() -> list[tuple[int, int]]:
