@@ -509,9 +509,6 @@ class RuntimeBackend:
             await self._monitors.forget((self.handler_name, container_id))
 
     async def _monitor_exited(self, container_id: str) -> None:
-        conmon = self._conmon_ref(container_id)
-        if conmon is not None:
-            _reap(conmon)
         # conmon writes the exit file before it exits: none now means it died first.
         if self.exit_status(container_id) is None and self._read_meta(container_id):
             await self.end_unmonitored(container_id)

@@ -1,7 +1,7 @@
 """Reaping orphans that a child-subreaper daemon inherits.
 
 With PR_SET_CHILD_SUBREAPER, every orphan below the daemon becomes its child: conmon
-monitors (conmon.py reaps those itself, by pid and start time), and anything whose parent
+monitors (monitors.py reaps those itself, through their pidfds), and anything whose parent
 died first, such as a process exec'd into a container whose `runc exec` was killed, or a
 container process whose conmon died. Such a zombie is not just a table entry: while it sits
 in a container's PID namespace, that namespace cannot finish dying, and `runc delete`
@@ -13,10 +13,11 @@ waitpid() per child on Python 3.11), and host/spawn.py names the processes its t
 wait for, so a zombie child still there at the next scan, with the same start time and
 not spawn's, has nobody else to reap it.
 
-Most scans find nothing: a conmon is reaped as soon as its exit is read, so a zombie here
-is rare. One waitid(WNOWAIT), which reports a zombie child without
-reaping it, answers whether there is any at all; only then are the children read from
-/proc. Reading them every second cost a daemon with 50 pods 4-6 % of its samples.
+Most scans find nothing: a conmon is reaped by its watch (monitors.py) as soon as it
+exits, so a zombie here is rare (a container's process whose conmon died, an exec'd one).
+One waitid(WNOWAIT), which reports a zombie child without reaping it, answers whether
+there is any at all; only then are the children read from /proc. Reading them every
+second cost a daemon with 50 pods 4-6 % of its samples.
 """
 
 from __future__ import annotations
