@@ -20,6 +20,7 @@ from tests.integration.cri_testkit import (
     event_stream,
     import_image,
     pod,
+    pod_state,
     remove,
     start,
     status,
@@ -130,11 +131,7 @@ def test_a_pod_whose_pause_conmon_dies_is_not_ready(
         start(daemon, container_id)
         os.kill(conmon_of(daemon, sandbox_id), signal.SIGKILL)
 
-        def pod_state() -> int:
-            request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
-            return daemon.runtime().PodSandboxStatus(request, timeout=10).status.state
-
-        wait_until(lambda: pod_state() == api_pb2.SANDBOX_NOTREADY, timeout=30)
+        wait_until(lambda: pod_state(daemon, sandbox_id) == api_pb2.SANDBOX_NOTREADY, timeout=30)
         assert sandbox_id not in daemon.runc_containers()
         # The pod's PID namespace went with its init: its container exited with it.
         wait_until(

@@ -31,6 +31,7 @@ from tests.integration.cri_testkit import (
     import_image,
     output,
     pod,
+    pod_state,
     run_to_exit,
     start,
     status,
@@ -121,13 +122,9 @@ def test_a_pod_whose_sandbox_conmon_dies_is_not_ready(gvisor: Daemon, short_tmp:
         start(gvisor, container_id)
         os.kill(conmon_of(gvisor, sandbox_id), signal.SIGKILL)
 
-        def pod_state() -> int:
-            request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
-            return gvisor.runtime().PodSandboxStatus(request, timeout=10).status.state
-
         # The sandbox is deleted with its container (nothing runs unmonitored), and the
         # pod is not ready, as when the sandbox itself dies.
-        wait_until(lambda: pod_state() == api_pb2.SANDBOX_NOTREADY, timeout=60)
+        wait_until(lambda: pod_state(gvisor, sandbox_id) == api_pb2.SANDBOX_NOTREADY, timeout=60)
         assert sandbox_id not in {c["id"] for c in runsc_list(gvisor)}
         wait_until(
             lambda: status(gvisor, container_id).state == api_pb2.CONTAINER_EXITED, timeout=60
@@ -245,15 +242,11 @@ def test_a_restart_adopts_the_sandbox_and_its_end_stops_the_pod(
         assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
         assert exec_sync(gvisor, container_id, ["echo", "still"]).stdout == b"still\n"
 
-        def pod_state() -> int:
-            request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
-            return gvisor.runtime().PodSandboxStatus(request, timeout=10).status.state
-
-        assert pod_state() == api_pb2.SANDBOX_READY
+        assert pod_state(gvisor, sandbox_id) == api_pb2.SANDBOX_READY
         # The sandbox gone (killed from outside): the pod and its container with it.
         (sandbox,) = [c for c in runsc_list(gvisor) if c["id"] == sandbox_id]
         subprocess.run(["kill", "-9", str(sandbox["pid"])], check=True)
-        wait_until(lambda: pod_state() == api_pb2.SANDBOX_NOTREADY, timeout=30)
+        wait_until(lambda: pod_state(gvisor, sandbox_id) == api_pb2.SANDBOX_NOTREADY, timeout=30)
         wait_until(
             lambda: status(gvisor, container_id).state == api_pb2.CONTAINER_EXITED, timeout=30
         )
