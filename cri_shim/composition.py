@@ -35,6 +35,7 @@ from cri_shim.nri.hooks import NriHooks
 from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.gvisor import SandboxForwarding
+from cri_shim.runtime.monitors import MonitorWatch
 from cri_shim.runtime.oci import CallObserver
 from cri_shim.server.events import EventRenderer
 from cri_shim.server.limits import RequestLimiter
@@ -71,6 +72,8 @@ class Graph:
     runtime_view: RuntimeView
     image_view: ImageView
     tracer: Tracer
+    # Every conmon, watched until its container is deleted (runtime/monitors.py).
+    monitors: MonitorWatch
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ def build_graph(config: Config) -> Graph:
         path.mkdir(mode=0o711, parents=True, exist_ok=True)
     metrics = Metrics() if config.metrics.listen else None
     observe_call = metrics.observe_call if metrics is not None else None
-    backends = build_backends(config, observe_call)
+    monitors = MonitorWatch()
+    backends = build_backends(config, observe_call, monitors)
     # Port-forward into a gVisor pod: through its sandbox, or refused by name.
     forwarding = SandboxForwarding(backends, config.runtime)
     storage = _storage(config, forwarding.check)
@@ -141,6 +145,7 @@ def build_graph(config: Config) -> Graph:
         names=names,
         runtime_view=runtime_view,
         tracer=tracer,
+        monitors=monitors,
         image_view=ImageView(
             config=config,
             limiter=limiter,
@@ -250,7 +255,9 @@ def _adaptation(config: Config, snapshot: Snapshot, update: UpdateResources) -> 
 
 
 def build_backends(
-    config: Config, observe_call: CallObserver | None = None
+    config: Config,
+    observe_call: CallObserver | None = None,
+    monitors: MonitorWatch | None = None,
 ) -> dict[str, RuntimeBackend]:
     backends = {}
     for name, handler in config.runtime.handlers.items():
@@ -262,6 +269,7 @@ def build_backends(
             config.run_root / "conmon" / name,
             observe_call=observe_call,
             runtime_args=handler.runtime_args,
+            monitors=monitors,
         )
     return backends
 

@@ -205,6 +205,8 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self.graph is not None:
+            # The next start adopts the conmons; a death being handled finishes first.
+            await self.graph.monitors.aclose()
             await self.graph.nri.close()
             if self.graph.nri.adaptation is not None:
                 await self.graph.nri.adaptation.stop()

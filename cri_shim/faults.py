@@ -46,6 +46,9 @@ CONTAINER_CREATE = (
     "container:runtime-created",
 )
 CONTAINER_START = ("container:started",)
+# A conmon died without recording its container's exit: the container is deleted from
+# the runtime, and its exit file not yet written in conmon's place.
+MONITOR_DIED = ("container:unmonitored-deleted",)
 # RemoveContainer has answered; its teardown is about to run from the journal.
 CONTAINER_REMOVE = ("container:teardown",)
 # Reached only with [nri] enable: after plugins heard of the object, before it is done.
@@ -72,6 +75,7 @@ ALL = (
     + POD_SANDBOX_CREATE
     + CONTAINER_CREATE
     + CONTAINER_START
+    + MONITOR_DIED
     + CONTAINER_REMOVE
     + NRI_CREATE
     + TEARDOWN

@@ -371,6 +371,23 @@ class Daemon:
         return found
 
 
+def conmon_of(daemon: Daemon, object_id: str) -> int:
+    """The pid of the conmon of a container (or of a pod's pause container), from the
+    daemon's own record of it (meta.json, with its start time), checked against /proc:
+    never a conmon of anyone else."""
+    (meta_path,) = [
+        p
+        for base in (daemon.root, daemon.run_root)
+        for p in base.rglob(f"containers/{object_id}/meta.json")
+    ]
+    meta = json.loads(meta_path.read_text())
+    pid, start_time = int(meta["conmon_pid"]), int(meta["conmon_start_time"])
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "conmon"
+    assert int(stat.rpartition(")")[2].split()[19]) == start_time, "conmon's pid was reused"
+    return pid
+
+
 OBJECT_ID = re.compile(r"\b[0-9a-f]{64}\b")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -19,6 +19,11 @@ from cri_shim.state.records import ContainerRecord
 
 log = logging.getLogger("cri_shim.container")
 
+MONITOR_DIED_MESSAGE = (
+    "the container's monitor (conmon) died without recording its exit: the container was "
+    "killed and its exit code is unknown"
+)
+
 
 class ContainerExits:
     def __init__(
@@ -41,15 +46,25 @@ class ContainerExits:
         # The exit file's mtime comes from the kernel's coarse clock, which can lag the
         # start time we took by a few milliseconds for a process that exits at once.
         finished = max(finished, container.started_at)
+        message = None
         if backend.oom_killed(container.id):
             reason = "OOMKilled"
         elif code == 0:
             reason = "Completed"
         else:
             reason = "Error"
-        changed = self._rows.mark_exited(container.id, code, finished, reason)
+        if backend.monitor_died(container.id):
+            # Written by the daemon in conmon's place (runtime/conmon.py): containerd and
+            # CRI-O report such an exit as 255, "Error"; the message says why.
+            message = MONITOR_DIED_MESSAGE
+        changed = self._rows.mark_exited(container.id, code, finished, reason, message)
         container = replace(
-            container, state=EXITED, exit_code=code, finished_at=finished, reason=reason
+            container,
+            state=EXITED,
+            exit_code=code,
+            finished_at=finished,
+            reason=reason,
+            message=container.message if message is None else message,
         )
         if changed:  # a stop and the exit watcher may both notice it; one event
             self._events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)

@@ -65,6 +65,7 @@ async def reconcile_host(
         found += await _delete_orphan_containers(
             backend, listed[backend.handler_name], container_ids | sandbox_ids
         )
+        found += await _adopt_monitors(backend, listed[backend.handler_name])
     found += _check_containers(containers, listed)
     found += _check_sandboxes(sandboxes)
     return found
@@ -106,6 +107,20 @@ async def _delete_orphan_containers(
             await backend.delete(container_id)
             found += 1
     return found
+
+
+async def _adopt_monitors(backend: RuntimeBackend, states: dict[str, str]) -> int:
+    """Every conmon still running is watched from now on; a container whose conmon died
+    while the daemon was down is ended (its exit file written, read by the exit watcher
+    when the daemon starts it)."""
+    ended = await backend.adopt(states)
+    for container_id in ended:
+        log.warning(
+            "%s %s: its monitor (conmon) died while the daemon was down",
+            backend.handler_name,
+            container_id,
+        )
+    return len(ended)
 
 
 def _check_containers(containers: ContainerLifecycle, listed: dict[str, dict[str, str]]) -> int:

@@ -11,6 +11,15 @@ file under `state_dir`, and nothing is kept in memory. Layout:
     state_dir/containers/<id>/conmon.pid      written by conmon
     state_dir/containers/<id>/conmon.log      conmon's own diagnostics
     state_dir/containers/<id>/persist/        conmon's persist dir (its `oom` marker)
+    state_dir/containers/<id>/monitor-died    conmon died without recording an exit
+
+Each conmon is watched (monitors.py) from its container's creation, or from a restart,
+until its container is deleted. One that dies without writing the exit file leaves its
+container unmonitored: end_unmonitored() kills and deletes it in the runtime, as
+containerd does for a task whose shim died, and writes the exit file in conmon's place
+(255, the code containerd and CRI-O report for an exit nobody recorded), so that the exit
+is recorded as any other. The `monitor-died` marker, written first, tells why, and lets a
+restart finish what a crash interrupted.
 
 ExecSync uses `runc exec` directly: conmon's exec mode adds a process and a protocol for
 nothing that ExecSync needs.
@@ -37,6 +46,7 @@ from typing import Any
 from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+from cri_shim.faults import fault_point
 from cri_shim.host import spawn
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.gvisor import (
@@ -52,6 +62,7 @@ from cri_shim.runtime.gvisor import (
     sandboxes_of,
 )
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
+from cri_shim.runtime.monitors import MonitorWatch, ProcessRef, alive, process_stat
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.runtime.sandbox_cgroups import (
@@ -70,20 +81,15 @@ CREATE_TIMEOUT = 60.0  # conmon + runc create; a large rootfs or a busy host is 
 KILL_GRACE = 10.0  # after SIGKILL, how long until the exit must be recorded
 MONITOR_EXIT_GRACE = 2.0  # after runc delete, how long conmon gets to exit by itself
 REOPEN_TIMEOUT = 2.0
+# The exit code of a container whose monitor died: nobody saw it exit.
+MONITOR_DIED_EXIT_CODE = 255
+_MONITOR_DIED = "monitor-died"
 
 # conmon's control FIFO message: "<type> <height> <width>\n"; type 2 reopens the log.
 _REOPEN_LOG_MESSAGE = b"2 0 0\n"
 # Files conmon (or runc through it) leaves in the bundle.
 _BUNDLE_ARTIFACTS = ("pidfile", "attach", "ctl", "winsz")
 _CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-@dataclass(frozen=True)
-class _ProcessRef:
-    """A process by pid and start time, so that a reused pid is never mistaken for it."""
-
-    pid: int
-    start_time: int
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,11 @@ class RuntimeBackend:
         conmon_log_level: str = "info",
         runtime_args: Sequence[str] = (),
         observe_call: CallObserver | None = None,
+        monitors: MonitorWatch | None = None,
     ) -> None:
         self.handler_name = handler_name
+        # None: conmon is not watched (tests of the runtime layer that need no watch).
+        self._monitors = monitors
         self.runtime_path = _executable(runtime_path, "runtime")
         self.conmon_path = _executable(conmon_path, "conmon")
         self.state_dir = state_dir
@@ -195,6 +204,7 @@ class RuntimeBackend:
         except BaseException:
             await self._discard(container_id)
             raise
+        self._watch(container_id)
         log.debug(
             "created %s (pid %d) in %.1f ms", container_id, pid, (time.monotonic() - started) * 1000
         )
@@ -438,19 +448,15 @@ class RuntimeBackend:
         """Remove the container from the runtime (killing it if it still runs), make sure
         its conmon is gone, and remove the files this backend made. Idempotent."""
         _check_id(container_id)
+        # Its conmon's exit from here on is this deletion's doing, not a death to handle.
+        await self._forget(container_id)
         cdir = self._containers / container_id
         meta = self._read_meta(container_id)
         conmon = self._conmon_ref(container_id)
-        gvisor = self.conmon_runtime != self.runtime_path
-        sandboxes = sandboxes_of(self.oci.root, container_id) if gvisor else set()
-        await self.oci.delete(container_id, force=True)  # a missing container is fine
-        if gvisor:
-            remove_locks(self.oci.root, container_id, sandboxes)
-            if meta is not None:
-                await asyncio.to_thread(remove_cgroups, meta.cgroups_path)
-        if conmon is not None and _alive(conmon):
+        await self._delete_from_runtime(container_id, meta)
+        if conmon is not None and alive(conmon):
             await _wait_process_exit(conmon, MONITOR_EXIT_GRACE)
-            if _alive(conmon):
+            if alive(conmon):
                 log.warning(
                     "conmon %d for %s outlived its container; killing it", conmon.pid, container_id
                 )
@@ -469,13 +475,25 @@ class RuntimeBackend:
                     (Path(meta.bundle) / name).unlink()
         shutil.rmtree(cdir, ignore_errors=True)
 
+    async def _delete_from_runtime(self, container_id: str, meta: _Meta | None) -> None:
+        """`<runtime> delete --force` (killing it if it still runs); a missing container
+        is fine. runsc leaves lock files and empty cgroups, removed here too."""
+        gvisor = self.conmon_runtime != self.runtime_path
+        sandboxes = sandboxes_of(self.oci.root, container_id) if gvisor else set()
+        await self.oci.delete(container_id, force=True)
+        if gvisor:
+            remove_locks(self.oci.root, container_id, sandboxes)
+            if meta is not None:
+                await asyncio.to_thread(remove_cgroups, meta.cgroups_path)
+
     async def _discard(self, container_id: str) -> None:
         """Undo a failed create. Errors are logged, not raised: the create's own error
         is the one the caller must see."""
+        await self._forget(container_id)
         conmon = self._conmon_ref(container_id)
         if conmon is None:
             conmon = self._read_conmon_ref(self._containers / container_id)
-        if conmon is not None and _alive(conmon):
+        if conmon is not None and alive(conmon):
             # conmon leads its own process group, which holds a runc create in flight.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(conmon.pid, signal.SIGKILL)
@@ -484,6 +502,75 @@ class RuntimeBackend:
             await asyncio.shield(self.delete(container_id))
         except Exception as err:  # reported; the create's own error is the one raised
             log.error("cleaning up failed create of %s: %s", container_id, err)
+
+    # ---- the monitor ----------------------------------------------------------------
+
+    def _watch(self, container_id: str) -> None:
+        conmon = self._conmon_ref(container_id)
+        if self._monitors is None or conmon is None:
+            return
+
+        async def exited() -> None:
+            await self._monitor_exited(container_id)
+
+        self._monitors.watch((self.handler_name, container_id), conmon, exited)
+
+    async def _forget(self, container_id: str) -> None:
+        if self._monitors is not None:
+            await self._monitors.forget((self.handler_name, container_id))
+
+    async def _monitor_exited(self, container_id: str) -> None:
+        # conmon writes the exit file before it exits: none now means it died first.
+        if self.exit_status(container_id) is None and self._read_meta(container_id):
+            await self.end_unmonitored(container_id)
+
+    async def end_unmonitored(self, container_id: str) -> None:
+        """conmon died without recording the container's exit (see the module's
+        docstring): the marker, the container killed and deleted in the runtime, then
+        the exit file (255) in conmon's place. The container's files stay, as for any
+        exited container, until delete(). Idempotent: a restart that finds the marker
+        without the exit file runs it again."""
+        cdir = self._containers / container_id
+        marker = cdir / _MONITOR_DIED
+        if not marker.exists():
+            _write_atomic(marker, str(time.time_ns()).encode())
+        log.warning(
+            "the monitor (conmon) of %s died without recording its exit: deleting the "
+            "container from %s and recording exit code %d",
+            container_id,
+            self.handler_name,
+            MONITOR_DIED_EXIT_CODE,
+        )
+        try:
+            await self._delete_from_runtime(container_id, self._read_meta(container_id))
+        except Exception as err:  # recorded all the same; its removal deletes it again
+            log.error("deleting %s, whose monitor died: %s", container_id, err)
+        fault_point("container:unmonitored-deleted")
+        _write_atomic(self._exits / container_id, str(MONITOR_DIED_EXIT_CODE).encode())
+
+    def monitor_died(self, container_id: str) -> bool:
+        """Whether the container's exit was recorded by end_unmonitored(), not conmon."""
+        return (self._containers / container_id / _MONITOR_DIED).exists()
+
+    async def adopt(self, states: Mapping[str, str]) -> list[str]:
+        """After a restart: watch every conmon still running, and end the containers
+        whose conmon died while the daemon was down. `states` is what the runtime lists
+        (states()). Returns the IDs of the containers ended."""
+        ended = []
+        for container_id in sorted(os.listdir(self._containers)):
+            if self.exit_status(container_id) is not None:
+                continue  # exited, recorded by conmon (or by us, before the restart)
+            conmon = self._conmon_ref(container_id)
+            if conmon is None:
+                continue  # never reached conmon: a creation that restore rolled back
+            if alive(conmon):
+                self._watch(container_id)
+            elif container_id in states or self.monitor_died(container_id):
+                # The runtime still has it (or a crash interrupted its ending): a reboot
+                # would have taken both conmon and the runtime's state.
+                await self.end_unmonitored(container_id)
+                ended.append(container_id)
+        return ended
 
     # ---- exit and state -------------------------------------------------------------
 
@@ -528,7 +615,7 @@ class RuntimeBackend:
             if status is not None:
                 return status
             conmon = self._conmon_ref(container_id)
-            if conmon is None or not _alive(conmon):
+            if conmon is None or not alive(conmon):
                 status = self.exit_status(container_id)  # written just before it exited
                 if status is not None:
                     return status
@@ -746,20 +833,20 @@ class RuntimeBackend:
             return None
         return _Meta(**raw)
 
-    def _conmon_ref(self, container_id: str) -> _ProcessRef | None:
+    def _conmon_ref(self, container_id: str) -> ProcessRef | None:
         meta = self._read_meta(container_id)
         if meta is None or meta.conmon_pid <= 0:
             return None
-        return _ProcessRef(meta.conmon_pid, meta.conmon_start_time)
+        return ProcessRef(meta.conmon_pid, meta.conmon_start_time)
 
     @staticmethod
-    def _read_conmon_ref(cdir: Path) -> _ProcessRef | None:
+    def _read_conmon_ref(cdir: Path) -> ProcessRef | None:
         try:
             pid = int((cdir / "conmon.pid").read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        start = _process_stat(pid)
-        return _ProcessRef(pid, start[2]) if start is not None else None
+        start = process_stat(pid)
+        return ProcessRef(pid, start[2]) if start is not None else None
 
 
 def _check_id(container_id: str) -> None:
@@ -829,29 +916,12 @@ async def _read_sync_line(fd: int, timeout: float) -> bytes:
         loop.remove_reader(fd)
 
 
-def _process_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time in clock ticks) of a process, or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            raw = handle.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    # After the command name: state, ppid, ..., starttime is field 22 of the whole line.
-    return fields[0].decode(), int(fields[1]), int(fields[19])
-
-
-def _alive(ref: _ProcessRef) -> bool:
-    found = _process_stat(ref.pid)
-    return found is not None and found[2] == ref.start_time and found[0] not in ("Z", "X")
-
-
-def _reap(ref: _ProcessRef) -> None:
+def _reap(ref: ProcessRef) -> None:
     """conmon double-forks away from us, but with the daemon as child subreaper the
     monitor is re-parented to the daemon, and an exited one stays a zombie until
     reaped. Only this exact process (pid and start time) is reaped, never a pid that
     asyncio is waiting for."""
-    found = _process_stat(ref.pid)
+    found = process_stat(ref.pid)
     if found is None or found[2] != ref.start_time or found[0] != "Z":
         return
     if found[1] != os.getpid():
@@ -860,14 +930,14 @@ def _reap(ref: _ProcessRef) -> None:
         os.waitpid(ref.pid, os.WNOHANG)
 
 
-async def _wait_process_exit(ref: _ProcessRef, timeout: float | None) -> None:
+async def _wait_process_exit(ref: ProcessRef, timeout: float | None) -> None:
     """Wait for any process (not only a child) to exit, through a pidfd."""
     try:
         pidfd = os.pidfd_open(ref.pid)
     except ProcessLookupError:
         return
     try:
-        if not _alive(ref):  # checked after opening, so the pidfd is the right process
+        if not alive(ref):  # checked after opening, so the pidfd is the right process
             return
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()

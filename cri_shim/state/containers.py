@@ -101,22 +101,14 @@ class ContainerRepository(ObjectRepository[ContainerRecord]):
         reason: str,
         message: str | None = None,
     ) -> bool:
-        """True when this call changed it; an exit already recorded stays as it was,
-        unless `message` is given (an exit the daemon had to make up)."""
-        if message is None:
-            changed = self._write(
-                container_id,
-                "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ? "
-                "WHERE id = ? AND state != ?",
-                (EXITED, exit_code, finished_at, reason, container_id, EXITED),
-            )
-        else:
-            changed = self._write(
-                container_id,
-                "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ?, "
-                "message = ? WHERE id = ?",
-                (EXITED, exit_code, finished_at, reason, message, container_id),
-            )
+        """True when this call changed it; an exit already recorded stays as it was.
+        `message` says what the daemon knows of an exit it had to make up."""
+        changed = self._write(
+            container_id,
+            "UPDATE containers SET state = ?, exit_code = ?, finished_at = ?, reason = ?, "
+            "message = COALESCE(?, message) WHERE id = ? AND state != ?",
+            (EXITED, exit_code, finished_at, reason, message, container_id, EXITED),
+        )
         return changed > 0
 
     def sandbox_of(self, container_id: str) -> str | None:

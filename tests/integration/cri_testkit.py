@@ -111,6 +111,11 @@ def status(daemon: Daemon, container_id: str, verbose: bool = False) -> api_pb2.
     )
 
 
+def pod_state(daemon: Daemon, sandbox_id: str) -> int:
+    request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+    return int(daemon.runtime().PodSandboxStatus(request, timeout=10).status.state)
+
+
 def run_to_exit(
     daemon: Daemon,
     pod: tuple[str, api_pb2.PodSandboxConfig],

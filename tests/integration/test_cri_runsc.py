@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import Daemon, wait_until
+from tests.harness import Daemon, conmon_of, wait_until
 from tests.integration.cri_testkit import (
     container_config,
     create,
@@ -29,6 +31,7 @@ from tests.integration.cri_testkit import (
     import_image,
     output,
     pod,
+    pod_state,
     run_to_exit,
     start,
     status,
@@ -110,6 +113,24 @@ def test_a_pod_is_one_sandbox_holding_both_its_containers(gvisor: Daemon, short_
         assert b"sleep 77" not in ps.stdout, ps
         assert status(gvisor, first).state == api_pb2.CONTAINER_RUNNING
         assert status(gvisor, second).state == api_pb2.CONTAINER_RUNNING
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def test_a_pod_whose_sandbox_conmon_dies_is_not_ready(gvisor: Daemon, short_tmp: Path) -> None:
+    with pod(gvisor, "orphaned", short_tmp, handler="runsc") as p:
+        sandbox_id = p[0]
+        container_id = create(gvisor, p, container_config("c", "exec sleep 60"))
+        start(gvisor, container_id)
+        os.kill(conmon_of(gvisor, sandbox_id), signal.SIGKILL)
+
+        # The sandbox is deleted with its container (nothing runs unmonitored), and the
+        # pod is not ready, as when the sandbox itself dies.
+        wait_until(lambda: pod_state(gvisor, sandbox_id) == api_pb2.SANDBOX_NOTREADY, timeout=60)
+        assert sandbox_id not in {c["id"] for c in runsc_list(gvisor)}
+        wait_until(
+            lambda: status(gvisor, container_id).state == api_pb2.CONTAINER_EXITED, timeout=60
+        )
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
 
@@ -271,15 +292,11 @@ def test_a_restart_adopts_the_sandbox_and_its_end_stops_the_pod(
         assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
         assert exec_sync(gvisor, container_id, ["echo", "still"]).stdout == b"still\n"
 
-        def pod_state() -> int:
-            request = api_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
-            return gvisor.runtime().PodSandboxStatus(request, timeout=10).status.state
-
-        assert pod_state() == api_pb2.SANDBOX_READY
+        assert pod_state(gvisor, sandbox_id) == api_pb2.SANDBOX_READY
         # The sandbox gone (killed from outside): the pod and its container with it.
         (sandbox,) = [c for c in runsc_list(gvisor) if c["id"] == sandbox_id]
         subprocess.run(["kill", "-9", str(sandbox["pid"])], check=True)
-        wait_until(lambda: pod_state() == api_pb2.SANDBOX_NOTREADY, timeout=30)
+        wait_until(lambda: pod_state(gvisor, sandbox_id) == api_pb2.SANDBOX_NOTREADY, timeout=30)
         wait_until(
             lambda: status(gvisor, container_id).state == api_pb2.CONTAINER_EXITED, timeout=30
         )

@@ -8,9 +8,11 @@ back and its name usable again; an interrupted removal completes when retried.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import subprocess
 from pathlib import Path
+from signal import SIGKILL
 
 import grpc
 import pytest
@@ -20,6 +22,7 @@ from cri_shim.api.v1 import api_pb2
 from tests.harness import (
     CniTestNetwork,
     Daemon,
+    conmon_of,
     import_image,
     pod_config,
     runtime_leaks,
@@ -366,6 +369,37 @@ def test_crash_during_container_removal(
     remove_pod(daemon, sandbox_id)
     assert daemon.leaks() == {}, daemon.log()
     assert _runc_containers(daemon) == []
+
+
+@pytest.mark.parametrize("fault", faults.MONITOR_DIED)
+def test_crash_while_ending_a_container_whose_monitor_died(
+    daemon: Daemon, busybox_layout: Path, fault: str
+) -> None:
+    """Killed after the runtime's container was deleted, before its exit was written:
+    the restart finishes the ending (it is neither running nor lost to a reboot)."""
+    import_image(daemon, busybox_layout)
+    sandbox_id = run_pod(daemon)
+    container_id = _create_container(daemon, sandbox_id)
+    daemon.runtime().StartContainer(
+        api_pb2.StartContainerRequest(container_id=container_id), timeout=30
+    )
+    conmon = conmon_of(daemon, container_id)
+    crash_and_restart(daemon, fault, lambda: os.kill(conmon, SIGKILL), may_answer=True)
+    status = (
+        daemon.runtime()
+        .ContainerStatus(api_pb2.ContainerStatusRequest(container_id=container_id), timeout=5)
+        .status
+    )
+    assert status.state == api_pb2.CONTAINER_EXITED
+    assert (status.exit_code, status.reason) == (255, "Error")
+    assert "monitor (conmon) died" in status.message
+    assert _runc_containers(daemon) == []
+    daemon.runtime().RemoveContainer(
+        api_pb2.RemoveContainerRequest(container_id=container_id), timeout=60
+    )
+    remove_pod(daemon, sandbox_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert runtime_leaks(daemon) == {}
 
 
 @pytest.mark.parametrize("fault", CONTAINER_ROLLBACK)

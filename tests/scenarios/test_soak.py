@@ -1,6 +1,7 @@
 """A soak under the real kubelet, with faults: pods added and removed continuously, some
 crash-looping, some with exec probes; a CNI plugin that fails one ADD in twenty; the
-daemon killed with SIGKILL and restarted every few minutes; one conmon killed.
+daemon killed with SIGKILL and restarted every few minutes; one conmon killed (its
+container is ended by the daemon, exit code 255, and restarted by kubelet).
 
 kubelet (`../shared/kubelet/kubelet`, its defaults `--cgroups-per-qos=true
 --enforce-node-allocatable=pods`, under a cgroup root of the node's own: tests/kubelet.py)
@@ -31,7 +32,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import CniTestNetwork, Daemon, import_image, wait_until
+from tests.harness import CniTestNetwork, Daemon, conmon_of, import_image, wait_until
 from tests.kubelet import (
     KUBELET,
     LOOP,
@@ -134,22 +135,6 @@ class RssCurve:
             + ", ".join(f"#{r} {rss:.1f}" for r, rss in sorted(self.at_age.items()))
         )
         return "\n".join(lines)
-
-
-def conmon_of(daemon: Daemon, container_id: str) -> int:
-    """The pid of the container's conmon, from the daemon's own record of it (meta.json,
-    with its start time), checked against /proc: never a conmon of anyone else."""
-    (meta_path,) = [
-        p
-        for base in (daemon.root, daemon.run_root)
-        for p in base.rglob(f"containers/{container_id}/meta.json")
-    ]
-    meta = json.loads(meta_path.read_text())
-    pid, start_time = int(meta["conmon_pid"]), int(meta["conmon_start_time"])
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    assert Path(f"/proc/{pid}/comm").read_text().strip() == "conmon"
-    assert int(stat.rpartition(")")[2].split()[19]) == start_time, "conmon's pid was reused"
-    return pid
 
 
 def conmons_of(daemon: Daemon) -> list[int]:
@@ -305,6 +290,10 @@ def test_soak_with_faults(node: tuple[Daemon, Kubelet], test_network: CniTestNet
         f"after its conmon was killed, the container of `keep` is "
         f"{keep['containerID'].partition('://')[2][:12]}, restarted {keep['restartCount']} times"
     )
+    # The daemon ended the container whose monitor died (exit 255), and kubelet started
+    # it again: the one running now is another.
+    assert keep["containerID"].partition("://")[2] != conmon_killed[0], keep
+    assert keep["restartCount"] >= 1, keep
     kubelet_running = {
         s["containerID"].partition("://")[2]
         for pod in pods.values()

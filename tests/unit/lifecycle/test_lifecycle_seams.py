@@ -212,6 +212,9 @@ class FakeBackend:
     def oom_killed(self, container_id: str) -> bool:
         return False
 
+    def monitor_died(self, container_id: str) -> bool:
+        return False
+
 
 def _containers(
     tmp_path: Path, calls: list[str]

@@ -99,3 +99,58 @@ SPAWNED = textwrap.dedent(
 
 def test_a_spawned_process_keeps_its_exit_status_while_it_waits_for_its_output() -> None:
     assert _run(SPAWNED) == "7"
+
+
+NOTHING_TO_REAP = textwrap.dedent(
+    """
+    import os, time
+    from cri_shim.runtime import orphans
+    from tests.waiting import wait_until
+
+    reads = []
+    read_children = orphans._zombie_children
+    orphans._zombie_children = lambda: reads.append(1) or read_children()
+
+    # No child at all, then a child that runs: neither makes a scan read /proc.
+    reaper = orphans.OrphanReaper()
+    assert reaper.scan() == [] and reads == [], reads
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    assert reaper.scan() == [] and reaper.scan() == [] and reads == [], reads
+    os.kill(child, 9)
+    # Once it is a zombie the scans look, and the second reaps it (it is not spawn's).
+    wait_until(orphans._any_zombie_child)
+    assert reaper.scan() == []
+    assert reaper.scan() == [child]
+    assert len(reads) == 2, reads
+    assert not orphans._any_zombie_child()
+    print("ok")
+    """
+)
+
+
+def test_a_scan_reads_proc_only_when_a_child_is_a_zombie() -> None:
+    assert _run(NOTHING_TO_REAP) == "ok"
+
+
+LEFT_FOR_ITS_WAITER = textwrap.dedent(
+    """
+    import os
+    from cri_shim.runtime import orphans
+    from tests.waiting import wait_until
+
+    child = os.fork()
+    if child == 0:
+        os._exit(3)
+    wait_until(orphans._any_zombie_child)
+    assert orphans._any_zombie_child()  # asked twice: still there, not reaped
+    pid, status = os.waitpid(child, 0)
+    print(pid == child, os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_the_zombie_check_leaves_the_exit_status_to_whoever_waits() -> None:
+    assert _run(LEFT_FOR_ITS_WAITER) == "True 3"
