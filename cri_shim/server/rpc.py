@@ -94,6 +94,8 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
             raise AssertionError("abort returns by raising")
+        if view.loop_monitor is not None:
+            view.loop_monitor.note_call()  # the lag is sampled while calls arrive
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         with (
