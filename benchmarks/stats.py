@@ -6,7 +6,7 @@ printed is the daemon's CPU time per call (all its threads, from the scheduler) 
 alone and for the pair as kubelet makes it, and the client's latency. The figures are
 printed, never asserted.
 
-    .venv/bin/python benchmarks/stats.py [--pods 50] [--rounds 20]
+    .venv/bin/python benchmarks/stats.py [--pods 50] [--rounds 20] [--layer-max-age 0]
 """
 
 from __future__ import annotations
@@ -49,9 +49,15 @@ def main() -> None:
     parser.add_argument(
         "--pause", type=float, default=0.0, help="seconds between calls (kubelet: 10)"
     )
+    parser.add_argument(
+        "--layer-max-age", help="[metrics] layer_usage_max_age (0: walk at every call)"
+    )
     args = parser.parse_args()
+    settings: dict[str, object] = {"log_level": "info"}
+    if args.layer_max_age is not None:
+        settings["metrics"] = {"layer_usage_max_age": args.layer_max_age}
     with (
-        bench_daemon({"log_level": "info"}, slow_cni=False) as daemon,
+        bench_daemon(settings, slow_cni=False) as daemon,
         tempfile.TemporaryDirectory() as scratch,
     ):
         import_image(daemon, cached_oci_layout(Path(scratch)))

@@ -71,8 +71,8 @@ class HostReader:
     ) -> None:
         self._backend_of = backend_of
         self.layers = layers
-        # Where each running container's cgroup is: fixed when it was made, and read from
-        # its runtime's files otherwise.
+        # Where each running container's cgroup is, kept after the first read of its
+        # runtime's files: it is fixed when the container is made.
         self._cgroups: dict[str, str] = {}
 
     def running_backend(self, container: ContainerRecord) -> RuntimeBackend | None:

@@ -121,14 +121,22 @@ class UsageCollector:
         self._forget_removed()
 
     async def pod(self, ref: str) -> PodUsage:
-        [usage] = await self._read_pods([self._sandboxes.get(ref)])
+        sandbox = self._sandboxes.get(ref)
+        [usage] = await self._read_pods([sandbox], self._containers.list(sandbox_id=sandbox.id))
         return usage
 
     async def pods(self, selected: list[SandboxRecord]) -> AsyncIterator[PodUsage]:
         """The usage of each of `selected`, a batch of pods at a time when it is the
         batch's turn; then the CPU samples of removed objects are dropped."""
+        # One look at every container rather than one per pod (or batch).
+        containers: dict[str, list[ContainerRecord]] = {s.id: [] for s in selected}
+        for container in self._containers.list():
+            if container.sandbox_id in containers:
+                containers[container.sandbox_id].append(container)
         for start in range(0, len(selected), POD_BATCH):
-            for usage in await self._read_pods(selected[start : start + POD_BATCH]):
+            batch = selected[start : start + POD_BATCH]
+            theirs = [c for s in batch for c in containers[s.id]]
+            for usage in await self._read_pods(batch, theirs):
                 yield usage
         self._forget_removed()
 
@@ -149,14 +157,11 @@ class UsageCollector:
         read = await asyncio.to_thread(self._read_usage, self._with_backends(containers))
         return [self._container_usage(c, cgroup, layer) for c, (cgroup, layer) in read]
 
-    async def _read_pods(self, sandboxes: list[SandboxRecord]) -> list[PodUsage]:
-        """The pods' containers and networks, all read in one worker thread (and the
+    async def _read_pods(
+        self, sandboxes: list[SandboxRecord], containers: list[ContainerRecord]
+    ) -> list[PodUsage]:
+        """The pods' `containers` and networks, all read in one worker thread (and the
         networks by one thread of its own, netdev.py)."""
-        if len(sandboxes) == 1:
-            containers = self._containers.list(sandbox_id=sandboxes[0].id)
-        else:  # one look at every container rather than one per pod
-            wanted = {s.id for s in sandboxes}
-            containers = [c for c in self._containers.list() if c.sandbox_id in wanted]
         # A stopped pod's network is gone (or going): not read.
         networked = [s for s in sandboxes if s.netns_path is not None and s.ready]
         backends = self._with_backends(containers)

@@ -7,9 +7,9 @@ pinned namespace in turn (setns affects only the calling thread), reads
 back fail, it ends in the pod's namespace and nothing else ever runs there. No process
 is forked (which a gRPC daemon must avoid) and nothing is mounted.
 
-One thread reads every namespace a stats call asks for: starting a thread costs ten
-times what entering a namespace and reading the file do (about 400 and 30 µs of CPU
-here), and kubelet asks for every pod's network every ~10 s.
+One thread reads all the namespaces it is given (a stats call's batch of pods):
+starting a thread costs ten times what entering a namespace and reading the file do
+(about 400 and 30 µs of CPU here), and kubelet asks for every pod's network every ~10 s.
 """
 
 from __future__ import annotations
