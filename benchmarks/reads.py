@@ -5,7 +5,8 @@ others and measure it), calling one RPC back to back; printed are the medians an
 per RPC, and the daemon's own report of its event loop (Status verbose `eventLoop`,
 sampled every 5 ms): how long any request could have waited for it.
 
-    .venv/bin/python benchmarks/reads.py [--calls 400] [--pods 30]
+    .venv/bin/python benchmarks/reads.py [--calls 400] [--pods 30] [--rpcs Version ...]
+        [--idle-only] [--metrics]
 """
 
 from __future__ import annotations
@@ -98,8 +99,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=400, help="calls per client")
     parser.add_argument("--pods", type=int, default=30)
+    parser.add_argument("--rpcs", nargs="+", default=RPCS, choices=RPCS, metavar="RPC")
+    parser.add_argument("--idle-only", action="store_true", help="no creations beside")
+    parser.add_argument("--metrics", action="store_true", help="serve [metrics] listen")
     args = parser.parse_args()
     settings = {"metrics": {"event_loop_sample_interval": SAMPLE_INTERVAL}}
+    if args.metrics:
+        settings["metrics"]["listen"] = "127.0.0.1:0"
     with bench_daemon(settings, slow_cni=False) as daemon, tempfile.TemporaryDirectory() as scratch:
         import_image(daemon, cached_oci_layout(Path(scratch)))
         sandboxes = [pod_with_container(daemon, f"read-{i}") for i in range(args.pods)]
@@ -114,14 +120,14 @@ def main() -> None:
             f"{'rpc':<18} {'beside':<10} {'p1 median':>10} {'p95':>7} {'p4 median':>10} "
             f"{'p95':>7}  ms   daemon CPU per call, us (p1, p4)"
         )
-        for beside in ("idle", "creations"):
+        for beside in ("idle",) if args.idle_only else ("idle", "creations"):
             stop = threading.Event()
             made: list[str] = []
             writer = threading.Thread(target=churn, args=(daemon, stop, made))
             before = daemon.status_info()["eventLoop"]
             if beside == "creations":
                 writer.start()
-            for rpc in RPCS:
+            for rpc in args.rpcs:
                 cells = []
                 costs = []
                 for parallel in (1, 4):

@@ -19,6 +19,7 @@ from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.store import ImageStore
 from cri_shim.inspection.census import Census
 from cri_shim.inspection.host import HostReader
+from cri_shim.inspection.layer_usage import LayerUsageCache
 from cri_shim.inspection.usage import UsageCollector
 from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.events import EventBus
@@ -122,12 +123,17 @@ def build_graph(config: Config) -> Graph:
         names=names,
         rpc_metrics=metrics,
         tracer=tracer,
+        loop_monitor=census.loop_monitor,
         sandboxes=sandboxes,
         pods=storage.pods,
         containers=containers,
         pod_resources=PodResources(sandboxes.get, nri),
         events=sandboxes.events,
-        usage=UsageCollector(sandboxes, containers, HostReader(containers.backend_of)),
+        usage=UsageCollector(
+            sandboxes,
+            containers,
+            HostReader(containers.backend_of, LayerUsageCache(config.metrics.layer_usage_max_age)),
+        ),
         census=census,
         streaming=streaming,
     )
@@ -152,6 +158,7 @@ def build_graph(config: Config) -> Graph:
             names=names,
             rpc_metrics=metrics,
             tracer=tracer,
+            loop_monitor=census.loop_monitor,
             images=storage.images,
             puller=puller,
         ),

@@ -60,14 +60,19 @@ def bound_fields() -> Mapping[str, str]:
     return _bound.get()
 
 
-@contextlib.contextmanager
-def scope() -> Iterator[None]:
-    """Whatever is bound inside the block is unbound when it ends."""
-    token = _bound.set(_bound.get())
-    try:
-        yield
-    finally:
-        _bound.reset(token)
+class scope:
+    """Whatever is bound inside the block is unbound when it ends.
+
+    A class, not a @contextmanager: every CRI call enters one, and the generator costs
+    three times as much."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _bound.set(_bound.get())
+
+    def __exit__(self, *exc_info: object) -> None:
+        _bound.reset(self._token)
 
 
 @contextlib.contextmanager

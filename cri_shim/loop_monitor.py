@@ -7,6 +7,11 @@ for the loop. A stall longer than the interval is always seen (its length, less 
 one interval); shorter ones are sampled. Reported in Status (verbose) as `eventLoop` and,
 when the exporter runs, as the histogram `cri_shim_event_loop_lag_seconds`.
 
+It samples while CRI calls arrive: after `IDLE_AFTER` seconds without one it stops, and
+the next call (server/rpc.py tells it) starts it again. A lag is what a request waited,
+and with none arriving there is nobody to wait; while ten wakeups a second were most of
+what an idle daemon did.
+
 A lag has three causes: work on the loop itself (a long callback), a worker thread of
 the daemon holding the interpreter, and a machine too busy to run the daemon. The first
 is told apart: the loop thread's own CPU time over the late sample, at most the lag, is
@@ -23,11 +28,17 @@ from typing import Any
 
 # Upper bounds of the histogram's buckets, seconds.
 BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+# Seconds without a CRI call after which sampling stops until the next one.
+IDLE_AFTER = 10.0
 
 
 class LoopMonitor:
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, idle_after: float = IDLE_AFTER) -> None:
         self.interval = interval
+        self.idle_after = idle_after
+        self.pauses = 0  # times sampling stopped for want of calls
+        self._called = False
+        self._paused: asyncio.Event | None = None  # set by the call that ends the pause
         self.samples = 0
         self.total_lag = 0.0
         self.longest = 0.0
@@ -49,13 +60,35 @@ class LoopMonitor:
         self.longest_busy = max(self.longest_busy, busy)
         self.busy_counts[bisect.bisect_left(BOUNDS, busy)] += 1
 
+    def note_call(self) -> None:
+        """A CRI call arrived (called by every one: an attribute and a test)."""
+        self._called = True
+        if self._paused is not None:
+            self._paused.set()
+
+    @property
+    def sampling(self) -> bool:
+        return self._paused is None
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        last_call = loop.time()
         while True:
             due = loop.time() + self.interval
             cpu = time.thread_time()
             await asyncio.sleep(self.interval)
-            self.record(loop.time() - due, time.thread_time() - cpu)
+            now = loop.time()
+            self.record(now - due, time.thread_time() - cpu)
+            if self._called:
+                self._called = False
+                last_call = now
+            elif now - last_call >= self.idle_after:
+                self.pauses += 1
+                self._paused = asyncio.Event()
+                await self._paused.wait()
+                self._paused = None
+                self._called = False
+                last_call = loop.time()
 
     def stalls_over(self, bound: float, *, busy: bool = False) -> int:
         """Samples whose lag (busy lag) was over `bound` (one of BOUNDS)."""
@@ -78,6 +111,7 @@ class LoopMonitor:
         return {
             "sampleIntervalMs": round(self.interval * 1000, 3),
             "samples": self.samples,
+            "pausedWithoutCalls": self.pauses,
             "longestStallMs": round(self.longest * 1000, 3),
             "stallsOverMs": {f"{bound * 1000:g}": self.stalls_over(bound) for bound in shown},
             "longestBusyStallMs": round(self.longest_busy * 1000, 3),

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -96,14 +96,31 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
         )
 
+        # The labelled children, looked up once each: `labels()` takes a lock, checks and
+        # joins its arguments, and every CRI call would pay that twice.
+        self._rpc_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._call_children: dict[tuple[str, str, bool], tuple[Any, Any]] = {}
+
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         """`method` as the CRI (and crictl) names it: `RunPodSandbox`."""
-        self.rpc_requests.labels(method, code).inc()
-        self.rpc_latency.labels(method).observe(seconds)
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = (self.rpc_requests.labels(method, code), self.rpc_latency.labels(method))
+            self._rpc_children[method, code] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_call(self, tool: str, op: str, seconds: float, ok: bool) -> None:
-        self.host_calls.labels(tool, op, "ok" if ok else "error").inc()
-        self.host_call_latency.labels(tool, op).observe(seconds)
+        children = self._call_children.get((tool, op, ok))
+        if children is None:
+            result = "ok" if ok else "error"
+            children = (
+                self.host_calls.labels(tool, op, result),
+                self.host_call_latency.labels(tool, op),
+            )
+            self._call_children[tool, op, ok] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class CensusCollector:

@@ -138,6 +138,9 @@ class MetricsConfig:
     listen: str = ""
     # How often the event loop's lag is sampled (loop_monitor.py); 0 turns it off.
     event_loop_sample_interval: float = 0.1
+    # How old a writable layer's disk use may be before a stats call walks it again
+    # (inspection/layer_usage.py); 0 walks it for every call.
+    layer_usage_max_age: float = 10.0
 
 
 @dataclass
@@ -218,6 +221,7 @@ DURATION_KEYS = {
     ("nri", "plugin_registration_timeout"),
     ("nri", "plugin_request_timeout"),
     ("requests", "stream_write_timeout"),
+    ("metrics", "layer_usage_max_age"),
 }
 SIZE_KEYS = {
     ("", "max_message_bytes"),

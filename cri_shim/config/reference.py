@@ -126,7 +126,12 @@ KEY_DOCS: dict[str, str] = {
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
     "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled, shown "
     "in Status (verbose) as `eventLoop` and exported as `cri_shim_event_loop_lag_seconds`; a "
-    "stall longer than this is always seen; 0 is off",
+    "stall longer than this is always seen; sampled while CRI calls arrive, paused after 10 s "
+    "without one; 0 is off",
+    "metrics.layer_usage_max_age": "how old a container's writable-layer disk use may be "
+    "before ContainerStats, PodSandboxStats (and their lists) or ListPodSandboxMetrics walk "
+    "the layer again; a reused figure keeps the timestamp of its walk, as containerd's "
+    "figures refreshed every 10 s do; 0 walks the layer at every call",
     "streaming.address": "host:port of the exec/attach/port-forward server whose URLs the "
     "streaming RPCs return; port 0 picks a free port, loopback suffices as kubelet proxies",
     "streaming.tls_cert": "PEM certificate to serve the streaming URLs over HTTPS (with `tls_key`)",

@@ -200,8 +200,16 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
 
 
 def _load_metrics(table: dict[str, Any]) -> MetricsConfig:
-    _unknown(table, {"listen", "event_loop_sample_interval"}, "metrics.")
+    _unknown(table, {"listen", "event_loop_sample_interval", "layer_usage_max_age"}, "metrics.")
     metrics = MetricsConfig()
+    if "layer_usage_max_age" in table:
+        age = parse_duration(table["layer_usage_max_age"], "metrics.layer_usage_max_age")
+        if age < 0:
+            raise ConfigError(
+                "metrics.layer_usage_max_age: must be 0 or more, got "
+                f"{table['layer_usage_max_age']!r}"
+            )
+        metrics.layer_usage_max_age = age
     if "event_loop_sample_interval" in table:
         interval = parse_duration(
             table["event_loop_sample_interval"], "metrics.event_loop_sample_interval"

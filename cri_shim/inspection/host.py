@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cri_shim.errors import CriError
+from cri_shim.inspection.layer_usage import LayerFigure as LayerFigure
+from cri_shim.inspection.layer_usage import LayerUsageCache
 from cri_shim.network.netdev import InterfaceCounters as InterfaceCounters
+from cri_shim.network.netdev import NetnsCounters as NetnsCounters
 from cri_shim.network.netdev import read_netns_counters
 from cri_shim.runtime.cgroup_metrics import CgroupFigures as CgroupFigures
 from cri_shim.runtime.cgroup_metrics import (
@@ -25,7 +27,7 @@ from cri_shim.runtime.cgroup_metrics import (
 )
 from cri_shim.runtime.stats import CgroupStats as CgroupStats
 from cri_shim.runtime.stats import LayerUsage as LayerUsage
-from cri_shim.runtime.stats import read_cgroup_stats, writable_layer_usage
+from cri_shim.runtime.stats import read_cgroup_stats
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
@@ -59,10 +61,19 @@ class ContainerFigures:
 
 class HostReader:
     """Reads through `backend_of`, the runtime handler that made a container (where its
-    cgroup is, and which cgroup version the host runs)."""
+    cgroup is, and which cgroup version the host runs), and the writable layers through
+    `layers`, which walks each at most once per its `max_age`."""
 
-    def __init__(self, backend_of: Callable[[ContainerRecord], RuntimeBackend]) -> None:
+    def __init__(
+        self,
+        backend_of: Callable[[ContainerRecord], RuntimeBackend],
+        layers: LayerUsageCache,
+    ) -> None:
         self._backend_of = backend_of
+        self.layers = layers
+        # Where each running container's cgroup is, kept after the first read of its
+        # runtime's files: it is fixed when the container is made.
+        self._cgroups: dict[str, str] = {}
 
     def running_backend(self, container: ContainerRecord) -> RuntimeBackend | None:
         """The handler of a running container; None for any other (no cgroup to read).
@@ -76,13 +87,25 @@ class HostReader:
 
     def container_usage(
         self, container: ContainerRecord, backend: RuntimeBackend | None
-    ) -> tuple[CgroupStats | None, LayerUsage]:
+    ) -> tuple[CgroupStats | None, LayerFigure]:
         """A container's cgroup counters (a running one's: `backend` from
         running_backend) and the disk use of its writable layer."""
         cgroup = None
-        if backend is not None and (path := backend.cgroups_path(container.id)) is not None:
+        if backend is not None and (path := self._cgroup_of(container, backend)) is not None:
             cgroup = read_cgroup_stats(path, backend.cgroup_root, cgroup_v2=backend.cgroup_v2)
-        return cgroup, writable_layer_usage(container.bundle_dir / "upper")
+        return cgroup, self.layers.usage(container.id, container.bundle_dir / "upper")
+
+    def _cgroup_of(self, container: ContainerRecord, backend: RuntimeBackend) -> str | None:
+        path = self._cgroups.get(container.id)
+        if path is None and (path := backend.cgroups_path(container.id)) is not None:
+            self._cgroups[container.id] = path
+        return path
+
+    def retain(self, live: Collection[str]) -> None:
+        """Forget what was kept of containers not in `live` (removed ones)."""
+        self.layers.retain(live)
+        for container_id in [c for c in list(self._cgroups) if c not in live]:
+            self._cgroups.pop(container_id, None)
 
     def container_figures(self, container: ContainerRecord) -> ContainerFigures | None:
         """cAdvisor's figures of a running container; None when it has no cgroup."""
@@ -95,20 +118,21 @@ class HostReader:
         return ContainerFigures(
             record=container,
             figures=figures,
-            filesystem=self.layer_filesystem(container.bundle_dir / "upper"),
+            filesystem=self.layer_filesystem(container),
             descriptors=count_descriptors(figures.pids),
             seen_at=int(time.time()),
             device_names={device: block_device_name(*device) for device in devices},
         )
 
-    def pod_interfaces(self, sandbox: SandboxRecord) -> dict[str, InterfaceCounters]:
-        """The counters of the pod's interfaces but loopback, read inside its network
-        namespace; none for a host-network pod. Raises OSError or TimeoutError."""
-        if sandbox.netns_path is None:
-            return {}
-        return read_netns_counters(sandbox.netns_path)
+    def pods_interfaces(self, sandboxes: list[SandboxRecord]) -> dict[str, NetnsCounters]:
+        """The counters of each pod's interfaces but loopback, by pod ID, read inside its
+        network namespace (all of them by one thread); none for a host-network pod."""
+        pinned = {s.id: s.netns_path for s in sandboxes if s.netns_path is not None}
+        read = read_netns_counters(list(pinned.values())) if pinned else []
+        return dict(zip(pinned, read, strict=True))
 
-    def layer_filesystem(self, upper: Path) -> Filesystem | None:
+    def layer_filesystem(self, container: ContainerRecord) -> Filesystem | None:
+        upper = container.bundle_dir / "upper"
         try:
             info = os.statvfs(upper)
             device = upper.stat().st_dev
@@ -119,5 +143,5 @@ class HostReader:
             limit_bytes=info.f_blocks * info.f_frsize,
             inodes_total=info.f_files,
             inodes_free=info.f_ffree,
-            usage_bytes=writable_layer_usage(upper).used_bytes,
+            usage_bytes=self.layers.usage(container.id, upper).usage.used_bytes,
         )

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Set
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cri_shim.inspection.cpu_rates import CpuRates
 from cri_shim.inspection.host import (
@@ -23,16 +22,26 @@ from cri_shim.inspection.host import (
     ContainerFigures,
     HostReader,
     InterfaceCounters,
+    LayerFigure,
     LayerUsage,
+    NetnsCounters,
 )
 from cri_shim.logcontext import object_fields
 from cri_shim.state.records import ContainerRecord, SandboxRecord
+
+if TYPE_CHECKING:
+    from cri_shim.runtime.conmon import RuntimeBackend
 
 log = logging.getLogger("cri_shim.stats")
 
 # Containers whose usage one worker thread reads at a time: a stream sends the first
 # batch before it reads the next.
 BATCH = 64
+# Pods read by one worker thread at a time, with their containers and networks.
+POD_BATCH = 16
+
+# A container's cgroup counters (a running one's) and its writable layer's figure.
+Read = tuple["CgroupStats | None", LayerFigure]
 
 T = TypeVar("T")
 
@@ -113,25 +122,22 @@ class UsageCollector:
 
     async def pod(self, ref: str) -> PodUsage:
         sandbox = self._sandboxes.get(ref)
-        containers = await self._read_containers(self._containers.list(sandbox_id=sandbox.id))
-        sampled = [c.cgroup for c in containers if c.cgroup is not None]
-        cpu = sum(c.cpu_usage_ns or 0 for c in sampled)
-        read_at = max((c.timestamp_ns for c in sampled), default=0)
-        return PodUsage(
-            record=sandbox,
-            containers=containers,
-            read_at=read_at,
-            cpu_usage_ns=cpu,
-            cpu_nano_cores=self._rates.rate(sandbox.id, read_at, cpu) if read_at else None,
-            memory_working_set_bytes=sum(c.memory_working_set_bytes or 0 for c in sampled),
-            network=await self._network(sandbox),
-        )
+        [usage] = await self._read_pods([sandbox], self._containers.list(sandbox_id=sandbox.id))
+        return usage
 
     async def pods(self, selected: list[SandboxRecord]) -> AsyncIterator[PodUsage]:
-        """The usage of each of `selected`, read when it is its turn; then the CPU samples
-        of removed objects are dropped."""
-        for sandbox in selected:
-            yield await self.pod(sandbox.id)
+        """The usage of each of `selected`, a batch of pods at a time when it is the
+        batch's turn; then the CPU samples of removed objects are dropped."""
+        # One look at every container rather than one per pod (or batch).
+        containers: dict[str, list[ContainerRecord]] = {s.id: [] for s in selected}
+        for container in self._containers.list():
+            if container.sandbox_id in containers:
+                containers[container.sandbox_id].append(container)
+        for start in range(0, len(selected), POD_BATCH):
+            batch = selected[start : start + POD_BATCH]
+            theirs = [c for s in batch for c in containers[s.id]]
+            for usage in await self._read_pods(batch, theirs):
+                yield usage
         self._forget_removed()
 
     async def pods_figures(self, render: Callable[[PodFigures], T]) -> AsyncIterator[T]:
@@ -148,41 +154,70 @@ class UsageCollector:
     async def _read_containers(self, containers: list[ContainerRecord]) -> list[ContainerUsage]:
         """All read in one worker thread: the hop to a thread and back costs more than one
         container's files, so one hop each would make a node's listing mostly hops."""
+        read = await asyncio.to_thread(self._read_usage, self._with_backends(containers))
+        return [self._container_usage(c, cgroup, layer) for c, (cgroup, layer) in read]
+
+    async def _read_pods(
+        self, sandboxes: list[SandboxRecord], containers: list[ContainerRecord]
+    ) -> list[PodUsage]:
+        """The pods' `containers` and networks, all read in one worker thread (and the
+        networks by one thread of its own, netdev.py)."""
+        # A stopped pod's network is gone (or going): not read.
+        networked = [s for s in sandboxes if s.netns_path is not None and s.ready]
+        backends = self._with_backends(containers)
         reader = self._reader
-        backends = [reader.running_backend(c) for c in containers]
-        read = await asyncio.to_thread(
-            lambda: [
-                (reader.container_usage(c, b), time.time_ns())
-                for b, c in zip(backends, containers, strict=True)
-            ]
-        )
-        return [
-            self._container_usage(container, cgroup, layer, read_at)
-            for container, ((cgroup, layer), read_at) in zip(containers, read, strict=True)
-        ]
+
+        def read() -> tuple[list[tuple[ContainerRecord, Read]], dict[str, NetnsCounters]]:
+            return self._read_usage(backends), reader.pods_interfaces(networked)
+
+        usages, networks = await asyncio.to_thread(read)
+        by_pod: dict[str, list[ContainerUsage]] = {s.id: [] for s in sandboxes}
+        for container, (cgroup, layer) in usages:
+            by_pod[container.sandbox_id].append(self._container_usage(container, cgroup, layer))
+        return [self._pod_usage(s, by_pod[s.id], networks.get(s.id)) for s in sandboxes]
+
+    def _with_backends(
+        self, containers: list[ContainerRecord]
+    ) -> list[tuple[ContainerRecord, RuntimeBackend | None]]:
+        """Each container with its handler if it runs (read on the loop: the database)."""
+        return [(c, self._reader.running_backend(c)) for c in containers]
+
+    def _read_usage(
+        self, containers: list[tuple[ContainerRecord, RuntimeBackend | None]]
+    ) -> list[tuple[ContainerRecord, Read]]:
+        """Blocking: in a worker thread."""
+        return [(c, self._reader.container_usage(c, backend)) for c, backend in containers]
 
     def _container_usage(
-        self,
-        container: ContainerRecord,
-        cgroup: CgroupStats | None,
-        layer: LayerUsage,
-        read_at: int,
+        self, container: ContainerRecord, cgroup: CgroupStats | None, layer: LayerFigure
     ) -> ContainerUsage:
         rate = None
         if cgroup is not None and cgroup.cpu_usage_ns is not None:
             rate = self._rates.rate(container.id, cgroup.timestamp_ns, cgroup.cpu_usage_ns)
-        return ContainerUsage(container, cgroup, rate, layer, read_at)
+        return ContainerUsage(container, cgroup, rate, layer.usage, layer.read_at)
 
-    async def _network(self, sandbox: SandboxRecord) -> PodNetwork | None:
-        if sandbox.netns_path is None or not sandbox.ready:
-            return None
-        read_at = time.time_ns()
-        try:
-            interfaces = await asyncio.to_thread(self._reader.pod_interfaces, sandbox)
-        except (OSError, TimeoutError) as err:
-            log.warning("network stats of pod %s: %s", sandbox.id, err)
-            return None
-        return PodNetwork(read_at, interfaces) if interfaces else None
+    def _pod_usage(
+        self,
+        sandbox: SandboxRecord,
+        containers: list[ContainerUsage],
+        network: NetnsCounters | None,
+    ) -> PodUsage:
+        sampled = [c.cgroup for c in containers if c.cgroup is not None]
+        cpu = sum(c.cpu_usage_ns or 0 for c in sampled)
+        read_at = max((c.timestamp_ns for c in sampled), default=0)
+        return PodUsage(
+            record=sandbox,
+            containers=containers,
+            read_at=read_at,
+            cpu_usage_ns=cpu,
+            cpu_nano_cores=self._rates.rate(sandbox.id, read_at, cpu) if read_at else None,
+            memory_working_set_bytes=sum(c.memory_working_set_bytes or 0 for c in sampled),
+            network=self._pod_network(sandbox, network),
+        )
+
+    def _pod_network(self, sandbox: SandboxRecord, read: NetnsCounters | None) -> PodNetwork | None:
+        interfaces = _interfaces_read(sandbox, read, "stats")
+        return PodNetwork(read.read_at, interfaces) if read and interfaces else None
 
     def _render_pod(
         self,
@@ -193,16 +228,8 @@ class UsageCollector:
         return render(self._pod_figures(sandbox, containers))
 
     def _pod_figures(self, sandbox: SandboxRecord, containers: list[ContainerRecord]) -> PodFigures:
-        try:
-            interfaces = self._reader.pod_interfaces(sandbox)
-        except (OSError, TimeoutError) as err:
-            log.warning(
-                "network metrics of pod %s: %s",
-                sandbox.id,
-                err,
-                extra=object_fields("sandbox", sandbox.id, sandbox.name),
-            )
-            interfaces = {}
+        read = self._reader.pods_interfaces([sandbox]).get(sandbox.id)
+        interfaces = _interfaces_read(sandbox, read, "metrics")
         running = [c for c in containers if c.state == "running"]
         figures = [self._reader.container_figures(c) for c in running]
         return PodFigures(sandbox, interfaces, [f for f in figures if f is not None])
@@ -210,3 +237,22 @@ class UsageCollector:
     def _forget_removed(self) -> None:
         live: Set[str] = self._sandboxes.ids() | self._containers.ids()
         self._rates.retain(live)
+        self._reader.retain(live)
+
+
+def _interfaces_read(
+    sandbox: SandboxRecord, read: NetnsCounters | None, what: str
+) -> dict[str, InterfaceCounters]:
+    """The pod's interface counters; none when it has no network or it could not be read
+    (logged: the rest of the pod's `what` is still answered)."""
+    if read is None:
+        return {}
+    if read.error is not None:
+        log.warning(
+            "network %s of pod %s: %s",
+            what,
+            sandbox.id,
+            read.error,
+            extra=object_fields("sandbox", sandbox.id, sandbox.name),
+        )
+    return read.interfaces

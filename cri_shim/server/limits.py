@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -91,38 +91,17 @@ class RequestLimiter:
         self.streaming = 0
         self.refused = 0
 
-    @asynccontextmanager
-    async def admit(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
+    def admit(self, rpc: str, deadline: float | None) -> AbstractAsyncContextManager[None]:
         """Hold a place for the call `rpc` while its handler runs. `deadline` is on the
         event loop's clock (None: the caller set none)."""
+        if rpc in READ_RPCS:
+            return _Place(self, rpc, "reading", "max_reads_in_flight", "read calls are in flight")
         if rpc in STREAM_RPCS:
-            yield
-        elif rpc in LIST_STREAM_RPCS:
+            return _NO_PLACE
+        if rpc in LIST_STREAM_RPCS:
             streams = "streaming lists are open (read or cancel them)"
-            async with self._counted(rpc, "streaming", "max_streams_in_flight", streams):
-                yield
-        elif rpc in READ_RPCS:
-            reads = "read calls are in flight"
-            async with self._counted(rpc, "reading", "max_reads_in_flight", reads):
-                yield
-        else:
-            async with self._work(rpc, deadline):
-                yield
-
-    @asynccontextmanager
-    async def _counted(self, rpc: str, counter: str, key: str, what: str) -> AsyncIterator[None]:
-        """A place among at most `[requests] key` calls, counted in `self.<counter>`."""
-        held: int = getattr(self, counter)
-        if held >= getattr(self.config, key):
-            self.refused += 1
-            raise ResourceExhausted(
-                f"{rpc}: {held} {what}, the most allowed ([requests] {key}); retry shortly"
-            )
-        setattr(self, counter, held + 1)
-        try:
-            yield
-        finally:
-            setattr(self, counter, getattr(self, counter) - 1)
+            return _Place(self, rpc, "streaming", "max_streams_in_flight", streams)
+        return self._work(rpc, deadline)
 
     @asynccontextmanager
     async def _work(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
@@ -161,8 +140,50 @@ class RequestLimiter:
             self._slots.release()
 
 
+class _Place:
+    """A place among at most `[requests] key` calls, counted in `limiter.<counter>`.
+
+    A class rather than an @asynccontextmanager: every read call (Version, the statuses)
+    passes here, and the generator costs several times the counting."""
+
+    __slots__ = ("_counter", "_key", "_limiter", "_rpc", "_what")
+
+    def __init__(self, limiter: RequestLimiter, rpc: str, counter: str, key: str, what: str):
+        self._limiter = limiter
+        self._rpc = rpc
+        self._counter = counter
+        self._key = key
+        self._what = what
+
+    async def __aenter__(self) -> None:
+        limiter = self._limiter
+        held: int = getattr(limiter, self._counter)
+        if held >= getattr(limiter.config, self._key):
+            limiter.refused += 1
+            raise ResourceExhausted(
+                f"{self._rpc}: {held} {self._what}, the most allowed ([requests] "
+                f"{self._key}); retry shortly"
+            )
+        setattr(limiter, self._counter, held + 1)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        setattr(self._limiter, self._counter, getattr(self._limiter, self._counter) - 1)
+
+
+class _NoPlace:
+    async def __aenter__(self) -> None:
+        pass
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pass
+
+
+_NO_PLACE = _NoPlace()
+
+
 async def admitted(
     handler: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    rpc: str,
     services: EdgeView,
     request: Any,
     context: grpc.aio.ServicerContext,
@@ -171,9 +192,8 @@ async def admitted(
 ) -> Any:
     """Run `handler` for `request` once it is valid and admitted (see the module
     docstring); raises the domain errors the rpc wrapper maps to status codes. `large`:
-    the request was too big to parse on the event loop (server/wire.py)."""
-    name = handler.__name__
-    rpc = _rpc_name(name)
+    the request was too big to parse on the event loop (server/wire.py). `rpc`: the
+    method as the CRI names it (server/rpc.py cri_method_name)."""
     if rpc in _VALIDATED_OFF_LOOP or large:
         # Checking a request of many megabytes takes seconds of Python, and
         # CreateContainer's checks stat host paths (a hung NFS mount): neither may hold up
@@ -192,11 +212,3 @@ async def admitted(
 
 
 _VALIDATED_OFF_LOOP = frozenset({"CreateContainer"})
-
-
-def _rpc_name(handler_name: str) -> str:
-    """`run_pod_sandbox` → `RunPodSandbox`: the handlers are named after their RPC."""
-    special = {"exec_": "Exec"}
-    if handler_name in special:
-        return special[handler_name]
-    return "".join(part.capitalize() for part in handler_name.split("_"))

@@ -94,6 +94,8 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
             raise AssertionError("abort returns by raising")
+        if view.loop_monitor is not None:
+            view.loop_monitor.note_call()  # the lag is sampled while calls arrive
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         with (
@@ -113,7 +115,7 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 # Validated and admitted first: a bad or surplus call does nothing, not even
                 # reserve a name or hold a slot that a good call needs.
                 response = await admitted(
-                    handler, view, request, context, request_deadline(context), large
+                    handler, name, view, request, context, request_deadline(context), large
                 )
                 _note_response(span, response)
                 return response
@@ -133,9 +135,10 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 log.exception("%s failed unexpectedly", name)
                 await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
             finally:
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                if code is not grpc.StatusCode.OK:
-                    span.fail(code.name)
+                if span is not tracing.NO_SPAN:
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    if code is not grpc.StatusCode.OK:
+                        span.fail(code.name)
                 if view.rpc_metrics is not None:
                     view.rpc_metrics.observe_rpc(name, code.name, time.perf_counter() - started)
 

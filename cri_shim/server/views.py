@@ -54,6 +54,12 @@ class RpcObserver(Protocol):
     def observe_rpc(self, method: str, code: str, seconds: float) -> None: ...
 
 
+class CallNoticer(Protocol):
+    """loop_monitor.py's LoopMonitor, which samples while calls arrive."""
+
+    def note_call(self) -> None: ...
+
+
 class Sandboxes(Protocol):
     async def run(
         self, config: api_pb2.PodSandboxConfig, runtime_handler: str, deadline: float | None
@@ -124,7 +130,8 @@ class Puller(Protocol):
 @dataclass(frozen=True)
 class EdgeView:
     """What every call's wrapper uses (server/rpc.py): admission, the count of RPCs (None
-    without `[metrics] listen`), the names of the objects a request names and the tracer."""
+    without `[metrics] listen`), the names of the objects a request names, the tracer and
+    the event loop's monitor."""
 
     config: Config
     limiter: Admission
@@ -132,6 +139,8 @@ class EdgeView:
     rpc_metrics: RpcObserver | None
     # A span per call when `[tracing] endpoint` is set; the no-op tracer otherwise.
     tracer: Tracer
+    # None with `[metrics] event_loop_sample_interval = 0`.
+    loop_monitor: CallNoticer | None
 
 
 @dataclass(frozen=True)

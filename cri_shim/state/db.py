@@ -32,6 +32,8 @@ from cri_shim.state.schema import MIGRATIONS
 # Once a checkpoint has copied it all, the WAL starts over and is cut back to this.
 WAL_SIZE_LIMIT = 4 << 20
 CHECKPOINT_INTERVAL = 1.0
+# The longest between two looks for writes to checkpoint (a write waits at most this long).
+CHECKPOINT_IDLE_INTERVAL = 8.0
 
 
 class DamagedDatabase(Exception):
@@ -135,19 +137,29 @@ class Database:
             finally:
                 checkpointer.close()
 
-    async def checkpoint_periodically(self, interval: float = CHECKPOINT_INTERVAL) -> None:
+    async def checkpoint_periodically(
+        self, interval: float = CHECKPOINT_INTERVAL, idle_interval: float = CHECKPOINT_IDLE_INTERVAL
+    ) -> None:
         """checkpoint() on a worker thread every `interval` seconds in which something was
-        written; cancel to stop. Own it in the daemon's task group."""
+        written; cancel to stop. Own it in the daemon's task group.
+
+        Without writes it looks twice as long apart each time, up to `idle_interval`: an
+        idle daemon (and a node whose pods just run, which writes nothing) need not wake
+        every second, and the WAL holds nothing to copy then."""
         # From the writes after it starts: the start's own (migrations, restore) wait for
         # the first of those, so that a daemon that serves and writes nothing never opens
         # a second connection.
         checkpointed = self._conn.total_changes
+        wait = interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(wait)
             changes = self._conn.total_changes
             if changes != checkpointed:
                 checkpointed = changes
+                wait = interval
                 await asyncio.to_thread(self.checkpoint)
+            else:
+                wait = min(wait * 2, idle_interval)
 
     def close(self) -> None:
         """Checkpoint what is left (a process that only imported images has no periodic

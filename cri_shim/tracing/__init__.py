@@ -252,20 +252,39 @@ class _NoTracer:
 NO_TRACER: Tracer = _NoTracer()
 
 
-@contextlib.contextmanager
+class _Untraced:
+    def __enter__(self) -> Span:
+        return NO_SPAN
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+_UNTRACED = _Untraced()
+
+
 def serving(
     tracer: Tracer,
     method: str,
     metadata: Callable[[], Mapping[str, str]],
     attributes: Callable[[], Mapping[str, Any]],
-) -> Iterator[Span]:
+) -> contextlib.AbstractContextManager[Span]:
     """The server span of one CRI call, current for the call's work and its log lines.
 
     `metadata` and `attributes` are read only when tracing is on: every call passes here,
-    and an untraced one should not pay for them."""
+    and an untraced one should not pay for them (nor for a generator's context manager)."""
     if tracer is NO_TRACER:
-        yield NO_SPAN
-        return
+        return _UNTRACED
+    return _serving(tracer, method, metadata, attributes)
+
+
+@contextlib.contextmanager
+def _serving(
+    tracer: Tracer,
+    method: str,
+    metadata: Callable[[], Mapping[str, str]],
+    attributes: Callable[[], Mapping[str, Any]],
+) -> Iterator[Span]:
     server = tracer.server_span(method, metadata(), attributes())
     token = _make_current(server)  # the log binding ends with the caller's log scope
     try:

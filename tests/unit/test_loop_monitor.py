@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from cri_shim.loop_monitor import LoopMonitor
+from tests.waiting import until
 
 
 def test_lags_are_counted_by_bucket() -> None:
@@ -70,3 +71,30 @@ def test_work_on_the_loop_is_a_busy_stall() -> None:
     monitor = asyncio.run(scenario())
     assert monitor.stalls_over(0.1, busy=True) == 1
     assert monitor.longest_busy >= 0.14
+
+
+def test_sampling_pauses_without_calls_and_the_next_call_resumes_it() -> None:
+    async def scenario() -> None:
+        monitor = LoopMonitor(0.002, idle_after=0.2)
+        task = asyncio.create_task(monitor.run())
+        try:
+            await until(lambda: not monitor.sampling)  # no call: it stops after idle_after
+            assert monitor.pauses == 1
+            paused_at = monitor.samples
+            await asyncio.sleep(0.05)
+            assert monitor.samples == paused_at  # no wakeups while paused
+            monitor.note_call()
+            await until(lambda: monitor.samples >= paused_at + 3)
+            # Calls keep it sampling: it pauses again only once they stop.
+            for _ in range(60):  # 0.24 s and more, a call every 4 ms
+                monitor.note_call()
+                await asyncio.sleep(0.004)
+            assert monitor.pauses == 1
+            await until(lambda: not monitor.sampling)
+            assert monitor.pauses == 2
+            assert monitor.report()["pausedWithoutCalls"] == 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())

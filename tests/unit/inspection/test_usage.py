@@ -13,6 +13,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import NotFound
 from cri_shim.inspection.cpu_rates import CpuRates
 from cri_shim.inspection.host import HostReader
+from cri_shim.inspection.layer_usage import LayerUsageCache
 from cri_shim.inspection.usage import PodFigures, UsageCollector
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
@@ -125,10 +126,11 @@ class FakeContainers:
 
 
 def collector(
-    tmp_path: Path, objects: FakeLifecycle, rates: CpuRates
+    tmp_path: Path, objects: FakeLifecycle, rates: CpuRates, layers: LayerUsageCache | None = None
 ) -> tuple[UsageCollector, FakeBackend]:
     backend = FakeBackend(tmp_path / "cgroup")
-    reader = HostReader(lambda c: backend)  # type: ignore[arg-type, return-value]
+    layers = layers if layers is not None else LayerUsageCache(max_age=0)
+    reader = HostReader(lambda c: backend, layers)  # type: ignore[arg-type, return-value]
     return UsageCollector(objects, FakeContainers(objects), reader, rates), backend
 
 
@@ -153,19 +155,22 @@ async def test_a_pod_uses_what_its_running_containers_use_with_rates(tmp_path: P
     assert second.containers[0].cpu_nano_cores is not None
 
 
-async def test_a_listing_forgets_the_samples_of_removed_objects(tmp_path: Path) -> None:
+async def test_a_listing_forgets_the_samples_and_layer_figures_of_removed_objects(
+    tmp_path: Path,
+) -> None:
     objects = FakeLifecycle([sandbox()])
     objects.containers = [container(tmp_path, "a"), container(tmp_path, "b")]
     rates = CpuRates()
-    usage, backend = collector(tmp_path, objects, rates)
+    layers = LayerUsageCache(max_age=3600)
+    usage, backend = collector(tmp_path, objects, rates, layers)
     for name in ("a", "b"):
         backend.set_cpu(name, usage_usec=1_000, working_set=1)
     await listed(usage.containers(objects.containers))
-    assert len(rates) == 2
+    assert (len(rates), len(layers)) == (2, 2)
     objects.containers = objects.containers[:1]  # "b" is removed
     read = await listed(usage.containers(objects.containers))
     assert [u.record.id for u in read] == ["a"]
-    assert len(rates) == 1
+    assert (len(rates), len(layers)) == (1, 1)
 
 
 async def test_metrics_figures_are_read_for_ready_pods_with_device_names(

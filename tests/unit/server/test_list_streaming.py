@@ -93,6 +93,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
             names=None,  # no list request names an object by ID
             containers=containers,
             tracer=NO_TRACER,
+            loop_monitor=None,
         )
         servicer = RuntimeService()
         servicer.services = services  # type: ignore[assignment]

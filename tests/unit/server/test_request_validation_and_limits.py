@@ -12,7 +12,8 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import RequestsConfig
 from cri_shim.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from cri_shim.server.limits import READ_RPCS, RequestLimiter, _rpc_name
+from cri_shim.server.limits import READ_RPCS, RequestLimiter
+from cri_shim.server.rpc import cri_method_name
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.validation import validate_request
 from tests.waiting import until
@@ -26,7 +27,7 @@ def test_every_served_rpc_is_admitted_under_its_own_name() -> None:
         for name in methods:
             wrapped = getattr(getattr(cls, name), "__wrapped__", None)
             if wrapped is not None:  # served (unimplemented ones do nothing)
-                assert _rpc_name(wrapped.__name__) == name
+                assert cri_method_name(wrapped.__name__) == name
     assert READ_RPCS <= set(
         api_pb2.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name
     ) | set(api_pb2.DESCRIPTOR.services_by_name["ImageService"].methods_by_name)

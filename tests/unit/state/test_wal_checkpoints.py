@@ -7,6 +7,8 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+
 from cri_shim.state.db import WAL_SIZE_LIMIT, Database
 
 
@@ -48,7 +50,7 @@ async def test_the_periodic_checkpoint_runs_only_after_writes(tmp_path: Path) ->
     db.checkpoint = counted  # type: ignore[method-assign]
     db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
     _write(db, 1)  # before it starts: left for the first write after
-    task = asyncio.create_task(db.checkpoint_periodically(interval=0.05))
+    task = asyncio.create_task(db.checkpoint_periodically(interval=0.05, idle_interval=0.05))
     try:
         await asyncio.sleep(0.3)
         assert calls == []
@@ -57,6 +59,38 @@ async def test_the_periodic_checkpoint_runs_only_after_writes(tmp_path: Path) ->
         after_write = len(calls)
         await asyncio.sleep(0.3)  # nothing written meanwhile
         assert after_write == 1 and len(calls) == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        db.close()
+
+
+async def test_without_writes_the_checkpointer_looks_half_as_often_each_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = Database(tmp_path / "state.db")
+    db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float) -> None:
+        waits.append(delay)
+        await real_sleep(0)
+
+    async def waited(count: int) -> None:
+        while len(waits) < count:
+            await real_sleep(0.001)
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    task = asyncio.create_task(db.checkpoint_periodically(interval=1, idle_interval=8))
+    try:
+        await waited(6)
+        assert waits[:6] == [1, 2, 4, 8, 8, 8]
+        _write(db, 1)
+        before = len(waits)
+        await waited(before + 2)
+        # The write is checkpointed at the next look, and the looks are frequent again.
+        assert waits[before] == 1
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

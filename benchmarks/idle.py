@@ -1,0 +1,66 @@
+"""The idle daemon's cost: no pods, no client, for a minute.
+
+Printed are its CPU time (all threads, the scheduler's) as a share of one core, and how
+often its threads woke (context switches, from /proc/PID/task/*/status), per thread
+name: every timer an idle daemon runs shows up here. Run it with `--metrics` to serve
+`[metrics] listen` as well.
+
+    .venv/bin/python benchmarks/idle.py [--seconds 60] [--metrics] [--settle 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from pathlib import Path
+
+from common import bench_daemon, cpu_seconds
+
+
+def wakeups(pid: int) -> Counter[str]:
+    """Context switches so far, by thread name."""
+    counts: Counter[str] = Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended while we looked
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        switches = int(fields["voluntary_ctxt_switches"]) + int(
+            fields["nonvoluntary_ctxt_switches"]
+        )
+        counts[fields["Name"].strip()] += switches
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--settle", type=float, default=5.0, help="wait after the start")
+    parser.add_argument("--metrics", action="store_true", help="serve [metrics] listen")
+    args = parser.parse_args()
+    # The embedded defaults but for the roots: info logging, the loop monitor on.
+    settings: dict[str, object] = {"log_level": "info"}
+    if args.metrics:
+        settings["metrics"] = {"listen": "127.0.0.1:0"}
+    with bench_daemon(settings, slow_cni=False) as daemon:
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        time.sleep(args.settle)
+        cpu, woke, started = cpu_seconds(pid), wakeups(pid), time.monotonic()
+        time.sleep(args.seconds)
+        cpu = cpu_seconds(pid) - cpu
+        elapsed = time.monotonic() - started
+        woke = wakeups(pid) - woke
+    print(
+        f"idle {elapsed:.0f} s: {cpu * 1000:.1f} ms CPU, {100 * cpu / elapsed:.3f} % of a core; "
+        f"{sum(woke.values()) / elapsed:.1f} wakeups/s"
+    )
+    for name, count in woke.most_common():
+        if count:
+            print(f"  {name:<20} {count / elapsed:7.1f} wakeups/s")
+
+
+if __name__ == "__main__":
+    main()
