@@ -73,9 +73,14 @@ def test_each_container_write_shows_in_the_next_list_and_status(db: Database) ->
     (exited,) = rows.list_visible_in("s1")
     status = to_status(exited)
     assert (status.state, status.exit_code, status.reason) == (api_pb2.CONTAINER_EXITED, 3, "Error")
-    # An exit the daemon had to make up replaces the one recorded.
-    rows.mark_exited("c1", 255, 30, "Unknown", message="gone")
-    lost = rows.visible("c1")
+    # An exit the daemon had to make up, with what it knows of it; a recorded exit stays.
+    assert not rows.mark_exited("c1", 255, 30, "Unknown", message="gone")
+    kept = rows.visible("c1")
+    assert kept is not None and (kept.exit_code, kept.message) == (3, "")
+    visible_container(rows, "c2", "s1")
+    rows.mark_running("c2", started_at=10)
+    assert rows.mark_exited("c2", 255, 30, "Unknown", message="gone")
+    lost = rows.visible("c2")
     assert lost is not None and (lost.exit_code, lost.message) == (255, "gone")
 
 
