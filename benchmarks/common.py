@@ -20,11 +20,15 @@ from tests.harness import Daemon, make_test_network, pod_config
 
 
 @contextmanager
-def bench_daemon(settings: dict[str, Any] | None = None, slow_cni: bool = True) -> Iterator[Daemon]:
+def bench_daemon(
+    settings: dict[str, Any] | None = None,
+    slow_cni: bool = True,
+    env: dict[str, str] | None = None,
+) -> Iterator[Daemon]:
     base = Path(tempfile.mkdtemp(prefix="csb-", dir="/tmp"))
     base.chmod(0o711)  # reachable from a pod's user namespace, as /var/lib is
     network = make_test_network(base, 7, slow=slow_cni)
-    daemon = Daemon(base, network, settings=settings or {})
+    daemon = Daemon(base, network, settings=settings or {}, env=env or {})
     daemon.start()
     try:
         yield daemon

@@ -321,6 +321,7 @@ class CreationCoordinator:
         entry.expires_at = None
         if entry.claimed is not None:
             entry.claimed.set()  # ends the wait for the expiry
+        _drop_events(entry)
         self._count("claimed", entry, "claimed from the cache, now visible")
         return entry.object_id
 
@@ -612,6 +613,8 @@ class CreationCoordinator:
     def _settle(entry: _Entry) -> None:
         if entry.settled is not None:
             entry.settled.set()
+            if entry.phase is Phase.VISIBLE:
+                _drop_events(entry)
 
     # ---- the domain's side: removal and restore --------------------------------------
 
@@ -845,6 +848,14 @@ class CreationCoordinator:
         self._observer.counted(counter)
         entry.trace.counted(counter, entry.stage)
         log.log(level, "%s %r (%s): %s", self._kind, entry.name, entry.object_id, message)
+
+
+def _drop_events(entry: _Entry) -> None:
+    """A visible object's events, once set, have woken every waiter (each holds its own
+    reference) and no request waits on a visible name again: kept, they are ~1 KiB an
+    object (an asyncio event and its deque) for as long as the object lives."""
+    entry.settled = None
+    entry.claimed = None
 
 
 def _loop_time() -> float:

@@ -34,6 +34,12 @@ WAL_SIZE_LIMIT = 4 << 20
 CHECKPOINT_INTERVAL = 1.0
 # The longest between two looks for writes to checkpoint (a write waits at most this long).
 CHECKPOINT_IDLE_INTERVAL = 8.0
+# SQLite's page cache, allocated on the daemon's heap. Its default (2000 KiB) fills with
+# the pages restore and writes touch: about 1 MiB with 110 pods held, all of it kept.
+# Lists and statuses are answered from memory; a write touches a few B-tree pages, and a
+# page not cached is read from the OS's page cache (the WAL index says where) in
+# microseconds. A quarter of a MiB holds the pages that writes keep touching.
+PAGE_CACHE_KIB = 256
 
 
 class DamagedDatabase(Exception):
@@ -59,6 +65,7 @@ class Database:
             self._conn.execute("PRAGMA busy_timeout=30000")
             self._conn.execute("PRAGMA wal_autocheckpoint=0")
             self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+            self._conn.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")  # negative: KiB
             problems = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
             if problems != ["ok"]:
                 raise sqlite3.DatabaseError("; ".join(problems[:3]))

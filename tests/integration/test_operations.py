@@ -343,6 +343,8 @@ _NOT_AT_IDLE = {
     "pyroute2": "netlink, ~11 MiB (not used at all)",
     "secrets": "hmac and random along with it",
     "opentelemetry": "the tracing stack, only with [tracing] endpoint",
+    "hypothesis": "the tests' property checks, never the daemon's",
+    "pytest": "the tests' runner, never the daemon's",
 }
 
 

@@ -82,6 +82,28 @@ async def test_done_in_time_the_object_is_published_and_its_id_returned() -> Non
 
 
 @in_virtual_time
+async def test_a_visible_object_keeps_no_event_however_it_became_visible() -> None:
+    # Nothing waits on a visible name again: an event kept is ~1 KiB for each object held.
+    coordinator, _ = make()
+    slow = FakeCreator(steps=[("sandbox network", 2.0)])
+    in_time, handed_off, claimed = (f"k8s_POD_p{n}_default_uid-{n}_0" for n in range(3))
+    assert await coordinator.create(in_time, 10.0, FakeCreator()) == "id1"
+    timed_out, _ = await outcome(coordinator.create(handed_off, 1.0, slow))
+    assert isinstance(timed_out, DeadlineExceeded)
+    assert await coordinator.create(handed_off, 10.0, slow) == "id2"  # waited, handed off
+    timed_out, _ = await outcome(coordinator.create(claimed, 4.0, slow))
+    assert isinstance(timed_out, DeadlineExceeded)
+    await advance_to(10.0)  # finished meanwhile: in the cache
+    assert coordinator.lookup(claimed).phase is Phase.CACHED  # type: ignore[union-attr]
+    assert await coordinator.create(claimed, 20.0, slow) == "id3"
+    for name in (in_time, handed_off, claimed):
+        entry = coordinator._entries[name]
+        assert entry.phase is Phase.VISIBLE
+        assert (entry.settled, entry.claimed) == (None, None)
+    await coordinator.aclose()
+
+
+@in_virtual_time
 async def test_the_name_is_reserved_before_the_request_first_yields() -> None:
     coordinator, hooks = make()
     creator = FakeCreator()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,8 @@ HOST_NET = {"linux.security_context.namespace_options.network": api_pb2.NODE}
         ({"linux.sysctls": {"net.core.somaxconn": "1\n2"}}, "linux.sysctls"),
         ({"annotations": {"big": "x" * (300 * 1024)}}, "annotations"),
         ({"labels": {"k" * 400: "v"}}, "labels"),
+        ({"labels": {"app\x00": "v"}}, "labels key"),
+        ({"annotations": {"note": "a\x00b"}}, "annotations['note']"),
         ({"port_mappings": [api_pb2.PortMapping(host_port=70000)]}, "port_mappings[0].host_port"),
         ({"port_mappings": [api_pb2.PortMapping(host_ip="nope")]}, "port_mappings[0].host_ip"),
         ({"linux.cgroup_parent": "/kubepods/../../.."}, "cgroup_parent"),
@@ -109,6 +113,18 @@ def test_hostile_sandbox_fields_are_named(fields: dict[str, object], named: str)
 )
 def test_what_kubelet_sends_is_accepted(fields: dict[str, object]) -> None:
     validate_request("RunPodSandbox", pod(**fields))
+
+
+def test_checking_maps_loads_no_descriptor_protos() -> None:
+    """Reading a map field's options would import descriptor_pb2, 0.3 MiB resident."""
+    code = (
+        "import sys; from tests.unit.server.test_request_validation_and_limits import pod;"
+        " from cri_shim.server.validation import validate_request;"
+        " validate_request('RunPodSandbox', pod(labels={'app': 'web'}, annotations={'a': 'b'}));"
+        " print('google.protobuf.descriptor_pb2' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def container(**fields: object) -> api_pb2.CreateContainerRequest:

@@ -4,12 +4,14 @@ on the event loop, and starts over once a checkpoint has copied it."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 
 import pytest
 
-from cri_shim.state.db import WAL_SIZE_LIMIT, Database
+from cri_shim.state.db import PAGE_CACHE_KIB, WAL_SIZE_LIMIT, Database
 
 
 def _wal(db: Database) -> int:
@@ -94,4 +96,20 @@ async def test_without_writes_the_checkpointer_looks_half_as_often_each_time(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        db.close()
+
+
+def test_the_page_cache_stays_small_however_much_is_read(tmp_path: Path) -> None:
+    # SQLite's own count of what it holds on the heap (the linked library, the one that
+    # Python's sqlite3 uses); its default page cache would keep 2 MiB of these 6 MiB.
+    memory_used = ctypes.CDLL(ctypes.util.find_library("sqlite3")).sqlite3_memory_used
+    memory_used.restype = ctypes.c_int64
+    db = Database(tmp_path / "state.db")
+    try:
+        before = memory_used()
+        db.execute("CREATE TABLE scratch (id INTEGER PRIMARY KEY, v BLOB)")
+        _write(db, 3000)
+        assert len(db.query("SELECT v FROM scratch")) == 3000
+        assert memory_used() - before < (PAGE_CACHE_KIB << 10) + (512 << 10)
+    finally:
         db.close()
