@@ -61,11 +61,14 @@ class OrphanReaper:
         return reaped
 
     async def run(self, interval: float = DEFAULT_INTERVAL) -> None:
-        """Scan for ever; cancel to stop. Own it in the daemon's task group. The scan
-        reads /proc: off the event loop, which it would otherwise hold for as long as it
-        takes to get the interpreter back after every read."""
+        """Scan for ever; cancel to stop. Own it in the daemon's task group. Whether any
+        child is a zombie is one non-blocking call, asked on the event loop; only a scan
+        that reads /proc goes to a thread (the loop would otherwise be held for as long
+        as it takes to get the interpreter back after every read). So an idle daemon's
+        look costs one wakeup of the loop a second and none of a worker thread."""
         while True:
-            await asyncio.to_thread(self.scan)
+            if _any_zombie_child() or self._seen:
+                await asyncio.to_thread(self.scan)
             await asyncio.sleep(interval)
 
 

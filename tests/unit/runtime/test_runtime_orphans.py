@@ -154,3 +154,31 @@ LEFT_FOR_ITS_WAITER = textwrap.dedent(
 
 def test_the_zombie_check_leaves_the_exit_status_to_whoever_waits() -> None:
     assert _run(LEFT_FOR_ITS_WAITER) == "True 3"
+
+
+IDLE_LOOKS = textwrap.dedent(
+    """
+    import asyncio
+    from cri_shim.runtime import orphans
+
+    hops = []
+
+    async def counted(function, *args):
+        hops.append(function)
+        return function(*args)
+
+    async def main():
+        orphans.asyncio.to_thread = counted
+        looks = asyncio.create_task(orphans.OrphanReaper().run(interval=0.01))
+        await asyncio.sleep(0.2)
+        looks.cancel()
+        print(len(hops))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_with_no_zombie_a_look_stays_on_the_event_loop() -> None:
+    # No child has exited: twenty looks, not one of them handed to a worker thread.
+    assert _run(IDLE_LOOKS) == "0"
