@@ -94,8 +94,11 @@ class Kubelet:
             path.mkdir(parents=True, exist_ok=True)
 
     def command(self) -> list[str]:
-        """The command line, with the current read-only port and two fresh ones."""
-        return [
+        """The command line, with the current read-only port and two fresh ones; a flag
+        of `extra_args` takes the place of the default of that name (a list flag given
+        twice would add to it rather than replace it)."""
+        given = {arg.partition("=")[0] for arg in self.extra_args}
+        defaults = [
             str(KUBELET),
             f"--container-runtime-endpoint={self.endpoint}",
             f"--image-service-endpoint={self.endpoint}",
@@ -121,8 +124,8 @@ class Kubelet:
             "--healthz-bind-address=127.0.0.1",
             f"--healthz-port={free_port()}",  # this build serves /healthz on the read-only port
             "--v=2",
-            *self.extra_args,
         ]
+        return [arg for arg in defaults if arg.partition("=")[0] not in given] + self.extra_args
 
     def start(self, timeout: float = 60) -> None:
         self.make_cgroup_root()
