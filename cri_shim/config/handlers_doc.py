@@ -8,7 +8,7 @@ from __future__ import annotations
 # NRI on: `--runtime-handler=runsc` beside the default handler (runc).
 CRITEST_TALLY = (
     ("runc (default)", "126", "2", "14"),
-    ("runsc (gVisor 2022-12-19)", "93", "29", "20"),
+    ("runsc (gVisor 2022-12-19)", "94", "28", "20"),
 )
 
 # Each spec that fails under runsc, and why. "Refused": the daemon answers
@@ -163,9 +163,7 @@ nor user namespaces.
 
 {_KATA}
 critest with `--runtime-handler=runsc` (`runtime_args = ["--network=host"]`), beside the
-default handler, measured while exec with a terminal was still refused under runsc (that
-spec, "exec with tty=true and stdin=true", then failed; exec with a terminal now works and
-its integration test passes under runsc, so a new run should count 94 passed, 28 failed):
+default handler:
 
 | handler | passed | failed | skipped |
 |---|---|---|---|
