@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from cri_shim.errors import CriError, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
+from cri_shim.runtime.monitors import process_stat
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.state.containers import RUNNING
 from cri_shim.streaming.runc_backend import ContainerEndpoint
@@ -60,8 +60,5 @@ class ContainerExec:
 
 def _process_alive(pid: int) -> bool:
     """The process exists and is not a zombie (whose namespaces are already gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return pid > 0 and stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+    stat = process_stat(pid) if pid > 0 else None
+    return stat is not None and stat[0] not in ("Z", "X")

@@ -34,11 +34,12 @@ class ProcessRef:
 
 
 def process_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time in clock ticks) of a process, or None if gone."""
+    """(state, parent pid, start time in clock ticks) of a process, or None if gone (or
+    its stat cannot be read)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             raw = handle.read()
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:
         return None
     fields = raw[raw.rindex(b")") + 2 :].split()
     # After the command name: state, ppid, ..., starttime is field 22 of the whole line.

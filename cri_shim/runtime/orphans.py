@@ -28,6 +28,7 @@ import logging
 import os
 
 from cri_shim.host import spawn
+from cri_shim.runtime.monitors import process_stat
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,9 @@ def _zombie_children() -> list[tuple[int, int]]:
     me = os.getpid()
     found = []
     for pid in _children(me):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as handle:
-                raw = handle.read()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(b")") + 2 :].split()
-        if fields[0] == b"Z" and int(fields[1]) == me:
-            found.append((pid, int(fields[19])))
+        stat = process_stat(pid)
+        if stat is not None and stat[0] == "Z" and stat[1] == me:
+            found.append((pid, stat[2]))
     return found
 
 
