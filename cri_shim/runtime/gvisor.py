@@ -108,12 +108,22 @@ def sandboxes_of(root: Path, container_id: str) -> set[str]:
 
 
 def remove_locks(root: Path, container_id: str, sandboxes: set[str]) -> None:
-    """runsc's lock files of a deleted container, which its `delete` leaves behind; and
-    its sandbox's, which a `delete` after the sandbox's own makes again."""
+    """runsc's lock files of a deleted container, which its `delete` leaves behind; and,
+    once its sandbox is deleted too, every lock of that sandbox that has no state file.
+
+    runsc makes a container's lock file whenever a command takes the lock, and only its
+    `delete` removes it: a command on the whole sandbox (the pod's stop: `kill --all`,
+    `delete` of the sandbox) that listed a container just before that container's own
+    `delete` makes its lock again just after. The pod's containers are all deleted
+    before the sandbox, so the last delete of a sandbox sweeps what such races left."""
     locks = list(root.glob(f"{container_id}_sandbox:*.lock"))
     for sandbox in sandboxes:
         if not (root / f"{sandbox}_sandbox:{sandbox}.state").exists():
-            locks.append(root / f"{sandbox}_sandbox:{sandbox}.lock")
+            locks += (
+                lock
+                for lock in root.glob(f"*_sandbox:{sandbox}.lock")
+                if not lock.with_suffix(".state").exists()
+            )
     for lock in locks:
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()

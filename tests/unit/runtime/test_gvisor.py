@@ -123,6 +123,21 @@ def test_a_deleted_containers_locks_go_and_its_gone_sandboxs_too(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_sandbox:o.lock"]
 
 
+def test_a_gone_sandboxs_delete_sweeps_the_locks_its_stop_made_again(tmp_path: Path) -> None:
+    # The pod's stop listed container b before b's delete, and locked it after: runsc made
+    # b's lock again. Deleting the sandbox's own container sweeps it; a container of the
+    # sandbox that still has its state keeps its lock.
+    for name in ("s_sandbox:s.lock", "b_sandbox:s.lock", "a_sandbox:s.lock", "a_sandbox:s.state"):
+        (tmp_path / name).touch()
+    (tmp_path / "x_sandbox:other.lock").touch()
+    gvisor.remove_locks(tmp_path, "s", {"s"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a_sandbox:s.lock",
+        "a_sandbox:s.state",
+        "x_sandbox:other.lock",
+    ]
+
+
 def test_a_running_sandboxs_lock_stays(tmp_path: Path) -> None:
     for name in ("c_sandbox:s.lock", "s_sandbox:s.lock", "s_sandbox:s.state"):
         (tmp_path / name).touch()
