@@ -1,9 +1,10 @@
 """The idle daemon's cost: no pods, no client, for a minute.
 
 Printed are its CPU time (all threads, the scheduler's) as a share of one core, and how
-often its threads woke (context switches, from /proc/PID/task/*/status), per thread
-name: every timer an idle daemon runs shows up here. Run it with `--metrics` to serve
-`[metrics] listen` as well.
+often its threads woke (context switches, from /proc/PID/task/*/status) and their CPU
+time (in clock ticks, so only a long run shows a thread's share), per thread name: every
+timer an idle daemon runs shows up here. Run it with `--metrics` to serve `[metrics]
+listen` as well.
 
     .venv/bin/python benchmarks/idle.py [--seconds 60] [--metrics] [--settle 5]
 """
@@ -11,27 +12,36 @@ name: every timer an idle daemon runs shows up here. Run it with `--metrics` to 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import Counter
 from pathlib import Path
 
 from common import bench_daemon, cpu_seconds
 
+TICK = os.sysconf("SC_CLK_TCK")
 
-def wakeups(pid: int) -> Counter[str]:
-    """Context switches so far, by thread name."""
+
+def per_thread(pid: int) -> tuple[Counter[str], Counter[str]]:
+    """Context switches and CPU seconds so far, by thread name."""
     counts: Counter[str] = Counter()
+    cpu: Counter[str] = Counter()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             status = (task / "status").read_text()
+            stat = (task / "stat").read_text()
         except (FileNotFoundError, ProcessLookupError):
             continue  # a thread that ended while we looked
         fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
         switches = int(fields["voluntary_ctxt_switches"]) + int(
             fields["nonvoluntary_ctxt_switches"]
         )
-        counts[fields["Name"].strip()] += switches
-    return counts
+        name = fields["Name"].strip()
+        counts[name] += switches
+        # utime and stime: the 12th and 13th fields after the name's closing parenthesis.
+        ticks = stat.rsplit(")", 1)[1].split()
+        cpu[name] += (int(ticks[11]) + int(ticks[12])) / TICK
+    return counts, cpu
 
 
 def main() -> None:
@@ -48,18 +58,22 @@ def main() -> None:
         assert daemon.proc is not None
         pid = daemon.proc.pid
         time.sleep(args.settle)
-        cpu, woke, started = cpu_seconds(pid), wakeups(pid), time.monotonic()
+        cpu, (woke, threads), started = cpu_seconds(pid), per_thread(pid), time.monotonic()
         time.sleep(args.seconds)
         cpu = cpu_seconds(pid) - cpu
         elapsed = time.monotonic() - started
-        woke = wakeups(pid) - woke
+        woke_after, threads_after = per_thread(pid)
+        woke, threads = woke_after - woke, threads_after - threads
     print(
         f"idle {elapsed:.0f} s: {cpu * 1000:.1f} ms CPU, {100 * cpu / elapsed:.3f} % of a core; "
         f"{sum(woke.values()) / elapsed:.1f} wakeups/s"
     )
     for name, count in woke.most_common():
         if count:
-            print(f"  {name:<20} {count / elapsed:7.1f} wakeups/s")
+            print(
+                f"  {name:<20} {count / elapsed:7.1f} wakeups/s "
+                f"{100 * threads[name] / elapsed:7.3f} % of a core"
+            )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ Most scans find nothing: a conmon is reaped by its watch (monitors.py) as soon a
 exits, so a zombie here is rare (a container's process whose conmon died, an exec'd one).
 One waitid(WNOWAIT), which reports a zombie child without reaping it, answers whether
 there is any at all; only then are the children read from /proc. Reading them every
-second cost a daemon with 50 pods 4-6 % of its samples.
+second cost a daemon with 50 pods 4-6 % of its samples. And the look itself waits for a
+child to exit (SIGCHLD): an idle daemon does not wake every second for it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 
 from cri_shim.host import spawn
 from cri_shim.runtime.monitors import process_stat
@@ -33,6 +35,8 @@ from cri_shim.runtime.monitors import process_stat
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 1.0
+# With no child exiting, a look this often all the same (a missed signal).
+IDLE_INTERVAL = 60.0
 
 
 class OrphanReaper:
@@ -61,16 +65,36 @@ class OrphanReaper:
         self._seen = current - {ref for ref in current if ref[0] in reaped}
         return reaped
 
-    async def run(self, interval: float = DEFAULT_INTERVAL) -> None:
+    async def run(
+        self, interval: float = DEFAULT_INTERVAL, idle_interval: float = IDLE_INTERVAL
+    ) -> None:
         """Scan for ever; cancel to stop. Own it in the daemon's task group. Whether any
         child is a zombie is one non-blocking call, asked on the event loop; only a scan
         that reads /proc goes to a thread (the loop would otherwise be held for as long
-        as it takes to get the interpreter back after every read). So an idle daemon's
-        look costs one wakeup of the loop a second and none of a worker thread."""
-        while True:
-            if _any_zombie_child() or self._seen:
-                await asyncio.to_thread(self.scan)
-            await asyncio.sleep(interval)
+        as it takes to get the interpreter back after every read).
+
+        A look comes `interval` after a child exited (SIGCHLD, on the loop's main thread;
+        by then the daemon's own subprocesses are reaped by their waiters) and while a
+        zombie waits for its second scan; with no child exiting, only every
+        `idle_interval`, in case a signal was missed: an idle daemon does not wake for it."""
+        loop = asyncio.get_running_loop()
+        child_exited = asyncio.Event()
+        try:
+            loop.add_signal_handler(signal.SIGCHLD, child_exited.set)
+        except (RuntimeError, ValueError):  # not the main thread: poll instead
+            idle_interval = interval
+        try:
+            while True:
+                child_exited.clear()  # before the look: an exit after it wakes the next
+                if _any_zombie_child() or self._seen:
+                    await asyncio.to_thread(self.scan)
+                if not self._seen:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(child_exited.wait(), idle_interval)
+                await asyncio.sleep(interval)
+        finally:
+            with contextlib.suppress(RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGCHLD)
 
 
 def _any_zombie_child() -> bool:

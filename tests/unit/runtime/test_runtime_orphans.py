@@ -182,3 +182,49 @@ IDLE_LOOKS = textwrap.dedent(
 def test_with_no_zombie_a_look_stays_on_the_event_loop() -> None:
     # No child has exited: twenty looks, not one of them handed to a worker thread.
     assert _run(IDLE_LOOKS) == "0"
+
+
+WOKEN_BY_AN_EXIT = textwrap.dedent(
+    """
+    import asyncio, ctypes, os, time
+    from cri_shim.runtime import orphans
+    from tests.waiting import until
+
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+    looks = []
+    any_zombie = orphans._any_zombie_child
+    orphans._any_zombie_child = lambda: looks.append(1) or any_zombie()
+
+    def gone(pid):
+        return not os.path.exists(f"/proc/{pid}")
+
+    async def main():
+        # An hour between looks unless a child exits: idle, the reaper looks once.
+        reaper = asyncio.create_task(orphans.OrphanReaper().run(interval=0.05, idle_interval=3600))
+        await asyncio.sleep(0.5)
+        assert len(looks) == 1, looks
+        # An orphan re-parented to us exits: its SIGCHLD wakes the reaper, which reaps it.
+        read, write = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            grandchild = os.fork()
+            if grandchild == 0:
+                time.sleep(0.2)
+                os._exit(0)
+            os.write(write, str(grandchild).encode())
+            os._exit(0)
+        os.waitpid(middle, 0)
+        orphan = int(os.read(read, 32))
+        await until(lambda: gone(orphan), timeout=10)
+        assert len(looks) > 1, looks
+        reaper.cancel()
+        print("ok")
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_an_idle_reaper_sleeps_until_a_child_exits() -> None:
+    assert _run(WOKEN_BY_AN_EXIT) == "ok"
