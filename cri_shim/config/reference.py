@@ -124,10 +124,10 @@ KEY_DOCS: dict[str, str] = {
     "the client to read it; a stream whose client reads nothing for this long ends with "
     "DEADLINE_EXCEEDED naming this key",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
-    "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled, shown "
-    "in Status (verbose) as `eventLoop` and exported as `cri_shim_event_loop_lag_seconds`; a "
-    "stall longer than this is always seen; sampled while CRI calls arrive, paused after 10 s "
-    "without one; 0 is off",
+    "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled while a "
+    "CRI call is served, shown in Status (verbose) as `eventLoop` and exported as "
+    "`cri_shim_event_loop_lag_seconds`; between calls once a second, paused after 10 s "
+    "without one; a stall longer than a second is always seen; 0 is off",
     "metrics.layer_usage_max_age": "how old a container's writable-layer disk use may be "
     "before ContainerStats, PodSandboxStats (and their lists) or ListPodSandboxMetrics walk "
     "the layer again; a reused figure keeps the timestamp of its walk, as containerd's "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -13,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cri_shim import errors, logcontext, tracing
-from cri_shim.server.limits import admitted
+from cri_shim.server.limits import STREAM_RPCS, admitted
 from cri_shim.server.listing import StreamStalled
 from cri_shim.server.wire import LargeRequest
 
@@ -82,10 +83,14 @@ def cri_method_name(name: str) -> str:
     return "".join(part[:1].upper() + part[1:] for part in name.rstrip("_").split("_"))
 
 
+_NOT_SERVED = contextlib.nullcontext()
+
+
 def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
     """Wrap a handler(view, request, context) as the servicer method of the same CRI
     name: `view` is the servicer's (server/views.py)."""
     name = cri_method_name(handler.__name__)
+    long_lived = name in STREAM_RPCS
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -94,11 +99,15 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")
             raise AssertionError("abort returns by raising")
-        if view.loop_monitor is not None:
-            view.loop_monitor.note_call()  # the lag is sampled while calls arrive
+        monitor = view.loop_monitor
+        if monitor is not None:
+            monitor.note_call()  # the lag is sampled while calls arrive
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         with (
+            # ... and more often while one is served (not the event stream, which lasts
+            # as long as its client).
+            monitor.serving() if monitor is not None and not long_lived else _NOT_SERVED,
             logcontext.scope(),  # what the request binds ends with it
             tracing.serving(
                 view.tracer,

@@ -8,7 +8,7 @@ journal or the host, and a reader sees here all that the edge depends on.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,6 +58,8 @@ class CallNoticer(Protocol):
     """loop_monitor.py's LoopMonitor, which samples while calls arrive."""
 
     def note_call(self) -> None: ...
+
+    def serving(self) -> AbstractContextManager[None]: ...
 
 
 class Sandboxes(Protocol):

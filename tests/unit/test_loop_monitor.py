@@ -38,7 +38,7 @@ def test_a_lag_the_loop_did_not_spend_on_the_cpu_is_not_busy() -> None:
 
 def test_a_callback_that_holds_the_loop_is_a_stall() -> None:
     async def scenario() -> LoopMonitor:
-        monitor = LoopMonitor(0.005)
+        monitor = LoopMonitor(0.005, quiet_interval=0.005)
         task = asyncio.create_task(monitor.run())
         await asyncio.sleep(0.05)
         time.sleep(0.2)  # noqa: ASYNC251 - holds the loop, as blocking work on it would
@@ -58,7 +58,7 @@ def test_a_callback_that_holds_the_loop_is_a_stall() -> None:
 
 def test_work_on_the_loop_is_a_busy_stall() -> None:
     async def scenario() -> LoopMonitor:
-        monitor = LoopMonitor(0.005)
+        monitor = LoopMonitor(0.005, quiet_interval=0.005)
         task = asyncio.create_task(monitor.run())
         await asyncio.sleep(0.05)
         spin_until = time.thread_time() + 0.15
@@ -75,7 +75,7 @@ def test_work_on_the_loop_is_a_busy_stall() -> None:
 
 def test_sampling_pauses_without_calls_and_the_next_call_resumes_it() -> None:
     async def scenario() -> None:
-        monitor = LoopMonitor(0.002, idle_after=0.2)
+        monitor = LoopMonitor(0.002, idle_after=0.2, quiet_interval=0.002)
         task = asyncio.create_task(monitor.run())
         try:
             await until(lambda: not monitor.sampling)  # no call: it stops after idle_after
@@ -93,6 +93,31 @@ def test_sampling_pauses_without_calls_and_the_next_call_resumes_it() -> None:
             await until(lambda: not monitor.sampling)
             assert monitor.pauses == 2
             assert monitor.report()["pausedWithoutCalls"] == 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_samples_come_at_the_quiet_pace_between_calls_and_often_while_one_is_served() -> None:
+    async def scenario() -> None:
+        monitor = LoopMonitor(0.005, quiet_interval=0.5)
+        task = asyncio.create_task(monitor.run())
+        try:
+            monitor.note_call()
+            await asyncio.sleep(0.2)
+            assert monitor.samples == 0  # the first quiet sample is not due yet
+            with monitor.serving():  # brought forward: every 5 ms from now on
+                await until(lambda: monitor.samples >= 5, timeout=5)
+                time.sleep(0.15)  # noqa: ASYNC251 - a stall while a call is served
+                await asyncio.sleep(0.02)
+            assert monitor.stalls_over(0.1) >= 1
+            served = monitor.samples
+            await asyncio.sleep(0.2)
+            assert monitor.samples <= served + 1  # quiet again
+            report = monitor.report()
+            assert report["sampleIntervalMs"] == 5 and report["quietSampleIntervalMs"] == 500
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
