@@ -4,8 +4,9 @@ piece of work that runs on it for long delays every call served beside it.
 A task sleeps `[metrics] event_loop_sample_interval` at a time (the interval; see below
 for between calls) and records how late it wakes: the lag, which is how long a request
 arriving at that moment would have waited for the loop. A stall longer than the interval
-is always seen (its length, less at most one interval); shorter ones are sampled. Reported in Status (verbose) as `eventLoop` and,
-when the exporter runs, as the histogram `cri_shim_event_loop_lag_seconds`.
+is always seen (its length, less at most one interval); shorter ones are sampled.
+Reported in Status (verbose) as `eventLoop` and, when the exporter runs, as the histogram
+`cri_shim_event_loop_lag_seconds`.
 
 It samples every `interval` while a CRI call is being served, once every
 `QUIET_INTERVAL` (a second) between calls, and not at all after `IDLE_AFTER` seconds
