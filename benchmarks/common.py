@@ -63,15 +63,19 @@ def rss_split_mib(pid: int) -> tuple[float, float]:
     return anon, file
 
 
+def thread_cpu_seconds(task: Path) -> float | None:
+    """The CPU time one thread (`/proc/PID/task/TID`) has run (the scheduler's, in ns);
+    None for a thread that ended while we looked."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def cpu_seconds(pid: int) -> float:
     """The CPU time all of the process's threads have run (the scheduler's, in ns)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended while we looked
-    return total / 1e9
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return sum(seconds for task in tasks if (seconds := thread_cpu_seconds(task)) is not None)
 
 
 def percentiles(samples: list[float], high: float = 0.95) -> tuple[float, float]:

@@ -2,9 +2,8 @@
 
 Printed are its CPU time (all threads, the scheduler's) as a share of one core, and how
 often its threads woke (context switches, from /proc/PID/task/*/status) and their CPU
-time (in clock ticks, so only a long run shows a thread's share), per thread name: every
-timer an idle daemon runs shows up here. Run it with `--metrics` to serve `[metrics]
-listen` as well.
+time, per thread name: every timer an idle daemon runs shows up here. Run it with
+`--metrics` to serve `[metrics] listen` as well.
 
     .venv/bin/python benchmarks/idle.py [--seconds 60] [--metrics] [--settle 5]
 """
@@ -12,14 +11,11 @@ listen` as well.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import Counter
 from pathlib import Path
 
-from common import bench_daemon, cpu_seconds
-
-TICK = os.sysconf("SC_CLK_TCK")
+from common import bench_daemon, cpu_seconds, thread_cpu_seconds
 
 
 def per_thread(pid: int) -> tuple[Counter[str], Counter[str]]:
@@ -29,18 +25,18 @@ def per_thread(pid: int) -> tuple[Counter[str], Counter[str]]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             status = (task / "status").read_text()
-            stat = (task / "stat").read_text()
         except (FileNotFoundError, ProcessLookupError):
             continue  # a thread that ended while we looked
+        seconds = thread_cpu_seconds(task)
+        if seconds is None:
+            continue
         fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
         switches = int(fields["voluntary_ctxt_switches"]) + int(
             fields["nonvoluntary_ctxt_switches"]
         )
         name = fields["Name"].strip()
         counts[name] += switches
-        # utime and stime: the 12th and 13th fields after the name's closing parenthesis.
-        ticks = stat.rsplit(")", 1)[1].split()
-        cpu[name] += (int(ticks[11]) + int(ticks[12])) / TICK
+        cpu[name] += seconds
     return counts, cpu
 
 
