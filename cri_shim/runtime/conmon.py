@@ -57,7 +57,6 @@ from cri_shim.runtime.gvisor import (
     drop_unknown_capabilities,
     exec_user_args,
     joining_waiter,
-    remove_cgroups,
     remove_locks,
     sandboxes_of,
 )
@@ -477,14 +476,15 @@ class RuntimeBackend:
 
     async def _delete_from_runtime(self, container_id: str, meta: _Meta | None) -> None:
         """`<runtime> delete --force` (killing it if it still runs); a missing container
-        is fine. runsc leaves lock files and empty cgroups, removed here too."""
+        is fine. What the runtime leaves is removed here too: runsc's lock files, and the
+        container's empty cgroups (see remove_cgroups)."""
         gvisor = self.conmon_runtime != self.runtime_path
         sandboxes = sandboxes_of(self.oci.root, container_id) if gvisor else set()
         await self.oci.delete(container_id, force=True)
         if gvisor:
             remove_locks(self.oci.root, container_id, sandboxes)
-            if meta is not None:
-                await asyncio.to_thread(remove_cgroups, meta.cgroups_path)
+        if meta is not None:
+            await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_root)
 
     async def _discard(self, container_id: str) -> None:
         """Undo a failed create. Errors are logged, not raised: the create's own error
@@ -847,6 +847,28 @@ class RuntimeBackend:
             return None
         start = process_stat(pid)
         return ProcessRef(pid, start[2]) if start is not None else None
+
+
+def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+    """The empty cgroups of a deleted container, which its runtime's `delete` could not
+    find: a runtime killed inside its `create` (a create past its budget, a daemon
+    stopping while one was in flight: runc makes the cgroups, cpuset first on cgroup v1,
+    before it writes the state that names them), and runsc on cgroup v1 for a container
+    it never started or whose sandbox was gone. One still in use (not empty) stays. A
+    systemd cgroup (`slice:prefix:name`) is systemd's to remove."""
+    relative = cgroups_path.strip("/")
+    if not relative or ":" in relative:
+        return
+    if (cgroup_root / "cgroup.controllers").exists():
+        groups = [cgroup_root / relative]
+    else:
+        try:
+            groups = [hierarchy / relative for hierarchy in cgroup_root.iterdir()]
+        except FileNotFoundError:
+            return  # no cgroup file system here
+    for group in groups:
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 def _check_id(container_id: str) -> None:

@@ -129,22 +129,6 @@ def remove_locks(root: Path, container_id: str, sandboxes: set[str]) -> None:
             lock.unlink()
 
 
-def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
-    """The empty cgroups of a deleted container: runsc's `delete` leaves them on cgroup
-    v1 for a container it never started or whose sandbox was gone. One still in use
-    (not empty) stays. A systemd cgroup (`slice:prefix:name`) is systemd's to remove."""
-    relative = cgroups_path.strip("/")
-    if not relative or ":" in relative:
-        return
-    if (cgroup_root / "cgroup.controllers").exists():
-        groups = [cgroup_root / relative]
-    else:
-        groups = [hierarchy / relative for hierarchy in cgroup_root.iterdir()]
-    for group in groups:
-        with contextlib.suppress(OSError):
-            group.rmdir()
-
-
 STDIO_ENV = "CRI_SHIM_STDIO_OF"
 # How runsc tells a pod's sandbox container from the containers that join it, and which.
 CONTAINER_TYPE = "io.kubernetes.cri.container-type"

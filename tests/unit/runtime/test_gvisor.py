@@ -143,14 +143,3 @@ def test_a_running_sandboxs_lock_stays(tmp_path: Path) -> None:
         (tmp_path / name).touch()
     gvisor.remove_locks(tmp_path, "c", {"s"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s_sandbox:s.lock", "s_sandbox:s.state"]
-
-
-def test_empty_cgroups_of_a_deleted_container_are_removed(tmp_path: Path) -> None:
-    for hierarchy in ("cpu", "memory"):
-        (tmp_path / hierarchy / "cri-shim" / "c").mkdir(parents=True)
-    (tmp_path / "memory" / "cri-shim" / "c" / "busy").mkdir()  # not empty: stays
-    gvisor.remove_cgroups("/cri-shim/c", tmp_path)
-    assert not (tmp_path / "cpu" / "cri-shim" / "c").exists()
-    assert (tmp_path / "memory" / "cri-shim" / "c").exists()
-    gvisor.remove_cgroups("system.slice:cri-shim:c", tmp_path)  # systemd's: left alone
-    assert (tmp_path / "cpu" / "cri-shim").exists()

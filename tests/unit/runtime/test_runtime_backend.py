@@ -18,7 +18,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
-from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.conmon import RuntimeBackend, remove_cgroups
 from tests.crilog import Stream, join_partials, read_records
 from tests.waiting import until
 
@@ -134,6 +134,28 @@ async def test_create_timeout_kills_the_monitor_and_cleans_up(
     assert list((tmp_path / "s2" / "containers").iterdir()) == []
     if monitor.exists():  # it may have been killed before the shell got that far
         assert not alive(int(monitor.read_text()))
+
+
+async def test_delete_removes_the_cgroups_a_runtime_killed_inside_create_left(
+    stub_backend: RuntimeBackend, tmp_path: Path
+) -> None:
+    # runc killed within its create (a create past its budget, a stopping daemon) has
+    # made the container's cgroups, cpuset first, but not the state its delete reads.
+    await create(stub_backend, tmp_path, "true")
+    cgroups = tmp_path / "cgroup"
+    for hierarchy in ("cpuset", "memory"):
+        (cgroups / hierarchy / "cri-shim" / "c1").mkdir(parents=True)
+    (cgroups / "memory" / "cri-shim" / "c1" / "busy").mkdir()  # not empty: stays
+    await stub_backend.delete("c1")
+    assert not (cgroups / "cpuset" / "cri-shim" / "c1").exists()
+    assert (cgroups / "memory" / "cri-shim" / "c1").exists()
+    assert (cgroups / "cpuset" / "cri-shim").exists()  # the parent is not the container's
+
+
+def test_systemd_cgroups_are_left_to_systemd(tmp_path: Path) -> None:
+    (tmp_path / "cpu" / "system.slice" / "cri-shim-c.scope").mkdir(parents=True)
+    remove_cgroups("system.slice:cri-shim:c", tmp_path)
+    assert (tmp_path / "cpu" / "system.slice" / "cri-shim-c.scope").exists()
 
 
 async def test_stop_escalates_to_sigkill(stub_backend: RuntimeBackend, tmp_path: Path) -> None:
