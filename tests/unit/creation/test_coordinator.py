@@ -97,7 +97,8 @@ async def test_a_visible_object_keeps_no_event_however_it_became_visible() -> No
     assert coordinator.lookup(claimed).phase is Phase.CACHED  # type: ignore[union-attr]
     assert await coordinator.create(claimed, 20.0, slow) == "id3"
     for name in (in_time, handed_off, claimed):
-        entry = coordinator._entries[name]
+        entry = coordinator._names.get(name)
+        assert entry is not None
         assert entry.phase is Phase.VISIBLE
         assert (entry.settled, entry.claimed) == (None, None)
     await coordinator.aclose()
