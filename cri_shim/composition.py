@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cri_shim import __version__
 from cri_shim.config import BUNDLED_CNI_DIR, Config, TracingConfig
@@ -30,10 +30,7 @@ from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
-from cri_shim.nri.adaptation import Adaptation, NriSettings, Snapshot, UpdateResources
-from cri_shim.nri.api import api_pb2 as nri_api
-from cri_shim.nri.hooks import NriHooks
-from cri_shim.nri.objects import container_of_record, pod_of_record
+from cri_shim.nri.actions import register_inert
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.gvisor import SandboxForwarding
 from cri_shim.runtime.monitors import MonitorWatch
@@ -51,6 +48,11 @@ from cri_shim.streaming.on_demand import StreamingOnDemand
 from cri_shim.streaming.runc_backend import RuncStreamingBackend
 from cri_shim.tracing import NO_TRACER, Tracer
 
+if TYPE_CHECKING:
+    from cri_shim.nri.adaptation import Snapshot, UpdateResources
+    from cri_shim.nri.api import api_pb2 as nri_api
+    from cri_shim.nri.hooks import NriHooks
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -61,7 +63,7 @@ class Graph:
     journal: Journal
     sandboxes: SandboxLifecycle
     containers: ContainerLifecycle
-    nri: NriHooks
+    nri: NriHooks | None  # None unless `[nri] enable` is set
     streaming: StreamingOnDemand
     # The daemon's one puller: its in-flight maps are what lets concurrent pulls share
     # downloads, so there must be exactly one.
@@ -189,7 +191,7 @@ def _lifecycle(
     backends: dict[str, RuntimeBackend],
     observe_call: CallObserver | None,
     tracer: Tracer,
-) -> tuple[NriHooks, ContainerLifecycle, SandboxLifecycle]:
+) -> tuple[NriHooks | None, ContainerLifecycle, SandboxLifecycle]:
     pods, journal = storage.pods, storage.journal
     # An event is rendered when it happens, and only for a subscriber: the pod's status
     # and its containers' as recorded at that moment.
@@ -204,6 +206,9 @@ def _lifecycle(
         # takes): the visible objects, as they are now, and those other plugins were told
         # of that are not visible yet (in flight, or cached), so that none is lost to a
         # plugin that connects while they are being created.
+        from cri_shim.nri.objects import container_of_record, pod_of_record
+
+        assert nri is not None
         told_pods, told_containers = nri.announced()
         told_pods.update((s.id, pod_of_record(s)) for s in pods.list())
         told_containers.update((c.id, container_of_record(c)) for c in containers.list())
@@ -212,7 +217,7 @@ def _lifecycle(
     async def nri_update(container_id: str, resources: dict[str, Any]) -> None:
         await containers.update_resources(container_id, resources)
 
-    nri = NriHooks(journal, _adaptation(config, nri_snapshot, nri_update))
+    nri = _nri_hooks(config, journal, nri_snapshot, nri_update)
     containers = ContainerLifecycle(
         config,
         storage.container_rows,
@@ -247,9 +252,17 @@ def _lifecycle(
     return nri, containers, sandboxes
 
 
-def _adaptation(config: Config, snapshot: Snapshot, update: UpdateResources) -> Adaptation | None:
+def _nri_hooks(
+    config: Config, journal: Journal, snapshot: Snapshot, update: UpdateResources
+) -> NriHooks | None:
+    """NRI's hooks when `[nri] enable` is set, its modules imported only then; else None,
+    and its journal steps (of a journal written while it was on) inform nobody."""
     if not config.nri.enable:
+        register_inert(journal)
         return None
+    from cri_shim.nri.adaptation import Adaptation, NriSettings
+    from cri_shim.nri.hooks import NriHooks
+
     settings = NriSettings(
         socket_path=config.nri.socket_path,
         registration_timeout=config.nri.plugin_registration_timeout,
@@ -258,7 +271,7 @@ def _adaptation(config: Config, snapshot: Snapshot, update: UpdateResources) -> 
         plugin_path=config.nri.plugin_path,
         plugin_config_path=config.nri.plugin_config_path,
     )
-    return Adaptation(settings, snapshot, update)
+    return NriHooks(journal, Adaptation(settings, snapshot, update))
 
 
 def build_backends(

@@ -119,7 +119,7 @@ class Daemon:
         # The CNI configuration read now: a network that cannot be used (a broken file, a
         # subnet the host routes elsewhere) is logged at start, not at the first Status.
         graph.sandboxes.network_status()
-        if graph.nri.adaptation is not None:
+        if graph.nri is not None and graph.nri.adaptation is not None:
             # After restore, so that a plugin is synchronized with the whole state.
             await graph.nri.adaptation.start()
         # Orphans re-parented to us (we are a subreaper) must be reaped, or a zombie in a
@@ -207,9 +207,10 @@ class Daemon:
         if self.graph is not None:
             # The next start adopts the conmons; a death being handled finishes first.
             await self.graph.monitors.aclose()
-            await self.graph.nri.close()
-            if self.graph.nri.adaptation is not None:
-                await self.graph.nri.adaptation.stop()
+            if self.graph.nri is not None:
+                await self.graph.nri.close()
+                if self.graph.nri.adaptation is not None:
+                    await self.graph.nri.adaptation.stop()
             await self.graph.streaming.aclose()
             await self.graph.puller.aclose()
             await self.graph.sandboxes.coordinator.aclose()

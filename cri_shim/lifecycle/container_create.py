@@ -13,7 +13,7 @@ import functools
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
@@ -32,12 +32,8 @@ from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_
 from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
-from cri_shim.nri.adjust import apply_adjustments
-from cri_shim.nri.api import api_pb2 as nri_api
-from cri_shim.nri.hooks import NriHooks
-from cri_shim.nri.objects import container_of, pod_of_record
 from cri_shim.runtime.apparmor import AppArmor
-from cri_shim.runtime.cdi import CdiRegistry
+from cri_shim.runtime.cdi_on_demand import CdiOnDemand
 from cri_shim.runtime.features import require_features
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.mount_sources import PinnedSources, pin_bind_sources
@@ -47,6 +43,9 @@ from cri_shim.runtime.userns import pod_mappings
 from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import ImageRecord, SandboxRecord
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 STAGE_STORAGE = "container storage"
 STAGE_SPEC = "container spec"
@@ -82,7 +81,7 @@ class ContainerCreate:
         self._pause = pause
         self._nri = nri
         self._dir = config.root / "containers"
-        self._cdi = CdiRegistry(config.cdi.spec_dirs)
+        self._cdi = CdiOnDemand(config.cdi.spec_dirs)
         # The host's AppArmor: RuntimeDefault loads the runtime's profile when first used.
         self.apparmor = AppArmor()
         self.coordinator = persisted_coordinator(
@@ -195,6 +194,9 @@ class ContainerCreate:
         self._rows.set_created(container_id, pid, spec["process"].get("user", {}))
         stage.set(STAGE_CREATED)
         if self._nri is not None and self._nri.enabled:
+            from cri_shim.nri.api import api_pb2 as nri_api
+            from cri_shim.nri.objects import container_of, pod_of_record
+
             container = container_of(container_id, sandbox.id, config, state="created", pid=pid)
             await self._nri.container_event(
                 nri_api.POST_CREATE_CONTAINER, pod_of_record(sandbox), container
@@ -253,6 +255,9 @@ class ContainerCreate:
     ) -> None:
         """NRI plugins' adjustments, applied to the spec before runc sees it; a plugin's
         refusal fails the creation, which the journal rolls back."""
+        from cri_shim.nri.adjust import apply_adjustments
+        from cri_shim.nri.objects import container_of, pod_of_record
+
         assert self._nri is not None
         container = container_of(container_id, sandbox.id, config, spec=spec)
         adjustments = await self._nri.create_container(pod_of_record(sandbox), container)

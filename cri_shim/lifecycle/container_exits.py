@@ -9,13 +9,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cri_shim.lifecycle.events import CONTAINER_STOPPED, EventBus
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
-from cri_shim.nri.hooks import NriHooks
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.state.containers import EXITED, RUNNING, ContainerRepository
 from cri_shim.state.records import ContainerRecord
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 log = logging.getLogger("cri_shim.container")
 

@@ -4,14 +4,17 @@ from its journal; and a pod's containers removed together (RemovePodSandbox)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from cri_shim.creation.coordinator import CreationCoordinator
 from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.container_stop import ContainerStop
 from cri_shim.lifecycle.events import CONTAINER_DELETED, EventBus
 from cri_shim.lifecycle.object_locks import ObjectLocks
-from cri_shim.nri.hooks import NriHooks
 from cri_shim.state.containers import ContainerRepository
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 log = logging.getLogger("cri_shim.container")
 

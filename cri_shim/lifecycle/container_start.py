@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cri_shim.errors import CriError, FailedPrecondition
 from cri_shim.faults import fault_point
@@ -13,11 +14,11 @@ from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.events import CONTAINER_STARTED, EventBus
 from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
-from cri_shim.nri.api import api_pb2 as nri_api
-from cri_shim.nri.hooks import NriHooks
-from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.state.containers import CREATED, RUNNING, ContainerRepository
 from cri_shim.state.records import ContainerRecord
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 log = logging.getLogger("cri_shim.container")
 
@@ -53,6 +54,8 @@ class ContainerStart:
         # finished before it started.
         started_at = time.time_ns()
         if self._nri is not None and self._nri.enabled:
+            from cri_shim.nri.objects import container_of_record, pod_of_record
+
             await self._nri.start_container(pod_of_record(sandbox), container_of_record(container))
         try:
             await backend.start(container.id)
@@ -65,6 +68,9 @@ class ContainerStart:
         fault_point("container:started")
         container = self.mark_started(container, started_at)
         if self._nri is not None and self._nri.enabled:
+            from cri_shim.nri.api import api_pb2 as nri_api
+            from cri_shim.nri.objects import container_of_record, pod_of_record
+
             await self._nri.container_event(
                 nri_api.POST_START_CONTAINER, pod_of_record(sandbox), container_of_record(container)
             )

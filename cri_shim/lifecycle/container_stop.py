@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from cri_shim.errors import InvalidArgument
 from cri_shim.images.store import ImageStore
@@ -13,10 +14,12 @@ from cri_shim.lifecycle.container_exits import ContainerExits
 from cri_shim.lifecycle.container_images import image_config_view
 from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
-from cri_shim.nri.hooks import NriHooks
 from cri_shim.runtime.spec import resolve_stop_signal
 from cri_shim.state.containers import CREATED, EXITED
 from cri_shim.state.records import ContainerRecord
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 log = logging.getLogger("cri_shim.container")
 

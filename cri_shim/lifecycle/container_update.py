@@ -4,18 +4,17 @@ refuse it) or an NRI plugin's own update, applied through the runtime."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition
 from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
-from cri_shim.nri.adjust import adjust_update, nri_resources_of
-from cri_shim.nri.api import api_pb2 as nri_api
-from cri_shim.nri.hooks import NriHooks
-from cri_shim.nri.objects import container_of_record, pod_of_record
 from cri_shim.state.containers import EXITED
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 
 class ContainerUpdate:
@@ -48,6 +47,10 @@ class ContainerUpdate:
             # Plugins' own updates come as OCI resources and are not told back to them.
             await backend.update_resources(container.id, resources)
             return
+        from cri_shim.nri.adjust import adjust_update, nri_resources_of
+        from cri_shim.nri.api import api_pb2 as nri_api
+        from cri_shim.nri.objects import container_of_record, pod_of_record
+
         # Plugins may change a CRI update before it is applied, or refuse it.
         pod, told = (
             pod_of_record(self._pods.get(container.sandbox_id)),

@@ -10,7 +10,7 @@ container_exits (exits read from conmon's files, recorded once) and runtime_hand
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
@@ -29,7 +29,6 @@ from cri_shim.lifecycle.hooks import restore_creations
 from cri_shim.lifecycle.pause import PauseProcesses
 from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
-from cri_shim.nri.hooks import NriHooks
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.features import HandlerFeatures
 from cri_shim.runtime.oci import ExecResult
@@ -37,6 +36,9 @@ from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import ContainerRecord
 from cri_shim.streaming.runc_backend import ContainerEndpoint
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 __all__ = ["ContainerLifecycle"]
 

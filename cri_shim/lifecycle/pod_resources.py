@@ -23,8 +23,6 @@ from google.protobuf import json_format
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition
-from cri_shim.nri.adjust import nri_resources_of
-from cri_shim.nri.objects import pod_of_record
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.state.records import SandboxRecord
@@ -85,6 +83,9 @@ class PodResources:
         if nri is None:
             await asyncio.to_thread(record_pod_resources, sandbox, overhead, resources)
             return
+        from cri_shim.nri.adjust import nri_resources_of
+        from cri_shim.nri.objects import pod_of_record
+
         if not sandbox.ready:  # refused before plugins hear of it
             raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
         pod = pod_of_record(sandbox)

@@ -13,7 +13,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
@@ -30,8 +30,6 @@ from cri_shim.lifecycle.pause import PauseProcesses, shares_pid_namespace
 from cri_shim.lifecycle.pods import PodContainers
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
-from cri_shim.nri.hooks import NriHooks
-from cri_shim.nri.objects import pod_of
 from cri_shim.pod_rules import host_network, pod_hostname
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
@@ -39,6 +37,9 @@ from cri_shim.runtime.userns import pod_mappings, require_searchable
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.sandboxes import SandboxRepository
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 STAGE_STORAGE = "sandbox storage"
 STAGE_NAMESPACES = "sandbox namespaces"
@@ -176,6 +177,8 @@ class SandboxRun:
             await self._start_pause(sandbox_id, sandbox_dir, config, handler, pinned, userns)
         self._rows.mark_ready(sandbox_id, ips, result)
         if self._nri is not None and self._nri.enabled:
+            from cri_shim.nri.objects import pod_of
+
             # Last, so that plugins see the pod's IPs; a refusal rolls the pod back.
             stage.set(STAGE_NRI)
             await self._nri.run_pod(pod_of(sandbox_id, config, handler, ips))

@@ -14,7 +14,7 @@ from cri_shim.lifecycle.object_locks import ObjectLocks
 from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses
 from cri_shim.lifecycle.pods import PodContainers, Pods
 from cri_shim.logcontext import object_fields
-from cri_shim.nri.hooks import POD_STOPPED as NRI_POD_STOPPED
+from cri_shim.nri.actions import POD_STOPPED as NRI_POD_STOPPED
 from cri_shim.state.journal import Journal, UndoFailed
 
 log = logging.getLogger("cri_shim.sandbox")

@@ -9,6 +9,7 @@ and the container lifecycle, looks a pod up in.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
@@ -23,11 +24,13 @@ from cri_shim.lifecycle.sandbox_run import SandboxRun
 from cri_shim.lifecycle.sandbox_stop import SandboxStop
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
-from cri_shim.nri.hooks import NriHooks
 from cri_shim.runtime.features import HandlerFeatures
 from cri_shim.state.journal import Journal
 from cri_shim.state.ledger import Ledger
 from cri_shim.state.records import SandboxRecord
+
+if TYPE_CHECKING:
+    from cri_shim.nri.hooks import NriHooks
 
 __all__ = ["PodContainers", "Pods", "SandboxLifecycle"]
 

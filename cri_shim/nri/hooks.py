@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message as ProtoMessage
 
 from cri_shim.errors import FailedPrecondition
+from cri_shim.nri.actions import CONTAINER_REMOVED, CONTAINER_STOPPED, POD_REMOVED, POD_STOPPED
 from cri_shim.nri.adaptation import Adaptation
 from cri_shim.nri.api import api_pb2
 from cri_shim.nri.ttrpc import CallError
@@ -32,10 +33,6 @@ from cri_shim.state.journal import Journal
 
 log = logging.getLogger("cri_shim.nri")
 
-POD_STOPPED = "nri_pod_stopped"
-POD_REMOVED = "nri_pod_removed"
-CONTAINER_REMOVED = "nri_container_removed"
-CONTAINER_STOPPED = "nri_container_stopped"
 
 Reply = TypeVar("Reply", bound=ProtoMessage)
 Adjustments = list[tuple[str, api_pb2.ContainerAdjustment]]

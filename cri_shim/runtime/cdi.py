@@ -36,8 +36,8 @@ from typing import Any
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.host.files import read_small_file
+from cri_shim.runtime.cdi_request import requested_devices
 
-ANNOTATION_PREFIX = "cdi.k8s.io/"
 # The versions of the spec that current device plugins write; 0.1 and 0.2 had another schema.
 SUPPORTED_VERSIONS = frozenset({"0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0"})
 SPEC_SUFFIXES = (".json", ".yaml")
@@ -136,16 +136,6 @@ def parse_qualified_name(name: str) -> tuple[str, str, str]:
     return vendor, cls, device
 
 
-def requested_devices(cfg: api_pb2.ContainerConfig) -> list[str]:
-    """The devices a request asks for: CDI_devices first, then the annotations (sorted by
-    key, for a stable order), each name once."""
-    names = [device.name for device in cfg.CDI_devices]
-    for key in sorted(cfg.annotations):
-        if key.startswith(ANNOTATION_PREFIX):
-            names.extend(n.strip() for n in cfg.annotations[key].split(",") if n.strip())
-    return list(dict.fromkeys(names))
-
-
 # ---- parsing ---------------------------------------------------------------------------
 
 
@@ -194,11 +184,6 @@ def _bad(path: Path, where: str, problem: str) -> InvalidArgument:
 
 def _unusable(path: Path, problem: str) -> InvalidArgument:
     return InvalidArgument(f"CDI spec file {path}: {problem}")
-
-
-def load_spec_file(path: Path, directory: Path | None = None) -> SpecFile:
-    """Read and parse one spec file (JSON, or YAML by its suffix) of `directory`."""
-    return parse_spec(path, decode_spec_file(path, directory))
 
 
 def read_spec_file(path: Path, directory: Path | None = None) -> bytes:

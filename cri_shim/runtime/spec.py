@@ -23,7 +23,7 @@ from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.pod_rules import namespaced_sysctls
 from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.capabilities import CapabilitySet, resolve_capabilities
-from cri_shim.runtime.cdi import CdiRegistry
+from cri_shim.runtime.cdi_on_demand import CdiOnDemand
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.identity import EtcReader, ProcessIdentity, read_in_root, resolve_identity
 from cri_shim.runtime.resources import clamp_oom_score_adj, linux_resources
@@ -120,7 +120,7 @@ def build_spec(
     host_dev: Path = Path("/dev"),
     mountinfo: Callable[[], str] | None = None,
     image_mounts: Mapping[int, Path] | None = None,
-    cdi: CdiRegistry | None = None,
+    cdi: CdiOnDemand | None = None,
     apparmor: AppArmor | None = None,
 ) -> dict[str, Any]:
     """The config.json for `container_id`. Raises InvalidArgument, naming the field, for

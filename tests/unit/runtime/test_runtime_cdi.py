@@ -21,8 +21,8 @@ from cri_shim.runtime.cdi import (
     Mount,
     apply_edits,
     parse_spec,
-    requested_devices,
 )
+from cri_shim.runtime.cdi_request import requested_devices
 
 NULL_RDEV = os.stat("/dev/null").st_rdev
 
