@@ -97,6 +97,7 @@ class PodResources:
         await asyncio.to_thread(record_pod_resources, sandbox, overhead, resources)
         await nri.pod_updated(pod)
 
-    def recorded(self, sandbox: SandboxRecord) -> dict[str, Any] | None:
-        """What the last resize recorded (PodSandboxStatus verbose); None before any."""
-        return recorded_pod_resources(sandbox.sandbox_dir)
+    async def recorded(self, sandbox: SandboxRecord) -> dict[str, Any] | None:
+        """What the last resize recorded (PodSandboxStatus verbose); None before any. Read
+        in a worker thread: the file is on the host's disk."""
+        return await asyncio.to_thread(recorded_pod_resources, sandbox.sandbox_dir)

@@ -3,6 +3,7 @@ resources."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -194,7 +195,7 @@ async def container_status(
             "pid": container.pid,
             "bundle": str(container.bundle_dir),
             "rootfs": str(container.rootfs),
-            "runtimeSpec": runtime_spec_of(container),
+            "runtimeSpec": await asyncio.to_thread(runtime_spec_of, container),
         }
         response.info["info"] = json.dumps(info, sort_keys=True)
     return response

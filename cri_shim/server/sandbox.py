@@ -114,7 +114,7 @@ async def pod_sandbox_status(
             "ips": sandbox.ips,
             "cniResult": sandbox.cni_result,
             "hostNetwork": sandbox.host_network,
-            "resources": view.pod_resources.recorded(sandbox),
+            "resources": await view.pod_resources.recorded(sandbox),
         }
         response.info["info"] = json.dumps(info, sort_keys=True)
     # Evented PLEG (kubelet) reads the pod's container statuses from this response.

@@ -52,12 +52,29 @@ BELOW_DOMAIN = (
     "cri_shim.pod_rules",
     "cri_shim.tracing",
 )
+# The modules every package may import: they import nothing of the daemon but each other.
+LEAVES = (
+    "cri_shim.errors",
+    "cri_shim.faults",
+    "cri_shim.logcontext",
+    "cri_shim.logsetup",
+    "cri_shim.loop_monitor",
+)
+PACKAGES = tuple(sorted({*ROOT, *EDGES, *DOMAIN, *BELOW_DOMAIN, "cri_shim.api"}))
+# The persistence the edges never touch: the database, journal, ledger, repositories.
+PERSISTENCE = tuple(
+    f"cri_shim.state.{module}"
+    for module in "db schema journal ledger objects sandboxes containers images".split()
+)
 # importer -> the modules and packages it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "cri_shim.inspection": (*ROOT, *EDGES, "cri_shim.lifecycle"),
     "cri_shim.lifecycle": (*ROOT, *EDGES, "cri_shim.inspection"),
-    "cri_shim.metrics": (*ROOT, "cri_shim.server", "cri_shim.lifecycle"),
+    "cri_shim.metrics": (*ROOT, "cri_shim.server", "cri_shim.lifecycle", *PERSISTENCE),
     **{below: (*ROOT, *EDGES, *DOMAIN) for below in BELOW_DOMAIN},
+    # The kernel's wrappers sit under every other package: they import none of them.
+    "cri_shim.host": tuple(p for p in PACKAGES if p != "cri_shim.host"),
+    **{leaf: PACKAGES for leaf in LEAVES},
 }
 # The idempotency core does no I/O: it imports nothing of the daemon but its errors, the
 # log context and the tracing context (whose exporter the composition root loads).
@@ -252,3 +269,190 @@ def test_no_comment_or_docstring_cites_an_issue() -> None:
                 if ISSUE_CITATION.search(line):
                     cited.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert cited == []
+
+
+# ---- what an import hides -------------------------------------------------------------
+
+
+@cache
+def tree_of(module: str) -> ast.Module:
+    return ast.parse(modules()[module].read_text())
+
+
+def top_level_imports(module: str) -> Iterator[ast.ImportFrom]:
+    """The `from` imports at a module's top, those under `if TYPE_CHECKING:` included."""
+    for node in tree_of(module).body:
+        if isinstance(node, ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If):
+            yield from (n for n in node.body if isinstance(n, ast.ImportFrom))
+
+
+def absolute(node: ast.ImportFrom, module: str) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def origin(module: str, name: str, seen: frozenset[str] = frozenset()) -> str:
+    """The module that defines `name`, which `module` may only pass on (re-export)."""
+    if module not in modules() or module in seen:
+        return module
+    for node in top_level_imports(module):
+        source = absolute(node, module)
+        for alias in node.names:
+            if (alias.asname or alias.name) != name:
+                continue
+            if f"{source}.{alias.name}" in modules():
+                return f"{source}.{alias.name}"  # a module itself
+            return origin(source, alias.name, seen | {module})
+    return module
+
+
+def names_from(prefix: str) -> Iterator[tuple[str, str, str]]:
+    """(importer, name, the module that defines it) for every `from … import name` of
+    the modules under `prefix` from another module of the daemon."""
+    for importer in sorted(modules()):
+        if not within(importer, prefix):
+            continue
+        for node in ast.walk(tree_of(importer)):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = absolute(node, importer)
+            if not within(source, "cri_shim") or source == "cri_shim":
+                continue
+            for alias in node.names:
+                defined = origin(source, alias.name)
+                if defined != source:
+                    yield importer, alias.name, defined
+
+
+# Figures of the host that inspection/host.py hands the edge: frozen dataclasses of the
+# runtime's cgroup readers and of the network's interface counters, read-only data as
+# state.records is, re-exported by the one host reader so that the edge never imports
+# the runtime or the network. Any other name re-exported to the edge fails.
+EDGE_MAY_RECEIVE = {
+    ("cri_shim.runtime.cgroup_metrics", "CgroupFigures"),
+    ("cri_shim.runtime.stats", "CgroupStats"),
+    ("cri_shim.runtime.stats", "LayerUsage"),
+    ("cri_shim.network.netdev", "InterfaceCounters"),
+    ("cri_shim.network.netdev", "NetnsCounters"),
+}
+
+
+def reexports_past(prefix: str, allowed: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
+    return [
+        f"{importer} imports {name} of {defined} through a re-export"
+        for importer, name, defined in names_from(prefix)
+        if (not any(within(defined, ok) for ok in allowed))
+        or any(within(defined, no) for no in banned)
+    ]
+
+
+def test_the_edge_is_handed_no_forbidden_name_through_a_re_export() -> None:
+    wrong = [
+        line
+        for line in reexports_past("cri_shim.server", SERVER_MAY_IMPORT, ())
+        if not any(f"imports {name} of {defined} " in line for defined, name in EDGE_MAY_RECEIVE)
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("importer", sorted(FORBIDDEN))
+def test_no_re_export_hides_what_sits_above_a_package(importer: str) -> None:
+    assert reexports_past(importer, ("cri_shim",), FORBIDDEN[importer]) == []
+
+
+def test_no_module_imports_by_name_at_run_time() -> None:
+    """`importlib.import_module` and `__import__` hide an import from every rule here.
+    Finding a module without importing it (`importlib.util.find_spec`) is allowed."""
+    dynamic = []
+    for name in sorted(modules()):
+        if any(within(name, prefix) for prefix in GENERATED):
+            continue
+        for node in ast.walk(tree_of(name)):
+            if isinstance(node, ast.Call):
+                called = ast.unparse(node.func)
+                if called in ("__import__", "importlib.import_module", "import_module"):
+                    dynamic.append(f"{name}:{node.lineno}: {called}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "importlib":
+                if any(alias.name == "import_module" for alias in node.names):
+                    dynamic.append(f"{name}:{node.lineno}: from importlib import import_module")
+    assert dynamic == []
+
+
+# ---- the edge reads no host file ------------------------------------------------------
+
+# Calls that read the host's files (or ask the kernel about one): `open`, `os.stat` and
+# its kin, and pathlib's readers.
+HOST_READS = re.compile(
+    r"^(open|io\.open|os\.(stat|lstat|listdir|scandir|open|access|readlink|path\.\w+))$"
+    r"|\.(read_text|read_bytes|open|stat|lstat|exists|is_file|is_dir|is_socket|iterdir)$"
+)
+# What the edge still reads itself, each with its reason.
+EDGE_HOST_READS = {
+    # Its own socket: the directory's mode and a stale socket file (DESIGN §1).
+    "cri_shim.server.unix_socket",
+    # A mount's host path must exist (INVALID_ARGUMENT naming the field, before the
+    # name is reserved); validation runs synchronously in server/limits.py.
+    "cri_shim.server.validation._mount",
+}
+# The domain's functions that read the host, which the edge may call only from a worker
+# thread (`asyncio.to_thread(f, ...)`, where f is passed, not called). Known exception:
+# server/container.py's `_user_of` calls process_user_of, which reads a container's
+# config.json only for a row written before the row recorded process.user.
+EDGE_MAY_CALL_ON_THE_LOOP = {("cri_shim.server.container", "process_user_of")}
+
+
+def host_reads(module: str) -> Iterator[tuple[str, int, str]]:
+    """(function, line, call) for each host read in `module`'s functions."""
+    for node in ast.walk(tree_of(module)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and HOST_READS.search(ast.unparse(call.func)):
+                    yield node.name, call.lineno, ast.unparse(call.func)
+
+
+def test_the_edge_reads_no_host_file_itself() -> None:
+    found = [
+        f"{module}.{function}:{line}: {call}"
+        for prefix in EDGES
+        for module in sorted(modules())
+        if within(module, prefix) and module not in EDGE_HOST_READS
+        for function, line, call in host_reads(module)
+        if f"{module}.{function}" not in EDGE_HOST_READS
+    ]
+    assert found == []
+
+
+def domain_readers() -> set[tuple[str, str]]:
+    """(module, function) of the domain's plain functions that read the host."""
+    return {
+        (module, function)
+        for prefix in DOMAIN
+        for module in modules()
+        if within(module, prefix)
+        for function, _, _ in host_reads(module)
+    }
+
+
+def test_the_edge_calls_no_domain_reader_on_the_event_loop() -> None:
+    readers = domain_readers()
+    wrong = []
+    for module in sorted(modules()):
+        if not any(within(module, prefix) for prefix in EDGES):
+            continue
+        imported = {
+            (alias.asname or alias.name): absolute(node, module)
+            for node in top_level_imports(module)
+            for alias in node.names
+        }
+        for node in ast.walk(tree_of(module)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                name = node.func.id
+                if (imported.get(name), name) in readers:
+                    if (module, name) not in EDGE_MAY_CALL_ON_THE_LOOP:
+                        wrong.append(f"{module}:{node.lineno}: {name}() on the event loop")
+    assert wrong == []
