@@ -47,7 +47,6 @@ BELOW_DOMAIN = (
     "cri_shim.images",
     "cri_shim.nri",
     "cri_shim.streaming",
-    "cri_shim.logs",
     "cri_shim.config",
     "cri_shim.pod_rules",
     "cri_shim.tracing",
