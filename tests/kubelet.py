@@ -37,8 +37,9 @@ from typing import Any
 import httpx
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.host.mounts import mount_points, unmount_below
+from cri_shim.host.mounts import unmount_below
 from tests.harness import REPO
+from tests.mountinfo import mount_points
 from tests.registry import free_port
 from tests.waiting import wait_until
 

@@ -81,21 +81,12 @@ def _mountinfo() -> list[list[str]]:
         return [line.split(" ") for line in mountinfo if line.strip()]
 
 
-def mount_points() -> list[Path]:
-    """Every mount point of this mount namespace, in mount order."""
-    return [Path(unescape_mountinfo(fields[4])) for fields in _mountinfo()]
-
-
 def mounted(targets: Iterable[Path]) -> set[Path]:
     """Those of `targets` that are mount points, as given or with symlinks resolved.
     mountinfo is read once for all of them: a node's restore asks of every pod, and
     mountinfo lists a few mounts per pod, so one read per question grew with the square."""
     points = {unescape_mountinfo(fields[4]) for fields in _mountinfo()}
     return {t for t in targets if str(t) in points or os.path.realpath(t) in points}
-
-
-def is_mounted(target: Path) -> bool:
-    return bool(mounted([target]))
 
 
 def propagation(path: Path) -> str | None:

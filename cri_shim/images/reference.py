@@ -85,10 +85,6 @@ class Reference:
             raise InvalidArgument(f"invalid tag {tag!r}: {_TAG_RULE}")
         return Reference(self.registry, self.repository, tag, None)
 
-    def with_digest(self, digest: str) -> Reference:
-        """`name@digest`: the form recorded in an image's repo digests."""
-        return Reference(self.registry, self.repository, None, validate_digest(digest))
-
     def __str__(self) -> str:
         return self.string()
 

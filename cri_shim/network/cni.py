@@ -360,12 +360,6 @@ class CniNetwork:
 
     # ---- configuration ----------------------------------------------------------------
 
-    @property
-    def network_name(self) -> str:
-        """Name of the network configuration list in use, "" when there is none."""
-        self._refresh()
-        return self._conf.name if self._conf is not None else ""
-
     def reload(self) -> None:
         """Read the configuration again (on SIGHUP, or when the directories changed)."""
         self._fingerprint = self._scan_fingerprint()

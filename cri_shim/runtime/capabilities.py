@@ -43,10 +43,6 @@ def capabilities_from_mask(mask: int) -> frozenset[str]:
     return frozenset(name for bit, name in enumerate(ALL_CAPABILITIES) if mask >> bit & 1)
 
 
-def capability_mask(names: Iterable[str]) -> int:
-    return sum(1 << ALL_CAPABILITIES.index(name) for name in names)
-
-
 def normalize_capability(name: str, field: str) -> str:
     """`net_admin`, `NET_ADMIN` and `CAP_NET_ADMIN` all mean CAP_NET_ADMIN."""
     upper = name.strip().upper()

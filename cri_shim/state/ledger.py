@@ -48,13 +48,6 @@ class Ledger:
         """Whoever holds it: its teardown step has run."""
         self._db.execute("DELETE FROM allocations WHERE kind = ? AND value = ?", (kind, value))
 
-    def held_by(self, owner_id: str) -> list[tuple[str, str]]:
-        rows = self._db.query(
-            "SELECT kind, value FROM allocations WHERE owner_id = ? ORDER BY kind, value",
-            (owner_id,),
-        )
-        return [(r[0], r[1]) for r in rows]
-
     def all(self) -> list[tuple[str, str, str]]:
         rows = self._db.query("SELECT kind, value, owner_id FROM allocations ORDER BY kind, value")
         return [(r[0], r[1], r[2]) for r in rows]

@@ -208,10 +208,6 @@ class ImageRecord:
         return sorted(self._runtime_config.get("Volumes") or {})
 
     @property
-    def exposed_ports(self) -> list[str]:
-        return sorted(self._runtime_config.get("ExposedPorts") or {})
-
-    @property
     def labels(self) -> dict[str, str]:
         return dict(self._runtime_config.get("Labels") or {})
 

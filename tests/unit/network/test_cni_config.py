@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from cni_support import network_name
 from fake_cni import FakeCni
 
 from cri_shim.errors import Unavailable
@@ -35,7 +36,7 @@ def test_first_file_in_lexical_order_wins(fake_cni: FakeCni) -> None:
     # Lexical, not numeric: "10-" sorts before "9-".
     (fake_cni.config_dir / "9-nine.conflist").write_text(conflist("nine", "fake"))
     (fake_cni.config_dir / "10-ten.conflist").write_text(conflist("ten", "fake"))
-    assert network(fake_cni).network_name == "ten"
+    assert network_name(network(fake_cni)) == "ten"
 
 
 def test_files_without_a_config_suffix_are_ignored(fake_cni: FakeCni) -> None:
@@ -45,7 +46,7 @@ def test_files_without_a_config_suffix_are_ignored(fake_cni: FakeCni) -> None:
     (fake_cni.config_dir / "50-real.json").write_text(conflist("real", "fake"))
     net = network(fake_cni)
     assert net.status() == (True, "", "")
-    assert net.network_name == "real"
+    assert network_name(net) == "real"
 
 
 def test_single_conf_is_wrapped_into_a_list(fake_cni: FakeCni) -> None:
@@ -54,7 +55,7 @@ def test_single_conf_is_wrapped_into_a_list(fake_cni: FakeCni) -> None:
     (fake_cni.config_dir / "10-single.conf").write_text(json.dumps(single))
     net = network(fake_cni)
     assert net.status()[0]
-    assert net.network_name == "single"
+    assert network_name(net) == "single"
     conf = parse_network_config(single)
     assert conf.cni_version == "0.4.0"
     assert conf.plugins == [{"type": "fake", "bridge": "x0"}]
@@ -68,10 +69,10 @@ def test_fallback_used_only_when_config_dir_has_no_config(
     fallback.mkdir()
     (fallback / "10-bundled.conflist").write_text(conflist("bundled", "fake"))
     net = network(fake_cni, fallback)
-    assert net.network_name == "bundled"
+    assert network_name(net) == "bundled"
 
     (fake_cni.config_dir / "20-operator.conflist").write_text(conflist("operator", "fake"))
-    assert net.network_name == "operator"
+    assert network_name(net) == "operator"
 
 
 def test_missing_config_dir_falls_back(fake_cni: FakeCni, tmp_path: Path) -> None:
@@ -108,7 +109,7 @@ def test_broken_json_is_not_ready_with_a_message_naming_the_file(
     ready, reason, message = net.status()
     assert (ready, reason) == (False, NOT_READY_REASON)
     assert str(broken) in message and "JSON" in message
-    assert net.network_name == ""
+    assert network_name(net) == ""
 
 
 async def test_add_on_a_network_that_is_not_ready_is_unavailable(fake_cni: FakeCni) -> None:
@@ -152,12 +153,12 @@ def test_status_picks_up_config_changes_without_reload(fake_cni: FakeCni) -> Non
     path = fake_cni.config_dir / "10-n.conflist"
     path.write_text(conflist("first", "fake"))
     assert net.status() == (True, "", "")
-    assert net.network_name == "first"
+    assert network_name(net) == "first"
 
     # Rewritten in place (same directory listing): the file's own stat must be noticed.
     path.write_text(conflist("second-name", "fake"))
     os.utime(path, ns=(1, 1))
-    assert net.network_name == "second-name"
+    assert network_name(net) == "second-name"
 
 
 def test_bundled_conflist_is_a_bridge_with_portmap() -> None:
@@ -178,4 +179,4 @@ def test_bundled_conflist_is_ready_with_the_installed_plugins(tmp_path: Path) ->
     # Whatever this host routes: test_cni_subnet_conflict.py is about that.
     net = CniNetwork(tmp_path / "empty", [Path("/usr/lib/cni")], BUNDLED, routes=lambda _: [])
     assert net.status() == (True, "", "")
-    assert net.network_name == "cri-shim"
+    assert network_name(net) == "cri-shim"

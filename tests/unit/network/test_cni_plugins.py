@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cni_support import network_name
 from fake_cni import FakeCni
 
 from cri_shim.errors import DeadlineExceeded, Internal, InvalidArgument
@@ -272,7 +273,7 @@ async def test_delete_uses_the_config_of_the_add(fake_cni: FakeCni) -> None:
     for path in fake_cni.config_dir.iterdir():
         path.unlink()
     fake_cni.write_conflist([{"type": "new-plugin"}], name="calico", filename="05-new.conflist")
-    assert net.network_name == "calico"
+    assert network_name(net) == "calico"
 
     await net.delete(request(), 10, prev_result=added.raw, config=added.config)
     last = fake_cni.calls()[-1]

@@ -14,6 +14,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.host import mounts
 from cri_shim.runtime.mount_sources import pin_bind_sources
+from tests.mountinfo import mount_points
 
 pytestmark = [pytest.mark.root]  # bind mounts
 
@@ -68,7 +69,7 @@ def test_a_swap_after_the_pin_does_not_redirect_the_mount(host: Path) -> None:
     assert spec["mounts"][0]["source"] == "proc"  # only the request's bind mounts
     pinned.release()
     assert not (host / "bundle" / "mounts").exists()
-    assert [p for p in mounts.mount_points() if host in p.parents] == []
+    assert [p for p in mount_points() if host in p.parents] == []
 
 
 def test_a_vanished_host_path_is_named(host: Path) -> None:
@@ -79,4 +80,4 @@ def test_a_vanished_host_path_is_named(host: Path) -> None:
     with pytest.raises(InvalidArgument, match=r"mounts\[1\]\.host_path"):
         pin_bind_sources(spec_for(requested), requested, host / "bundle" / "mounts")
     # The first pin was undone with the failure.
-    assert [p for p in mounts.mount_points() if host in p.parents] == []
+    assert [p for p in mount_points() if host in p.parents] == []

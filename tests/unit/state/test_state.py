@@ -141,4 +141,4 @@ def test_ledger_refuses_double_allocation(tmp_path: Path) -> None:
         ledger.allocate("ip", "10.0.0.2", "pod-b")
     ledger.release("pod-a", "ip")
     ledger.allocate("ip", "10.0.0.2", "pod-b")
-    assert ledger.held_by("pod-b") == [("ip", "10.0.0.2")]
+    assert [(k, v) for k, v, owner in ledger.all() if owner == "pod-b"] == [("ip", "10.0.0.2")]
