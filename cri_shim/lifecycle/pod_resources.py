@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf import json_format
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.errors import FailedPrecondition
+from cri_shim.lifecycle.pods import require_ready
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.state.records import SandboxRecord
@@ -38,8 +38,7 @@ def record_pod_resources(
     overhead: api_pb2.LinuxContainerResources | None,
     resources: api_pb2.LinuxContainerResources | None,
 ) -> None:
-    if not sandbox.ready:
-        raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+    require_ready(sandbox)
     recorded: dict[str, Any] = {}
     for key, value in (("overhead", overhead), ("resources", resources)):
         if value is None:
@@ -86,8 +85,7 @@ class PodResources:
         from cri_shim.nri.adjust import nri_resources_of
         from cri_shim.nri.objects import pod_of_record
 
-        if not sandbox.ready:  # refused before plugins hear of it
-            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+        require_ready(sandbox)  # refused before plugins hear of it
         pod = pod_of_record(sandbox)
         await nri.update_pod(
             pod,

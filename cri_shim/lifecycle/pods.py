@@ -15,6 +15,13 @@ from cri_shim.state.records import SandboxRecord
 from cri_shim.state.sandboxes import SandboxRepository
 
 
+def require_ready(sandbox: SandboxRecord) -> SandboxRecord:
+    """`sandbox`, if it is ready; what a call that needs its namespaces is told if not."""
+    if not sandbox.ready:
+        raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
+    return sandbox
+
+
 class PodContainers(Protocol):
     """What a pod's stop and removal do to its containers (the container lifecycle)."""
 
@@ -46,10 +53,7 @@ class Pods:
         return sandbox
 
     def get_ready(self, ref: str) -> SandboxRecord:
-        sandbox = self.get(ref)
-        if not sandbox.ready:
-            raise FailedPrecondition(f"pod sandbox {sandbox.id} is not ready (it was stopped)")
-        return sandbox
+        return require_ready(self.get(ref))
 
     def list(self) -> list[SandboxRecord]:
         return self.rows.list_visible()

@@ -13,6 +13,7 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 from cri_shim.inspection.runtime_spec import process_user_of, runtime_spec_of
 from cri_shim.server import listing
+from cri_shim.server.listing import selected
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import ContainerRecord
 
@@ -90,13 +91,8 @@ def _container(container: ContainerRecord) -> api_pb2.Container:
 def containers_listed(view: RuntimeView, f: api_pb2.ContainerFilter) -> Iterator[api_pb2.Container]:
     """The containers `f` selects, one at a time: ListContainers and StreamContainers."""
     for container in view.containers.list(sandbox_id=f.pod_sandbox_id or None):
-        if f.id and not container.id.startswith(f.id):
-            continue
-        if f.HasField("state") and f.state.state != container_state(container):
-            continue
-        if any(container.config.labels.get(k) != v for k, v in f.label_selector.items()):
-            continue
-        yield to_container(container)
+        if selected(f, container.id, container.config.labels, container_state(container)):
+            yield to_container(container)
 
 
 async def list_containers(

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
+from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import ResourceExhausted
 
 if TYPE_CHECKING:
@@ -35,6 +36,26 @@ _ITEM_OVERHEAD = 6
 
 Item = TypeVar("Item", bound=Message)
 Items = Iterable[Item] | AsyncIterable[Item]
+
+
+Filter = (
+    api_pb2.ContainerFilter
+    | api_pb2.PodSandboxFilter
+    | api_pb2.ContainerStatsFilter
+    | api_pb2.PodSandboxStatsFilter
+)
+
+
+def selected(f: Filter, object_id: str, labels: Mapping[str, str], state: int = -1) -> bool:
+    """Whether an object passes a list call's filter: its ID starts with the filter's,
+    its labels hold every pair of the selector, and its `state`, where the filter has
+    one, is the filter's."""
+    if f.id and not object_id.startswith(f.id):
+        return False
+    if isinstance(f, api_pb2.ContainerFilter | api_pb2.PodSandboxFilter):
+        if f.HasField("state") and f.state.state != state:
+            return False
+    return all(labels.get(key) == value for key, value in f.label_selector.items())
 
 
 def reply_limit(config: Config) -> int:

@@ -12,6 +12,7 @@ import grpc
 from cri_shim.api.v1 import api_pb2
 from cri_shim.server import listing
 from cri_shim.server.container import to_status
+from cri_shim.server.listing import selected
 from cri_shim.server.rpc import request_deadline
 from cri_shim.state.records import SandboxRecord
 
@@ -131,13 +132,8 @@ def pod_sandboxes_listed(
 ) -> Iterator[api_pb2.PodSandbox]:
     """The sandboxes `f` selects, one at a time: ListPodSandbox and StreamPodSandboxes."""
     for sandbox in view.sandboxes.list():
-        if f.id and not sandbox.id.startswith(f.id):
-            continue
-        if f.HasField("state") and f.state.state != _state(sandbox):
-            continue
-        if any(sandbox.config.labels.get(k) != v for k, v in f.label_selector.items()):
-            continue
-        yield to_pod_sandbox(sandbox)
+        if selected(f, sandbox.id, sandbox.config.labels, _state(sandbox)):
+            yield to_pod_sandbox(sandbox)
 
 
 async def list_pod_sandbox(

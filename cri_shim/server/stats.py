@@ -10,6 +10,7 @@ import grpc
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.server import listing
+from cri_shim.server.listing import selected
 
 if TYPE_CHECKING:
     from cri_shim.inspection.usage import ContainerUsage, PodNetwork, PodUsage
@@ -74,13 +75,9 @@ async def container_stats_listed(
 ) -> AsyncIterator[api_pb2.ContainerStats]:
     """The stats of the containers `f` selects: ListContainerStats and
     StreamContainerStats."""
-    selected = [
-        c
-        for c in view.containers.list(sandbox_id=f.pod_sandbox_id or None)
-        if (not f.id or c.id.startswith(f.id))
-        and all(c.config.labels.get(k) == v for k, v in f.label_selector.items())
-    ]
-    async for usage in view.usage.containers(selected):
+    containers = view.containers.list(sandbox_id=f.pod_sandbox_id or None)
+    chosen = [c for c in containers if selected(f, c.id, c.config.labels)]
+    async for usage in view.usage.containers(chosen):
         yield _container_stats(view, usage)
 
 
@@ -164,13 +161,8 @@ async def pod_sandbox_stats_listed(
     view: RuntimeView, f: api_pb2.PodSandboxStatsFilter
 ) -> AsyncIterator[api_pb2.PodSandboxStats]:
     """The stats of the pods `f` selects: ListPodSandboxStats and StreamPodSandboxStats."""
-    selected = [
-        s
-        for s in view.sandboxes.list()
-        if (not f.id or s.id.startswith(f.id))
-        and all(s.config.labels.get(k) == v for k, v in f.label_selector.items())
-    ]
-    async for usage in view.usage.pods(selected):
+    chosen = [s for s in view.sandboxes.list() if selected(f, s.id, s.config.labels)]
+    async for usage in view.usage.pods(chosen):
         yield _pod_stats(view, usage)
 
 
