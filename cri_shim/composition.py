@@ -23,7 +23,7 @@ from cri_shim.inspection.layer_usage import LayerUsageCache
 from cri_shim.inspection.usage import UsageCollector
 from cri_shim.lifecycle.containers import ContainerLifecycle
 from cri_shim.lifecycle.events import EventBus
-from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.pause import SandboxContainers
 from cri_shim.lifecycle.pod_resources import PodResources
 from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
 from cri_shim.loop_monitor import LoopMonitor
@@ -196,7 +196,7 @@ def _lifecycle(
     # An event is rendered when it happens, and only for a subscriber: the pod's status
     # and its containers' as recorded at that moment.
     events = EventBus(render=EventRenderer(pods.get, storage.container_rows.list_visible_in))
-    pause = PauseProcesses(journal, backends, config.runtime.handlers)
+    pause = SandboxContainers(journal, backends, config.runtime.handlers)
 
     # NRI plugins and the container lifecycle call each other (a creation asks the
     # plugins; a plugin updates a container), so these two find the other side when they

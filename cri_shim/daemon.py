@@ -148,8 +148,8 @@ class Daemon:
         # An exit between restore and the watch being in place would go unnoticed.
         exited(None)
         self.graph = graph
-        self.runtime_service.services = graph.runtime_view
-        self.image_service.services = graph.image_view
+        self.runtime_service.view = graph.runtime_view
+        self.image_service.view = graph.image_view
         # Metrics: the census is read at scrape time; the HTTP endpoint
         # runs only when [metrics] listen is set, and is closed in stop().
         if graph.metrics is not None:

@@ -27,9 +27,9 @@ from cri_shim.images import overlay
 from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.container_images import image_config_view, image_names
 from cri_shim.lifecycle.events import CONTAINER_CREATED, EventBus
-from cri_shim.lifecycle.hooks import persisted_coordinator
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
-from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.pause import SandboxContainers
+from cri_shim.lifecycle.persisted_creation import persisted_coordinator
 from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
 from cri_shim.runtime.apparmor import AppArmor
@@ -66,7 +66,7 @@ class ContainerCreate:
         images: ImageStore,
         handlers: RuntimeHandlers,
         events: EventBus,
-        pause: PauseProcesses | None,
+        pause: SandboxContainers | None,
         nri: NriHooks | None,
         tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:

@@ -25,8 +25,8 @@ from cri_shim.lifecycle.container_start import ContainerStart
 from cri_shim.lifecycle.container_stop import ContainerStop
 from cri_shim.lifecycle.container_update import ContainerUpdate
 from cri_shim.lifecycle.events import EventBus
-from cri_shim.lifecycle.hooks import restore_creations
-from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.pause import SandboxContainers
+from cri_shim.lifecycle.persisted_creation import restore_creations
 from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
 from cri_shim.runtime.conmon import RuntimeBackend
@@ -56,7 +56,7 @@ class ContainerLifecycle:
         backends: dict[str, RuntimeBackend],
         *,
         events: EventBus,
-        pause: PauseProcesses | None = None,
+        pause: SandboxContainers | None = None,
         nri: NriHooks | None = None,
         tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:

@@ -159,7 +159,7 @@ def shares_pid_namespace(config: api_pb2.PodSandboxConfig) -> bool:
     )
 
 
-class PauseProcesses:
+class SandboxContainers:
     """Starts, finds and removes the pause process of pods sharing a PID namespace, and
     the sandbox container of pods whose handler needs one."""
 

@@ -25,8 +25,8 @@ from cri_shim.faults import fault_point
 from cri_shim.host import mounts
 from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.lifecycle.events import CONTAINER_CREATED, CONTAINER_STARTED, EventBus
-from cri_shim.lifecycle.hooks import persisted_coordinator
-from cri_shim.lifecycle.pause import PauseProcesses, shares_pid_namespace
+from cri_shim.lifecycle.pause import SandboxContainers, shares_pid_namespace
+from cri_shim.lifecycle.persisted_creation import persisted_coordinator
 from cri_shim.lifecycle.pods import PodContainers
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
@@ -67,7 +67,7 @@ class SandboxRun:
         events: EventBus,
         containers: PodContainers,
         handler_features: Callable[[str], HandlerFeatures],
-        pause: PauseProcesses | None,
+        pause: SandboxContainers | None,
         nri: NriHooks | None,
         tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:

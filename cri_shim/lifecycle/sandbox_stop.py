@@ -11,7 +11,7 @@ import logging
 from cri_shim.config import Config
 from cri_shim.lifecycle.events import CONTAINER_STOPPED, EventBus
 from cri_shim.lifecycle.object_locks import ObjectLocks
-from cri_shim.lifecycle.pause import PAUSE_ACTION, PauseProcesses
+from cri_shim.lifecycle.pause import PAUSE_ACTION, SandboxContainers
 from cri_shim.lifecycle.pods import PodContainers, Pods
 from cri_shim.logcontext import object_fields
 from cri_shim.nri.actions import POD_STOPPED as NRI_POD_STOPPED
@@ -33,7 +33,7 @@ class SandboxStop:
         journal: Journal,
         events: EventBus,
         containers: PodContainers,
-        pause: PauseProcesses | None,
+        pause: SandboxContainers | None,
         locks: ObjectLocks,
     ) -> None:
         self._locks = locks

@@ -15,9 +15,9 @@ from cri_shim import tracing
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import Config
 from cri_shim.lifecycle.events import EventBus
-from cri_shim.lifecycle.hooks import restore_creations
 from cri_shim.lifecycle.object_locks import ObjectLocks
-from cri_shim.lifecycle.pause import PauseProcesses
+from cri_shim.lifecycle.pause import SandboxContainers
+from cri_shim.lifecycle.persisted_creation import restore_creations
 from cri_shim.lifecycle.pods import PodContainers, Pods
 from cri_shim.lifecycle.sandbox_remove import SandboxRemove
 from cri_shim.lifecycle.sandbox_run import SandboxRun
@@ -50,7 +50,7 @@ class SandboxLifecycle:
         events: EventBus,
         containers: PodContainers,
         handler_features: Callable[[str], HandlerFeatures],
-        pause: PauseProcesses | None = None,
+        pause: SandboxContainers | None = None,
         nri: NriHooks | None = None,
         tracer: tracing.Tracer = tracing.NO_TRACER,
     ) -> None:

@@ -94,7 +94,7 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view: EdgeView | None = self.services
+        view: EdgeView | None = self.view
         if view is None:
             # Restore has not finished: a partial view would make kubelet recreate pods.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is not initialized yet")

@@ -32,7 +32,7 @@ _PENDING = {
 class RuntimeService(api_pb2_grpc.RuntimeServiceServicer):
     def __init__(self) -> None:
         # None until restore has finished; every call answers UNAVAILABLE until then.
-        self.services: RuntimeView | None = None
+        self.view: RuntimeView | None = None
 
     Version = rpc(runtime_info.version)
     Status = rpc(runtime_info.status)
@@ -73,7 +73,7 @@ class RuntimeService(api_pb2_grpc.RuntimeServiceServicer):
 class ImageService(api_pb2_grpc.ImageServiceServicer):
     def __init__(self) -> None:
         # None until restore has finished, as RuntimeService's.
-        self.services: ImageView | None = None
+        self.view: ImageView | None = None
 
     ListImages = rpc(image.list_images)
     StreamImages = rpc(image.stream_images)

@@ -19,7 +19,7 @@ from cri_shim.lifecycle.events import (
     ContainerEvent,
     EventBus,
 )
-from cri_shim.lifecycle.hooks import PersistedCreationHooks, restore_creations
+from cri_shim.lifecycle.persisted_creation import PersistedCreationHooks, restore_creations
 from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
 from cri_shim.runtime.features import HandlerFeatures
 from cri_shim.state.containers import EXITED, ContainerRepository

@@ -96,7 +96,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
             loop_monitor=None,
         )
         servicer = RuntimeService()
-        servicer.services = services  # type: ignore[assignment]
+        servicer.view = services  # type: ignore[assignment]
         server = grpc.aio.server()
         api_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         socket = tmp_path / f"cri{len(servers)}.sock"
