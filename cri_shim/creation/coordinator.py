@@ -3,7 +3,7 @@
 The coordinator owns the life of a *name*, from its reservation to its release: one
 coroutine per name runs the creation (detached from the request that started it), publishes
 or caches what it made, waits for a claim or the expiry, and cleans up. These coroutines
-are tasks the coordinator owns, which `aclose()` (daemon shutdown) cancels. It does
+belong to the coordinator's task group, which `aclose()` (daemon shutdown) cancels. It does
 no I/O of its own: the domain layer does the work in the creator it passes to `create()` and
 persists every decision through `CreationHooks`, in the same step as the memory change; what
 happens is counted by a `CreationObserver` (statistics.py).
@@ -15,7 +15,7 @@ This module is the front the domain calls; each concern is a module of its own:
 - inflight.py: a name's life detached from requests: creator, failure, cleanup;
 - cache.py: the finished, unclaimed objects, their claim and their expiry;
 - restore.py: the names taken again after a restart;
-- tasks.py: the tasks of the names' coroutines, owned until they end.
+- tasks.py: the task group the names' coroutines belong to.
 
 The phases of a name are drawn in entry.py. Every method must be called from the event
 loop's thread. Deadlines are absolute times on the coordinator's clock, which is the event
@@ -31,6 +31,8 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable
+
+import anyio
 
 from cri_shim import logcontext, tracing
 from cri_shim.creation import restore
@@ -164,7 +166,7 @@ class CreationCoordinator:
         background with the same cleanup as an expiry, and free the name only at the end.
 
         The request that removes the object answers at once; the teardown belongs to the
-        coordinator's tasks (shutdown leaves it to the restart, which rolls the row
+        coordinator's task group (shutdown leaves it to the restart, which rolls the row
         forward from its journal). Until it ends the name stays held: a duplicate waits
         for it and is refused, as during an expiry. Retiring a free name is a no-op.
         """
@@ -172,7 +174,7 @@ class CreationCoordinator:
         if entry is None:
             return
         entry.enter(Phase.CLEANING, STAGE_REMOVAL, self._names.clock())
-        entry.settled = asyncio.Event()
+        entry.settled = anyio.Event()
         self._names.count("removing", entry, "removed; tearing down in the background")
         self._tasks.start(entry, None)
 

@@ -13,11 +13,12 @@ A name is in one of four phases:
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import anyio
 
 from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded
@@ -112,7 +113,7 @@ class Entry:
     reserved_at: float
     stage_since: float
     # Set when the current creation (or expiry cleanup) settles; what requests wait on.
-    settled: asyncio.Event | None = None
+    settled: anyio.Event | None = None
     # The error of a failed creation, handed to every request waiting on it.
     error: BaseException | None = None
     requester_waiting: bool = False
@@ -122,8 +123,8 @@ class Entry:
     expires_at: float | None = None
     # keep_on_timeout is off and the request gave up: the creation is rolled back.
     abandoned: bool = False
-    creator: asyncio.Task[None] | None = None  # while the creator runs
-    claimed: asyncio.Event | None = None  # while the object waits in the cache
+    creator_scope: anyio.CancelScope | None = None  # while the creator runs
+    claimed: anyio.Event | None = None  # while the object waits in the cache
     # The creation's trace (its root span open until the object is visible or released).
     trace: tracing.CreationTrace = tracing.NO_CREATION_TRACE
 

@@ -1,7 +1,7 @@
 """One name's life, detached from any request: run the creator, publish or cache what it
 made, wait for a claim or the expiry, clean up (DESIGN §2, rules 2, 6, 7 and 8).
 
-The life runs as a task the coordinator owns (tasks.py), so the request
+The life runs as a coroutine of the coordinator's task group (tasks.py), so the request
 that started it may go without cancelling it. Only an abandonment (keep_on_timeout off,
 the request gave up) cancels the creator, and the life carries on with the rollback;
 daemon shutdown cancels the whole life wherever it is, without cleanup.
@@ -9,9 +9,9 @@ daemon shutdown cancels the whole life wherever it is, without cleanup.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable
+
+import anyio
 
 from cri_shim.creation.cache import UnclaimedCache
 from cri_shim.creation.entry import STAGE_CLEANUP, Creator, Entry, Phase, Stage, abandoned_error
@@ -59,31 +59,24 @@ class DetachedCreations:
     async def _run(self, entry: Entry, run: Creator) -> BaseException | None:
         """Run the creator to its end; the error it ended with, if any.
 
-        The creator runs in a task of its own, which only an abandonment cancels: the
-        life carries on with the rollback. Shutdown cancels the life, and with it the
-        task it awaits.
+        Only an abandonment cancels the creator's scope, so that the coroutine carries on
+        with the rollback; shutdown cancels it all.
         """
         if entry.abandoned:
             # Gave up before the creation even started.
             return abandoned_error(self._names.kind, entry)
         stage = Stage(lambda new: self._stage_changed(entry, new))
         error: BaseException | None = None
-        creator = entry.creator = asyncio.get_running_loop().create_task(
-            _coroutine(run(entry.object_id, stage))
-        )
-        try:
-            await creator
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if not creator.cancelled() or (current is not None and current.cancelling()):
-                raise  # shutdown: the life ends here
-        except Exception as exc:
-            error = exc
-        finally:
-            entry.creator = None
+        with anyio.CancelScope() as scope:
+            entry.creator_scope = scope
+            try:
+                await run(entry.object_id, stage)
+            except Exception as exc:
+                error = exc
+        entry.creator_scope = None
         # The last stage ends with the creation, whatever its outcome.
         self._names.observer.stage_left(entry.stage, self._names.clock() - entry.stage_since)
-        if creator.cancelled():
+        if scope.cancelled_caught:
             return abandoned_error(self._names.kind, entry)
         return error
 
@@ -124,7 +117,7 @@ class DetachedCreations:
         happened; failures are logged and counted, not raised."""
         names = self._names
         try:
-            async with asyncio.timeout(self._cleanup_timeout):
+            with anyio.fail_after(self._cleanup_timeout):
                 await names.hooks.cleanup(entry.object_id)
         except TimeoutError:
             names.observer.counted("cleanup_failed")
@@ -146,8 +139,3 @@ class DetachedCreations:
             )
         finally:
             names.release_after_cleanup(entry)
-
-
-async def _coroutine(awaitable: Awaitable[None]) -> None:
-    """A task runs a coroutine; a creator may return any awaitable."""
-    await awaitable

@@ -2,7 +2,7 @@
 its deadline, and its duplicates, who are handed the finished object, told its error or
 refused with `name is reserved` (DESIGN §2, rules 2, 3 and 6).
 
-The creation runs in a task of the coordinator, not in a request's task: a request that
+The creation runs in the coordinator's task group, not in a request's task: a request that
 times out or is cancelled leaves it (and everybody else waiting on it) untouched. What a
 request's leaving changes is decided here: from then on a finished object is cached, or,
 with `keep_on_timeout` off, the creation is abandoned.
@@ -11,9 +11,10 @@ with `keep_on_timeout` off, the creation is abandoned.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import NoReturn
+
+import anyio
 
 from cri_shim.creation.entry import Entry, Phase
 from cri_shim.creation.reservation import HeldNames
@@ -75,8 +76,8 @@ class Waiters:
         if not self._keep_on_timeout:
             count("abandoned", entry, "keep_on_timeout is off: cancelling the creation")
             entry.abandoned = True
-            if entry.creator is not None:
-                entry.creator.cancel()
+            if entry.creator_scope is not None:
+                entry.creator_scope.cancel()
 
     async def watch(self, entry: Entry, deadline: float | None) -> str:
         """A duplicate of a creation in flight: wait, then take the object, or be refused.
@@ -129,13 +130,12 @@ class Waiters:
             f"(stage: {entry.stage}); retry to get it once done"
         )
 
-    async def _wait(self, settled: asyncio.Event | None, deadline: float | None) -> bool:
+    async def _wait(self, settled: anyio.Event | None, deadline: float | None) -> bool:
         """Wait for `settled` until `deadline`; True if it was set."""
         assert settled is not None, "only in-flight and cleaning names are waited on"
         if settled.is_set():
             return True
         timeout = None if deadline is None else max(0.0, deadline - self._names.clock())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await settled.wait()
+        with anyio.move_on_after(timeout):
+            await settled.wait()
         return settled.is_set()
