@@ -26,10 +26,12 @@ from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, import_image, wait_until
 from tests.integration.cri_testkit import container_config, create, remove, start, stop
 from tests.refused_calls import run_to_exit, running_pod
+from tests.scenarios.test_crash_restart import crash_and_restart
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
-# The daemon in a private copy of the test's mount namespace, `/` made shared in it.
+# A private copy of the test's mount namespace with `/` made shared in it, held by a
+# process of its own so that a restarted daemon enters the same one.
 PRIVATE_MOUNTS = [
     "unshare",
     "--mount",
@@ -38,8 +40,7 @@ PRIVATE_MOUNTS = [
     "--",
     "sh",
     "-c",
-    'mount --make-rshared / && exec "$@"',
-    "sh",
+    "mount --make-rshared / && exec sleep infinity",
 ]
 PROPAGATIONS = (
     api_pb2.PROPAGATION_PRIVATE,
@@ -51,18 +52,42 @@ PROPAGATIONS = (
 @pytest.fixture
 def node(make_daemon: type, short_tmp: Path, busybox_layout: Path) -> Iterator[Daemon]:
     """A daemon in its own mount namespace whose run root is under /run, as by default."""
-    run_dir = Path("/run") / f"cs-{uuid.uuid4().hex[:8]}"
-    daemon: Daemon = make_daemon(run_dir=run_dir, wrapper=PRIVATE_MOUNTS)
-    daemon.start()
-    assert daemon.proc is not None
-    namespace = os.readlink(f"/proc/{daemon.proc.pid}/ns/mnt")
+    holder = subprocess.Popen(PRIVATE_MOUNTS)
     try:
+        namespace = wait_until(lambda: _shared_namespace(holder.pid), timeout=10)
+    except TimeoutError:
+        holder.kill()
+        holder.wait()
+        raise
+    run_dir = Path("/run") / f"cs-{uuid.uuid4().hex[:8]}"
+    wrapper = ["nsenter", "-t", str(holder.pid), "-m", "--"]
+    daemon: Daemon = make_daemon(run_dir=run_dir, wrapper=wrapper)
+    try:
+        daemon.start()
         import_image(daemon, busybox_layout)
         yield daemon
     finally:
         daemon.stop()
-        _kill_what_is_left(namespace)
+        _kill_what_is_left(namespace)  # the holder too, so the namespace goes
+        holder.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _shared_namespace(pid: int) -> str | None:
+    """The mount namespace of the holder once it has made its `/` shared."""
+    try:
+        own = os.readlink("/proc/self/ns/mnt")
+        namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+        root = [
+            line
+            for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+            if line.split()[4] == "/"
+        ]
+    except OSError:
+        return None
+    if namespace == own or not root or "shared:" not in root[-1]:
+        return None
+    return namespace
 
 
 def _kill_what_is_left(namespace: str) -> None:
@@ -244,4 +269,29 @@ def test_each_propagation_mode_still_reaches_the_container(node: Daemon, short_t
     assert seen[api_pb2.PROPAGATION_HOST_TO_CONTAINER] == b"mounted later"
     assert seen[api_pb2.PROPAGATION_BIDIRECTIONAL] == b"mounted later"
     assert back == [str(volume / "back")], "the container's mount did not reach the host"
+    assert node.leaks() == {}
+
+
+@pytest.mark.parametrize("propagation", PROPAGATIONS, ids=api_pb2.MountPropagation.Name)
+def test_staging_mounts_a_crash_left_are_released_without_touching_the_pins(
+    node: Daemon, short_tmp: Path, propagation: int
+) -> None:
+    """Killed between the staging of a host path over the run root and `runc create`: the
+    restore rolls the creation back, the staging mounts with it, and leaves the rest."""
+    logs = short_tmp / "logs"
+    with (
+        running_pod(node, "bystander", logs / "a") as bystander,
+        running_pod(node, "agent", logs / "agent") as agent,
+    ):
+        before, table = pins(node), mount_table(node)
+        config = container_config(
+            "agent", "sleep 600", mounts=[host_mount(propagation, node.run_root)]
+        )
+        crash_and_restart(node, "container:runtime-journaled", lambda: create(node, agent, config))
+        with contextlib.suppress(TimeoutError):  # the restore's rollback, then the asserts
+            wait_until(lambda: mount_table(node) == table, timeout=30)
+        assert pins(node) == before, "releasing the staging mounts took pins away"
+        taken = table - mount_table(node)
+        assert not taken, f"releasing the staging mounts took {sorted(taken)}"
+        assert_pods_work(node, [bystander, agent])
     assert node.leaks() == {}
