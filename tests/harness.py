@@ -189,6 +189,9 @@ class Daemon:
     env: dict[str, str] = field(default_factory=dict)
     # `run_root` when it is not `<base>/run` (the socket stays there: its path is short).
     run_dir: Path | None = None
+    # Run before the daemon's command line (which it must exec), e.g. to give the daemon a
+    # mount namespace of its own.
+    wrapper: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = None
 
@@ -238,7 +241,15 @@ class Daemon:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cri_shim.cli", "serve", "--config", str(self.config_path)],
+            [
+                *self.wrapper,
+                sys.executable,
+                "-m",
+                "cri_shim.cli",
+                "serve",
+                "--config",
+                str(self.config_path),
+            ],
             stdout=log,
             stderr=log,
             env=env,
@@ -310,6 +321,12 @@ class Daemon:
         self.stop()
         self.start()
 
+    def mountinfo(self) -> list[list[str]]:
+        """The daemon's mount table (its own namespace when `wrapper` gave it one), one
+        list of fields per mount."""
+        pid = self.proc.pid if self.proc is not None and self.proc.poll() is None else "self"
+        return [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+
     def status_info(self) -> dict[str, Any]:
         """The daemon's account of itself in Status verbose: its creations' counters and
         what is in flight, its event loop's lag."""
@@ -350,10 +367,10 @@ class Daemon:
             if d.exists() and (pins := sorted(p.name for p in d.iterdir())):
                 found[kind] = pins
         mounts = [
-            line.split()[4]
-            for line in Path("/proc/self/mountinfo").read_text().splitlines()
-            if line.split()[4].startswith((str(self.root), str(self.run_root)))
-            and line.split()[4] not in (str(self.run_root / k) for k in pin_dirs)
+            fields[4]
+            for fields in self.mountinfo()
+            if fields[4].startswith((str(self.root), str(self.run_root)))
+            and fields[4] not in (str(self.run_root / k) for k in pin_dirs)
         ]
         if mounts:
             found["mounts"] = mounts

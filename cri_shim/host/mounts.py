@@ -17,6 +17,7 @@ MS_NOEXEC = 8
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
 MS_SHARED = 1 << 20
 MNT_DETACH = 2
 
@@ -57,6 +58,22 @@ def unmount(target: Path) -> None:
     """Detach whatever is mounted at `target` (all stacked mounts); nothing mounted is fine."""
     while detach(target):
         pass
+
+
+def unmount_severed(target: Path) -> None:
+    """Detach whatever is mounted at `target`, as `unmount` does, each mount first made a
+    slave with everything below it (MS_SLAVE | MS_REC): the unmount of a shared copy
+    propagates to its peers, those it was copied from included, and a slave passes
+    nothing back to its master. Nothing mounted is fine."""
+    while True:
+        try:
+            mount(None, target, None, MS_SLAVE | MS_REC)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
+                return
+            raise
+        if not detach(target):
+            return
 
 
 def unescape_mountinfo(field: str) -> str:

@@ -36,7 +36,7 @@ from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.cdi_on_demand import CdiOnDemand
 from cri_shim.runtime.features import require_features
 from cri_shim.runtime.host_limits import current_host_limits
-from cri_shim.runtime.mount_sources import PinnedSources, pin_bind_sources
+from cri_shim.runtime.mount_sources import PinnedSources, pin_bind_sources, release_staging
 from cri_shim.runtime.resources import clamp_oom_score_adj
 from cri_shim.runtime.spec import SandboxContext, build_spec
 from cri_shim.runtime.userns import pod_mappings
@@ -328,6 +328,9 @@ class ContainerCreate:
 
     async def _undo_dir(self, args: dict[str, Any]) -> None:
         path = Path(args["path"])
+        # Staging mounts first, severed from what they copy: unmounted one by one, the
+        # copies inside them would take the host's own mounts with them.
+        await asyncio.to_thread(release_staging, path / "mounts")
         await asyncio.to_thread(mounts.unmount_below, path)
         await asyncio.to_thread(shutil.rmtree, path, True)
 

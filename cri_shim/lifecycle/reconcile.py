@@ -23,6 +23,7 @@ from cri_shim.lifecycle.sandboxes import SandboxLifecycle
 from cri_shim.logcontext import object_bound, object_fields
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.mount_sources import release_staging
 from cri_shim.state.containers import CREATED, RUNNING
 from cri_shim.state.journal import Journal, UndoFailed
 
@@ -91,6 +92,8 @@ async def _remove_orphan_directories(
         for entry in directory.iterdir():
             if entry.name not in known:
                 log.warning("orphan %s directory %s: unmounting and removing it", kind, entry)
+                # A container's staging mounts, severed first (runtime/mount_sources.py).
+                await asyncio.to_thread(release_staging, entry / "mounts")
                 await asyncio.to_thread(mounts.unmount_below, entry)
                 await asyncio.to_thread(shutil.rmtree, entry, True)
                 found += 1

@@ -238,6 +238,13 @@ class NamespacePinner:
         With shared propagation, unmounting a pin also unmounts the copies that mount
         namespaces created meanwhile (containers, services with a private /tmp) hold;
         without it such a copy would keep the namespace, its veth and its IP alive.
+
+        Each is a peer group of its own. A bind of a directory on a shared `/` (every
+        systemd node) joins `/`'s group: every pin would then be mounted twice (once
+        hidden under the directory, on `/`) and copied wherever `/` is copied. So a fresh
+        one is made private before it is made shared. (A copy of the directory, a host
+        path mount of `/run` say, is still a peer: runtime/mount_sources.py keeps it from
+        passing unmounts back.)
         """
         if self._dirs_ready:
             return
@@ -246,6 +253,7 @@ class NamespacePinner:
             propagation = mounts.propagation(directory.resolve())
             if propagation is None:
                 mounts.mount(str(directory), directory, None, mounts.MS_BIND | mounts.MS_REC)
+                mounts.mount(None, directory, None, mounts.MS_PRIVATE)
                 propagation = ""
             if "shared:" not in propagation:
                 mounts.mount(None, directory, None, mounts.MS_SHARED | mounts.MS_REC)

@@ -11,7 +11,18 @@ resolves to the opened object, not to a path) onto a staging point in the contai
 bundle directory, which only root can write to. runc is given the staging point. Once
 runc has created the container (its mounts exist in the container's namespace), the
 staging mounts are detached; if the daemon dies in between, the bundle directory's undo
-step unmounts everything below it before removing it.
+step releases them (release_staging) before it unmounts everything else below it.
+
+A staging mount must never change what the host has mounted, whatever its source covers.
+It is a recursive copy, and the copy of a shared mount is a peer of it: unmounting the copy
+(or anything in it) unmounts the original too. A host path of `/` or `/run` covers the
+daemon's namespace pins, which are shared mounts (network/netns.py), and on a systemd node
+`/dev`, `/proc` and the rest as well: one container mounting `/` unpinned every pod's
+namespaces. So each staging mount is made private (rprivate) or a slave (rslave) right
+after it is made, as the container's mount asks; a bidirectional one must stay a peer of
+the host's until runc has copied it (the container's copy must be one), so it is made a
+slave just before it is detached, as runc makes its old root a slave before unmounting it.
+A slave receives the host's mount events and passes nothing back.
 
 In a pod with a user namespace of its own, every bind mount is staged this way, the
 pod's own files (/etc/hosts, /dev/shm, ...) too, and each staging mount is an idmapped
@@ -49,7 +60,7 @@ class PinnedSources:
     def release(self) -> None:
         for point in reversed(self.points):
             try:
-                mounts.unmount(point)
+                mounts.unmount_severed(point)
             except OSError as exc:  # left to the bundle directory's undo step
                 log.warning("staging mount %s: %s", point, exc)
                 continue
@@ -62,6 +73,18 @@ class PinnedSources:
             self.staging.rmdir()
         except OSError:
             pass
+
+
+def release_staging(staging: Path) -> None:
+    """Release the staging mounts a creation left under `staging` (a bundle's `mounts`
+    directory) when its process died before it could: each is severed from the mounts it
+    was copied from before it is detached, like `PinnedSources.release`. Call it before
+    `mounts.unmount_below` on the bundle, which unmounts what is inside them one by one."""
+    try:
+        points = sorted(staging.iterdir())
+    except FileNotFoundError:
+        return
+    PinnedSources(staging, points).release()
 
 
 def pin_bind_sources(
@@ -93,18 +116,28 @@ def pin_bind_sources(
                 destination = entry.get("destination")
                 index = wanted.get((destination, entry.get("source")))
                 if index is not None:
-                    field_name = f"mounts[{index}].host_path"
-                    point = _pin(entry["source"], str(index), field_name, pinned, userns_fd)
+                    name, field_name = str(index), f"mounts[{index}].host_path"
                 elif userns_fd is not None and destination not in image_volumes:
-                    field_name = f"the pod's mount at {destination}"
-                    point = _pin(entry["source"], f"pod-{number}", field_name, pinned, userns_fd)
+                    name, field_name = f"pod-{number}", f"the pod's mount at {destination}"
                 else:
                     continue
+                point = _pin(entry["source"], name, field_name, pinned, userns_fd)
+                _set_propagation(point, entry.get("options", []))
                 entry["source"] = str(point)
     except BaseException:
         pinned.release()
         raise
     return pinned
+
+
+def _set_propagation(point: Path, options: Sequence[str]) -> None:
+    """Cut the staging mount at `point` off from the mounts it copies, as far as the
+    container's mount allows: rprivate, or rslave (host mounts made later must still reach
+    the container through it). An rshared one stays a peer until it is released."""
+    if "rshared" in options:
+        return
+    flag = mounts.MS_SLAVE if "rslave" in options else mounts.MS_PRIVATE
+    mounts.mount(None, point, None, flag | mounts.MS_REC)
 
 
 def _is_image_volume(mount: api_pb2.Mount) -> bool:

@@ -58,20 +58,28 @@ _CPUSET = re.compile(r"^[0-9,\-]*$")
 
 Validator = Callable[[Any], None]
 _VALIDATORS: dict[str, Validator] = {}
+# Checks made before the walk over every message, each O(1) per field it looks at: what
+# they refuse could be millions of sub-messages the walk would spend seconds on.
+_BEFORE_THE_WALK: dict[str, Validator] = {}
 
 
 def validate_request(rpc: str, request: Message) -> None:
     """Raise InvalidArgument, naming the field, for a request `rpc` must not act on."""
+    first = _BEFORE_THE_WALK.get(rpc)
+    if first is not None:
+        first(request)
     check_message(request, type(request).__name__)
     validator = _VALIDATORS.get(rpc)
     if validator is not None:
         validator(request)
 
 
-def _validates(*rpcs: str) -> Callable[[Validator], Validator]:
+def _validates(
+    *rpcs: str, table: dict[str, Validator] = _VALIDATORS
+) -> Callable[[Validator], Validator]:
     def register(function: Validator) -> Validator:
         for rpc in rpcs:
-            _VALIDATORS[rpc] = function
+            table[rpc] = function
         return function
 
     return register
@@ -298,6 +306,24 @@ def _port_forward(request: api_pb2.PortForwardRequest) -> None:
 def _create_container(request: api_pb2.CreateContainerRequest) -> None:
     _id(request.pod_sandbox_id, "CreateContainerRequest.pod_sandbox_id")
     check_container_config(request.config)
+
+
+@_validates("CreateContainer", table=_BEFORE_THE_WALK)
+def _unapplied_mount_fields(request: api_pb2.CreateContainerRequest) -> None:
+    """A mount's own ID mappings are refused, not ignored: nothing applies them. A pod
+    with a user namespace of its own has every mount idmapped through that namespace's
+    mappings (runtime/mount_sources.py), which is what kubelet asks for; it sends none
+    per mount. Counted, never walked: 1.3 million of them took 3 s of the daemon."""
+    for index, mount in enumerate(request.config.mounts):
+        for name in ("uidMappings", "gidMappings"):
+            count = len(getattr(mount, name))
+            if count:
+                raise InvalidArgument(
+                    f"ContainerConfig.mounts[{index}].{name}: {count} ID mappings; per-mount "
+                    "ID mappings are not supported (a pod with a user namespace of its own "
+                    "has its mounts idmapped through it: "
+                    "linux.security_context.namespace_options.userns_options)"
+                )
 
 
 def check_container_config(config: api_pb2.ContainerConfig) -> None:

@@ -140,6 +140,11 @@ def container_cases(
 
     unified = ctr()
     unified.linux.resources.unified["../../cgroup.procs"] = "1"
+    # Nothing applies a mount's own ID mappings: refused, not ignored (nor walked).
+    mapped = ctr(mounts=[api_pb2.Mount(container_path="/data", host_path=str(short_tmp))])
+    mapped.mounts[0].gidMappings.extend(
+        [api_pb2.IDMapping(host_id=100000, container_id=0, length=1)] * 200_000
+    )
     return [
         ("log-absolute", with_log(str(short_tmp / "outside" / "x.log")), "log_path"),
         ("log-dotdot", with_log("../outside/x.log"), "log_path"),
@@ -161,6 +166,7 @@ def container_cases(
         ("annotations-big", ctr(annotations={"a": "x" * (300 << 10)}), "annotations"),
         ("cgroup-file-path", unified, "unified"),
         ("stop-signal-unknown", ctr(stop_signal=1234), "stop_signal"),
+        ("mount-id-mappings", mapped, "mounts[0].gidMappings: 200000 ID mappings"),
     ]
 
 

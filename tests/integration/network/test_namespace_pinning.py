@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from network_host import mount_options, mounts_below
+from network_host import detach_mounts_below, mount_options, mounts_below
 
 from cri_shim.errors import Internal, InvalidArgument
 from cri_shim.host import mounts, netlink
@@ -63,6 +63,31 @@ async def test_pin_makes_new_namespaces_usable_by_path(pinner: NamespacePinner) 
 async def test_pin_dirs_are_shared_mounts(pinner: NamespacePinner) -> None:
     await pinner.pin("pod1", net=True, uts=False, ipc=False, hostname="")
     assert "shared:" in mount_options(pinner.run_root / "netns")
+
+
+async def test_pin_dirs_are_a_peer_group_of_their_own_under_a_shared_parent(
+    tmp_path: Path,
+) -> None:
+    # The parent is shared, as `/` is on a systemd node; the pin directories are binds of
+    # directories on it, which would join its peer group and mount every pin twice.
+    parent = tmp_path / "node"
+    parent.mkdir()
+    mounts.mount(str(parent), parent, None, mounts.MS_BIND)
+    try:
+        mounts.mount(None, parent, None, mounts.MS_SHARED)
+        pinner = NamespacePinner(parent / "run")
+        try:
+            pins = await pinner.pin("pod1", net=True, uts=True, ipc=True, hostname="h")
+            points = mounts_below(parent)
+            assert all(points.count(str(path)) == 1 for path in pins.paths()), points
+            group = mount_options(parent / "run" / "netns")
+            assert "shared:" in group and group != mount_options(parent)
+            for path in pins.paths():
+                await pinner.unpin(path)
+        finally:
+            pinner.close()
+    finally:
+        detach_mounts_below(parent)
 
 
 async def test_unpin_removes_mount_and_file_and_is_idempotent(pinner: NamespacePinner) -> None:

@@ -14,6 +14,7 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from cri_shim.config import RequestsConfig
 from cri_shim.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from cri_shim.server import validation
 from cri_shim.server.limits import READ_RPCS, RequestLimiter
 from cri_shim.server.rpc import cri_method_name
 from cri_shim.server.services import ImageService, RuntimeService
@@ -194,6 +195,25 @@ def test_hostile_container_fields_are_named(tmp_path: Path) -> None:
         else:
             sc.run_as_username = "app"
         validate_request("CreateContainer", paired)
+
+
+@pytest.mark.parametrize("name", ["uidMappings", "gidMappings"])
+def test_mount_id_mappings_are_refused_before_the_request_is_walked(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mappings = [api_pb2.IDMapping(host_id=100000, container_id=0, length=1)] * 100_000
+    mounts = [
+        api_pb2.Mount(container_path="/a", host_path="/tmp"),
+        api_pb2.Mount(container_path="/b", host_path="/tmp", **{name: mappings}),
+    ]
+
+    def walked(*args: object) -> None:
+        raise AssertionError("the mappings were walked before they were refused")
+
+    monkeypatch.setattr(validation, "check_message", walked)
+    with pytest.raises(InvalidArgument, match=rf"mounts\[1\]\.{name}: 100000 ID mappings") as info:
+        validate_request("CreateContainer", container(mounts=mounts))
+    assert "not supported" in str(info.value)
 
 
 def test_a_symlinked_host_path_is_accepted_as_kubelet_expects(tmp_path: Path) -> None:
