@@ -2,10 +2,11 @@
 
 A plugin that connects registers (name, two-digit index) within the registration timeout,
 is configured (it answers with the events it subscribes to), and is synchronized with the
-pods and containers that exist at that moment; only then does it take part in events.
-Plugins see events in the order of their index (then name). Every call has the request
-timeout as its budget, sending included: a plugin that does not answer in time, or whose
-connection drops, is closed and leaves the registry, so that no creation waits on it twice.
+pods and containers that exist at that moment, within the registration timeout again;
+only then does it take part in events. Plugins see events in the order of their index
+(then name). Every other call has the request timeout as its budget, sending included: a
+plugin that does not answer in time, or whose connection drops, is closed and leaves the
+registry, so that no creation waits on it twice.
 
 A plugin is enrolled in the same step as its snapshot is taken, and events pick their
 plugins under the same lock, held for no plugin's answer: every object reaches a plugin
@@ -348,8 +349,13 @@ class Adaptation:
     ) -> list[api_pb2.ContainerUpdate]:
         """Synchronize, in as many messages as the size limit takes (upstream NRI's split:
         every message but the last says `more`, and is answered with `more` and no
-        updates), all within one request budget; the plugin's updates."""
-        budget = self.settings.request_timeout
+        updates), all within the registration budget; the plugin's updates.
+
+        Synchronize is the last step of a plugin's registration, and the one that grows
+        with the node (a plugin reconciles every pod and container it is told of), so it
+        is budgeted as registration, not as one event: no creation waits for it (events
+        go to the plugin's backlog meanwhile), so a longer budget costs nothing else."""
+        budget = self.settings.registration_timeout
         requests = synchronize_requests(pods, containers)
         answer = api_pb2.SynchronizeResponse()
         try:

@@ -624,3 +624,27 @@ def test_a_plugin_configuration_that_is_not_a_regular_file_is_refused(
     assert f"{configs}/20-piped.conf is not a regular file" in log
     assert f"{configs}/30-huge.conf is larger than 1048576 bytes" in log
     assert not (out / "20-piped").exists() and not (out / "30-huge").exists()
+
+
+def test_with_the_default_budgets_a_plugin_may_take_longer_to_synchronize_than_an_event(
+    nri_daemon: Daemon, short_tmp: Path
+) -> None:
+    # critest's joining plugin holds its Synchronize for 2 s, one event's whole budget.
+    with pod(nri_daemon, "synced", short_tmp) as p:
+        before = create(nri_daemon, p, container_config("before", "sleep 60"))
+        thread = PluginThread(
+            RecordingPlugin(name="slow-sync", delays={"Synchronize": 3.0}),
+            short_tmp / "nri.sock",
+        )
+        plugin = thread.start()
+        try:
+            during = create(nri_daemon, p, container_config("during", "sleep 60"))
+            wait_until(lambda: _registered_as(nri_daemon, plugin), timeout=15)
+            after = create(nri_daemon, p, container_config("after", "sleep 60"))
+            wait_until(lambda: after in plugin.told())
+            assert sorted(plugin.told()) == sorted([before, during, after])
+            for container_id in (before, during, after):
+                remove(nri_daemon, container_id)
+        finally:
+            thread.stop()
+    assert nri_daemon.leaks() == {}

@@ -399,7 +399,9 @@ def big_world() -> World:
 
 
 async def split_adaptation(tmp: str, world: World) -> Adaptation:
-    settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=1.0)
+    settings = NriSettings(
+        socket_path=Path(tmp) / "nri.sock", registration_timeout=1.0, request_timeout=1.0
+    )
     nri = Adaptation(settings, world.snapshot)
     await nri.start()
     return nri
@@ -430,5 +432,27 @@ async def test_a_split_synchronize_has_one_budget_for_all_its_messages() -> None
             assert plugin.connection is not None
             await until(plugin.connection.closed.is_set)
             assert "Synchronize" in plugin.methods and nri.plugins == []
+        finally:
+            await nri.stop()
+
+
+async def test_synchronize_is_budgeted_as_registration_not_as_one_event() -> None:
+    # critest holds a joining plugin's Synchronize for 2 s: longer than an event may take,
+    # well within what a plugin has to register.
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(
+            socket_path=Path(tmp) / "nri.sock", registration_timeout=2.0, request_timeout=0.5
+        )
+        nri = Adaptation(settings, World().snapshot)
+        await nri.start()
+        try:
+            plugin = await joined(nri, RecordingPlugin(delays={"Synchronize": 1.0}))
+            assert [p.name for p in nri.plugins] == [plugin.name]
+            late = RecordingPlugin(name="late", delays={"Synchronize": 3.0})
+            await late.connect(nri.settings.socket_path)
+            assert late.connection is not None
+            await until(late.connection.closed.is_set, 5.0)
+            assert [p.name for p in nri.plugins] == [plugin.name]
+            await plugin.close()
         finally:
             await nri.stop()
