@@ -62,6 +62,11 @@ MAX_BACKLOG = 1024
 MAX_CONFIG = 1 << 20
 # What a plugin's own text (an error it answers with) may add to a log line or a status.
 MAX_SHOWN = 1024
+# Container updates one UpdateContainers request (or a Synchronize answer) may ask for.
+# Each is a `runc update` (9 ms), applied one after the other: a 4 MiB request held the
+# plugin's call for minutes. 256 are every container of a node at kubelet's 110 pods
+# with two containers each, and more.
+MAX_UPDATES = 256
 
 
 def event_bit(event: int) -> int:
@@ -334,6 +339,8 @@ class Adaptation:
             self._plugins.sort(key=lambda p: (p.index, p.name))
         try:
             updates = await self._synchronize(plugin, pods, containers)
+            if len(updates) > MAX_UPDATES:
+                raise PluginRejected(f"its Synchronize answer: {_too_many_updates(len(updates))}")
         except BaseException:
             if plugin in self._plugins:
                 self._plugins.remove(plugin)
@@ -410,6 +417,8 @@ class Adaptation:
     ) -> list[api_pb2.ContainerUpdate]:
         if plugin is None:
             raise CallError(Code.FAILED_PRECONDITION, "plugin is not registered yet")
+        if len(request.update) > MAX_UPDATES:
+            raise CallError(Code.RESOURCE_EXHAUSTED, _too_many_updates(len(request.update)))
         return await self.apply_updates(plugin, list(request.update))
 
     async def apply_updates(
@@ -630,6 +639,13 @@ def shown(text: str, limit: int = MAX_SHOWN) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _too_many_updates(count: int) -> str:
+    return (
+        f"{count} container updates in one request, over the limit of {MAX_UPDATES}: none "
+        f"was applied; send at most {MAX_UPDATES} per request"
+    )
 
 
 def _registration_problem(request: api_pb2.RegisterPluginRequest) -> str:

@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.nri import mux, ttrpc
-from cri_shim.nri.adaptation import RUNTIME_SERVICE
+from cri_shim.nri.adaptation import MAX_UPDATES, RUNTIME_SERVICE
 from cri_shim.nri.api import api_pb2 as nri
 from cri_shim.nri.api import ttrpc_pb2
 from cri_shim.nri.ttrpc import CallError, Code
@@ -161,14 +161,22 @@ def test_a_refused_creation_leaves_nothing_and_frees_its_name(
     assert nri_daemon.leaks() == {}
 
 
-def test_a_plugin_updates_a_running_containers_memory_limit(
+def test_a_plugin_updates_a_running_containers_memory_limit_within_the_cap(
     nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
 ) -> None:
     with pod(nri_daemon, "updated", short_tmp) as p:
         container_id = create(nri_daemon, p, container_config("long", "sleep 60"))
         start(nri_daemon, container_id)
+        before = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT]).stdout
         update = nri.ContainerUpdate(container_id=container_id)
         update.linux.resources.memory.limit.value = 2 * LIMIT
+        # Over the cap: refused whole, nothing of it applied.
+        with pytest.raises(CallError) as refused:
+            plugin_call(plugin, plugin.update_containers([update] * (MAX_UPDATES + 1)))
+        assert refused.value.code == Code.RESOURCE_EXHAUSTED
+        assert f"{MAX_UPDATES + 1} container updates in one request" in refused.value.message
+        assert f"at most {MAX_UPDATES}" in refused.value.message
+        assert exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT]).stdout == before
         answer = plugin_call(plugin, plugin.update_containers([update]))
         assert list(answer.failed) == []
         got = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT])

@@ -15,6 +15,7 @@ import pytest
 from cri_shim.errors import NotFound
 from cri_shim.nri.adaptation import (
     MAX_CONFIG,
+    MAX_UPDATES,
     Adaptation,
     NriSettings,
     PluginConfigRefused,
@@ -453,6 +454,30 @@ async def test_synchronize_is_budgeted_as_registration_not_as_one_event() -> Non
             assert late.connection is not None
             await until(late.connection.closed.is_set, 5.0)
             assert [p.name for p in nri.plugins] == [plugin.name]
+            await plugin.close()
+        finally:
+            await nri.stop()
+
+
+async def test_a_synchronize_answer_with_more_updates_than_the_cap_refuses_the_plugin() -> None:
+    applied: list[str] = []
+
+    async def update(container_id: str, _resources: dict[str, object]) -> None:
+        applied.append(container_id)
+
+    many = api_pb2.SynchronizeResponse(
+        update=[api_pb2.ContainerUpdate(container_id="c1")] * (MAX_UPDATES + 1)
+    )
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(socket_path=Path(tmp) / "nri.sock")
+        nri = Adaptation(settings, World().snapshot, update)
+        await nri.start()
+        try:
+            plugin = RecordingPlugin(responders={"Synchronize": lambda _request: many})
+            await plugin.connect(nri.settings.socket_path)
+            assert plugin.connection is not None
+            await until(plugin.connection.closed.is_set)
+            assert nri.plugins == [] and applied == []
             await plugin.close()
         finally:
             await nri.stop()
