@@ -656,3 +656,42 @@ def test_with_the_default_budgets_a_plugin_may_take_longer_to_synchronize_than_a
         finally:
             thread.stop()
     assert nri_daemon.leaks() == {}
+
+
+def removed_told(plugin: RecordingPlugin) -> set[str]:
+    return {
+        request.container.id
+        for method, request in plugin.calls
+        if isinstance(request, nri.RemoveContainerRequest)
+    }
+
+
+def test_a_plugin_that_joins_during_a_removal_is_told_of_every_container_it_synchronized_with(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+) -> None:
+    # Budgets longer than the test: only the first plugin's answer ends the removal.
+    daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout, plugin_request_timeout="60s")
+    socket = short_tmp / "nri.sock"
+    release = threading.Event()
+    first = PluginThread(RecordingPlugin(name="first", holds={"RemoveContainer": release}), socket)
+    late = PluginThread(RecordingPlugin(name="late", index="20"), socket)
+    try:
+        holding = first.start()
+        with pod(daemon, "removing", short_tmp) as p:
+            container_id = create(daemon, p, container_config("gone", "sleep 60"))
+            removal = threading.Thread(target=remove, args=(daemon, container_id))
+            removal.start()
+            # The removal has picked its plugins and waits for the first one's answer.
+            wait_until(lambda: container_id in removed_told(holding))
+            joined = late.start()
+            wait_until(lambda: _registered_as(daemon, joined))
+            release.set()
+            removal.join(timeout=30)
+            assert not removal.is_alive()
+            # What it was synchronized with, it hears the end of.
+            wait_until(lambda: set(joined.told()) <= removed_told(joined), timeout=5)
+    finally:
+        release.set()
+        first.stop()
+        late.stop()
+    assert daemon.leaks() == {}
