@@ -552,6 +552,11 @@ class RuntimeBackend:
         """Whether the container's exit was recorded by end_unmonitored(), not conmon."""
         return (self._containers / container_id / _MONITOR_DIED).exists()
 
+    def monitor_gone(self, container_id: str) -> bool:
+        """Whether the container's conmon has exited, noticed by its watch or not yet."""
+        conmon = self._conmon_ref(container_id)
+        return conmon is not None and not alive(conmon)
+
     async def adopt(self, states: Mapping[str, str]) -> list[str]:
         """After a restart: watch every conmon still running, and end the containers
         whose conmon died while the daemon was down. `states` is what the runtime lists
