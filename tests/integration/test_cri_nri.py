@@ -503,7 +503,9 @@ def test_plugins_being_admitted_hold_no_creation_and_miss_no_container(
     make_daemon: Any, short_tmp: Path, busybox_layout: Path
 ) -> None:
     # A budget far longer than the test: only the plugins' answers end their Synchronize.
-    daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout, plugin_request_timeout="60s")
+    daemon = nri_daemon_with(
+        make_daemon, short_tmp, busybox_layout, plugin_registration_timeout="60s"
+    )
     socket = short_tmp / "nri.sock"
     with pod(daemon, "admitted", short_tmp) as p:
         before = create(daemon, p, container_config("before", "sleep 60"))
