@@ -143,12 +143,12 @@ KEY_DOCS: dict[str, str] = {
     "every pod and container event and may adjust a container before it is created, or fail "
     "its creation",
     "nri.socket_path": "unix socket NRI plugins connect to (made 0600)",
-    "nri.plugin_registration_timeout": "time a connecting plugin has to register; a plugin "
-    "that does not is disconnected",
-    "nri.plugin_request_timeout": "time a plugin has to read and answer each call "
-    "(configuration, synchronization in all its messages, every event); a plugin that does "
-    "not is disconnected and the event goes on without it, so it costs a creation at most "
-    "this once",
+    "nri.plugin_registration_timeout": "time a connecting plugin has to register, and again "
+    "to answer its synchronization (in all its messages; no event waits for it, events that "
+    "come meanwhile are told to it after); a plugin that does not is disconnected",
+    "nri.plugin_request_timeout": "time a plugin has to read and answer each other call "
+    "(configuration, every event); a plugin that does not is disconnected and the event goes "
+    "on without it, so it costs a creation at most this once",
     "nri.plugin_path": "directory of pre-installed plugins: every executable named `NN-name` "
     "(two-digit index, dash, name) is started by the daemon when NRI is enabled, connected "
     "over an inherited socket (its fd in `NRI_PLUGIN_SOCKET`), and stopped with the daemon; "

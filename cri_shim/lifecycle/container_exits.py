@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from cri_shim.lifecycle.events import CONTAINER_STOPPED, EventBus
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
 from cri_shim.runtime.conmon import RuntimeBackend
-from cri_shim.state.containers import EXITED, RUNNING, ContainerRepository
+from cri_shim.state.containers import CREATED, EXITED, RUNNING, ContainerRepository
 from cri_shim.state.records import ContainerRecord
 
 if TYPE_CHECKING:
@@ -25,6 +25,10 @@ log = logging.getLogger("cri_shim.container")
 MONITOR_DIED_MESSAGE = (
     "the container's monitor (conmon) died without recording its exit: the container was "
     "killed and its exit code is unknown"
+)
+MONITOR_DIED_BEFORE_START = (
+    "the container's monitor (conmon) died before it was started: the container was "
+    "deleted from the runtime and never ran"
 )
 
 
@@ -59,7 +63,7 @@ class ContainerExits:
         if backend.monitor_died(container.id):
             # Written by the daemon in conmon's place (runtime/conmon.py): containerd and
             # CRI-O report such an exit as 255, "Error"; the message says why.
-            message = MONITOR_DIED_MESSAGE
+            message = MONITOR_DIED_MESSAGE if container.started_at else MONITOR_DIED_BEFORE_START
         changed = self._rows.mark_exited(container.id, code, finished, reason, message)
         container = replace(
             container,
@@ -91,13 +95,18 @@ class ContainerExits:
         self._events.emit(container.id, container.sandbox_id, CONTAINER_STOPPED)
 
     def refresh(self, container: ContainerRecord) -> ContainerRecord:
-        """Pick up an exit that conmon recorded since we last looked."""
-        if container.state != RUNNING:
+        """Pick up an exit that conmon recorded since we last looked, and the end of a
+        created container whose conmon died (it will never run)."""
+        if container.state not in (RUNNING, CREATED):
             return container
         # Only the backend that runs it has its exit file: no need to look its handler
         # up (Status and List ask this of every container they answer with).
         for backend in self._handlers.backends.values():
-            if backend.exit_status(container.id) is not None:
+            if backend.exit_status(container.id) is None:
+                continue
+            # A created container's exit file is only ever the daemon's, written when its
+            # conmon died (a start under way may see its process's own exit first).
+            if container.state == RUNNING or backend.monitor_died(container.id):
                 return self.record(container, backend)
         return container
 
@@ -107,7 +116,10 @@ class ContainerExits:
         was a quarter of what a listing cost."""
         backends = self._handlers.backends.values()
         exited: set[str] = set().union(*(b.recorded_exits() for b in backends))
-        return [self.refresh(c) if c.state == RUNNING and c.id in exited else c for c in containers]
+        return [
+            self.refresh(c) if c.state in (RUNNING, CREATED) and c.id in exited else c
+            for c in containers
+        ]
 
     def notice(self, container_id: str | None) -> None:
         """conmon wrote an exit file (the exit watcher saw it): record the exit now, which

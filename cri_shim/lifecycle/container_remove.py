@@ -50,13 +50,20 @@ class ContainerRemove:
             if container is None:
                 return  # absent, or hidden by a removal that held the lock first
             await self._stopper.stop_record(container, 0)
-            if self._nri is not None:
-                # Plugins hear of the removal as kubelet does, before the teardown runs on.
-                await self._nri.removed(container.id)
+            # Hidden before plugins hear of the removal: a plugin that connects meanwhile
+            # is synchronized with the container only while its removal is still to be
+            # told to it (NriHooks).
             self._rows.mark_cleaning(container.id)
-            log.info("container %s (%s) removed; tearing down", container.id, container.name)
-            self._events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
-            self._coordinator.retire(container.name, object_id=container.id)
+            try:
+                if self._nri is not None:
+                    # Plugins hear of the removal as kubelet does, before the teardown.
+                    await self._nri.removed(container.id)
+            finally:
+                # Hidden, so torn down whatever happened to the telling: what was not
+                # told is told by the teardown, which runs the rest of the journal.
+                log.info("container %s (%s) removed; tearing down", container.id, container.name)
+                self._events.emit(container.id, container.sandbox_id, CONTAINER_DELETED)
+                self._coordinator.retire(container.name, object_id=container.id)
 
     async def remove_all_in(self, sandbox_id: str) -> None:
         """Remove the sandbox's containers and wait for every teardown among them, those

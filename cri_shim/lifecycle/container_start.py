@@ -19,6 +19,7 @@ from cri_shim.state.records import ContainerRecord
 
 if TYPE_CHECKING:
     from cri_shim.nri.hooks import NriHooks
+    from cri_shim.runtime.conmon import RuntimeBackend
 
 log = logging.getLogger("cri_shim.container")
 
@@ -45,11 +46,14 @@ class ContainerStart:
     async def start(self, ref: str) -> None:
         container = self._containers.get(ref)
         if container.state != CREATED:
+            why = f" ({container.message})" if container.message else ""
             raise FailedPrecondition(
-                f"container {container.id} is {container.state}, only a created container can start"
+                f"container {container.id} is {container.state}, only a created container "
+                f"can start{why}"
             )
         sandbox = self._pods.get(container.sandbox_id)
         backend = self._handlers.backend(sandbox.runtime_handler)
+        await self._refuse_unmonitored(container, backend)
         # Taken before the start: a process that exits at once must not look as if it
         # finished before it started.
         started_at = time.time_ns()
@@ -60,6 +64,7 @@ class ContainerStart:
         try:
             await backend.start(container.id)
         except CriError:
+            await self._refuse_unmonitored(container, backend)
             # A start whose answer was lost (the daemon died after `runc start` and before
             # the row said so): the runtime knows better than the row.
             if await backend.state(container.id) not in ("running", "stopped"):
@@ -74,6 +79,24 @@ class ContainerStart:
             await self._nri.container_event(
                 nri_api.POST_START_CONTAINER, pod_of_record(sandbox), container_of_record(container)
             )
+
+    async def _refuse_unmonitored(
+        self, container: ContainerRecord, backend: RuntimeBackend
+    ) -> None:
+        """A created container whose conmon is gone can never run (nobody would hold its
+        stdio or record its exit): it is ended as the monitor's watch ends it (which may
+        not have noticed yet), recorded exited with why, and its start refused."""
+        if not backend.monitor_gone(container.id):
+            return
+        if backend.exit_status(container.id) is None:
+            await backend.end_unmonitored(container.id)
+        elif not backend.monitor_died(container.id):
+            return  # conmon recorded an exit and left: its process ran
+        self._exits.record(container, backend)
+        raise FailedPrecondition(
+            f"container {container.id} cannot start: its monitor (conmon) died before it "
+            "was started"
+        )
 
     def mark_started(self, container: ContainerRecord, started_at: int) -> ContainerRecord:
         """Record the start; the container as it is then."""

@@ -2,10 +2,11 @@
 
 A plugin that connects registers (name, two-digit index) within the registration timeout,
 is configured (it answers with the events it subscribes to), and is synchronized with the
-pods and containers that exist at that moment; only then does it take part in events.
-Plugins see events in the order of their index (then name). Every call has the request
-timeout as its budget, sending included: a plugin that does not answer in time, or whose
-connection drops, is closed and leaves the registry, so that no creation waits on it twice.
+pods and containers that exist at that moment, within the registration timeout again;
+only then does it take part in events. Plugins see events in the order of their index
+(then name). Every other call has the request timeout as its budget, sending included: a
+plugin that does not answer in time, or whose connection drops, is closed and leaves the
+registry, so that no creation waits on it twice.
 
 A plugin is enrolled in the same step as its snapshot is taken, and events pick their
 plugins under the same lock, held for no plugin's answer: every object reaches a plugin
@@ -61,6 +62,11 @@ MAX_BACKLOG = 1024
 MAX_CONFIG = 1 << 20
 # What a plugin's own text (an error it answers with) may add to a log line or a status.
 MAX_SHOWN = 1024
+# Container updates one UpdateContainers request (or a Synchronize answer) may ask for.
+# Each is a `runc update` (9 ms), applied one after the other: a 4 MiB request held the
+# plugin's call for minutes. 256 are every container of a node at kubelet's 110 pods
+# with two containers each, and more.
+MAX_UPDATES = 256
 
 
 def event_bit(event: int) -> int:
@@ -333,6 +339,8 @@ class Adaptation:
             self._plugins.sort(key=lambda p: (p.index, p.name))
         try:
             updates = await self._synchronize(plugin, pods, containers)
+            if len(updates) > MAX_UPDATES:
+                raise PluginRejected(f"its Synchronize answer: {_too_many_updates(len(updates))}")
         except BaseException:
             if plugin in self._plugins:
                 self._plugins.remove(plugin)
@@ -348,8 +356,13 @@ class Adaptation:
     ) -> list[api_pb2.ContainerUpdate]:
         """Synchronize, in as many messages as the size limit takes (upstream NRI's split:
         every message but the last says `more`, and is answered with `more` and no
-        updates), all within one request budget; the plugin's updates."""
-        budget = self.settings.request_timeout
+        updates), all within the registration budget; the plugin's updates.
+
+        Synchronize is the last step of a plugin's registration, and the one that grows
+        with the node (a plugin reconciles every pod and container it is told of), so it
+        is budgeted as registration, not as one event: no creation waits for it (events
+        go to the plugin's backlog meanwhile), so a longer budget costs nothing else."""
+        budget = self.settings.registration_timeout
         requests = synchronize_requests(pods, containers)
         answer = api_pb2.SynchronizeResponse()
         try:
@@ -404,6 +417,8 @@ class Adaptation:
     ) -> list[api_pb2.ContainerUpdate]:
         if plugin is None:
             raise CallError(Code.FAILED_PRECONDITION, "plugin is not registered yet")
+        if len(request.update) > MAX_UPDATES:
+            raise CallError(Code.RESOURCE_EXHAUSTED, _too_many_updates(len(request.update)))
         return await self.apply_updates(plugin, list(request.update))
 
     async def apply_updates(
@@ -624,6 +639,13 @@ def shown(text: str, limit: int = MAX_SHOWN) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _too_many_updates(count: int) -> str:
+    return (
+        f"{count} container updates in one request, over the limit of {MAX_UPDATES}: none "
+        f"was applied; send at most {MAX_UPDATES} per request"
+    )
 
 
 def _registration_problem(request: api_pb2.RegisterPluginRequest) -> str:

@@ -7,6 +7,9 @@ recorded as undo steps. A creation that fails, a cached object that expires uncl
 removal and a restart that rolls back an interrupted creation all run the journal, so a
 plugin hears of the end exactly once, whichever way the object goes. A kubelet retry
 answered from the creation cache creates nothing, so the plugin hears nothing new.
+A RemoveContainer drops its step where it picks its plugins, and a removed container is
+hidden before: a plugin that connects during a removal is synchronized with the container
+only if it will hear of its removal.
 
 Events that can refuse (RunPodSandbox, CreateContainer, StartContainer, UpdateContainer)
 fail the call
@@ -220,7 +223,24 @@ class NriHooks:
         return pods, containers
 
     async def _undo_container_removed(self, args: dict[str, Any]) -> None:
-        await self._tell(api_pb2.REMOVE_CONTAINER, **_pod_and_container(args))
+        request = api_pb2.RemoveContainerRequest(
+            pod=_decoded(args["pod"], api_pb2.PodSandbox()),
+            container=_decoded(args["container"], api_pb2.Container()),
+        )
+
+        def journal() -> None:
+            # Where the event picks its plugins: a plugin enrolled from here on is not
+            # synchronized with a container whose removal it would not hear of.
+            self._journal.discharge(request.container.id, CONTAINER_REMOVED)
+
+        await self._call(
+            api_pb2.REMOVE_CONTAINER,
+            "RemoveContainer",
+            request,
+            api_pb2.RemoveContainerResponse,
+            False,
+            journal,
+        )
 
     async def _undo_container_stopped(self, args: dict[str, Any]) -> None:
         await self._tell(api_pb2.STOP_CONTAINER, **_pod_and_container(args))

@@ -84,6 +84,11 @@ REOPEN_TIMEOUT = 2.0
 MONITOR_DIED_EXIT_CODE = 255
 _MONITOR_DIED = "monitor-died"
 
+# A runtime's answer to a kill whose process exited after the runtime found it running:
+# runc's "unable to signal init: os: process already finished", crun's and runsc's
+# ESRCH ("No such process").
+_EXITED_MEANWHILE = re.compile(r"process already finished|no such process|\besrch\b", re.I)
+
 # conmon's control FIFO message: "<type> <height> <width>\n"; type 2 reopens the log.
 _REOPEN_LOG_MESSAGE = b"2 0 0\n"
 # Files conmon (or runc through it) leaves in the bundle.
@@ -430,6 +435,11 @@ class RuntimeBackend:
         except NotFound:
             return False
         except Internal as err:
+            if _EXITED_MEANWHILE.search(str(err)) and await self._stopped(container_id):
+                # It exited between the runtime's look and its signal (a stop beside a
+                # removal, or its own end): stopped, which is what was asked.
+                log.info("%s exited before it was signalled: %s", container_id, err)
+                return False
             # runsc cannot signal a container that joins a sandbox before it is started;
             # nothing runs yet, so ending its waiter is its exit (runtime/gvisor.py).
             waiter = self._joining_waiter(container_id)
@@ -442,6 +452,13 @@ class RuntimeBackend:
             await self._wait_monitor(container_id, KILL_GRACE)
             return False
         return True
+
+    async def _stopped(self, container_id: str) -> bool:
+        """Whether a container the runtime could not signal is in fact stopped, its exit
+        recorded (or its conmon gone too, which ends it)."""
+        if await self.state(container_id) not in ("stopped", "unknown"):
+            return False
+        return await self._wait_monitor(container_id, KILL_GRACE)
 
     async def delete(self, container_id: str) -> None:
         """Remove the container from the runtime (killing it if it still runs), make sure
@@ -551,6 +568,11 @@ class RuntimeBackend:
     def monitor_died(self, container_id: str) -> bool:
         """Whether the container's exit was recorded by end_unmonitored(), not conmon."""
         return (self._containers / container_id / _MONITOR_DIED).exists()
+
+    def monitor_gone(self, container_id: str) -> bool:
+        """Whether the container's conmon has exited, noticed by its watch or not yet."""
+        conmon = self._conmon_ref(container_id)
+        return conmon is not None and not alive(conmon)
 
     async def adopt(self, states: Mapping[str, str]) -> list[str]:
         """After a restart: watch every conmon still running, and end the containers

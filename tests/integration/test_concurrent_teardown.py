@@ -8,11 +8,13 @@ object's event must be sent once, and nothing may be left behind.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -25,9 +27,12 @@ from tests.integration.cri_testkit import (
     create,
     event_stream,
     import_image,
+    pod,
+    remove,
     remove_pod,
     run_pod,
     start,
+    status,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
@@ -196,4 +201,63 @@ def test_a_pod_removal_and_its_containers_removal_at_once_both_succeed(
         assert seen[(sandbox_id, DELETED)] == 1, seen
         assert seen[(container_id, STOPPED)] == 1, seen
         assert seen[(container_id, DELETED)] == 1, seen
+    no_leaks(daemon)
+
+
+# runc, with the signal of a `kill` (not `--all`) held back after runc found the container
+# running: the window in which a container that exits meanwhile makes runc answer "unable
+# to signal init: os: process already finished", widened from microseconds to seconds.
+HELD_KILL = """#!/bin/sh
+case " $* " in
+  *" --all "*) ;;
+  *" kill "*)
+    touch "{held}"
+    exec strace -f -qq -o /dev/null -e trace=kill -e inject=kill:delay_enter=2000000 \\
+      runc "$@";;
+esac
+exec runc "$@"
+"""
+
+
+@pytest.fixture
+def held_kill(make_daemon: Any, short_tmp: Path, busybox_layout: Path) -> tuple[Daemon, Path]:
+    """A daemon whose handler `held` is runc with each container's stop signal held back
+    two seconds; and the file the handler touches when it holds one."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed: it holds runc's signal back")
+    wrapper, held = short_tmp / "held-kill", short_tmp / "kill-held"
+    wrapper.write_text(HELD_KILL.format(held=held))
+    wrapper.chmod(0o755)
+    handlers = {"runc": {"path": "runc"}, "held": {"path": str(wrapper)}}
+    daemon: Daemon = make_daemon(settings={"runtime": {"handlers": handlers}})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    return daemon, held
+
+
+@pytest.mark.parametrize("ended_by", ["itself", "a removal"])
+def test_a_container_that_exits_while_its_stop_signals_it_is_stopped(
+    held_kill: tuple[Daemon, Path], short_tmp: Path, ended_by: str
+) -> None:
+    daemon, held = held_kill
+    script = "exec sleep 1" if ended_by == "itself" else "exec sleep 60"
+    with pod(daemon, "racing", short_tmp, handler="held") as p:
+        container_id = create(daemon, p, container_config("c", script))
+        start(daemon, container_id)
+        stop = container_call(daemon, STOP, container_id)
+        if ended_by == "itself":
+            assert at_once(stop) == [None]
+            st = status(daemon, container_id)
+            assert (st.state, st.exit_code, st.reason) == (api_pb2.CONTAINER_EXITED, 0, "Completed")
+            remove(daemon, container_id)
+        else:
+            removal = container_call(daemon, REMOVE, container_id)
+
+            def remove_while_held() -> None:
+                wait_until(held.exists)
+                removal()
+
+            # The removal's SIGKILL (to every process) is not held: it ends the container
+            # while the stop's runc holds its SIGTERM.
+            assert at_once(stop, remove_while_held) == [None, None]
     no_leaks(daemon)

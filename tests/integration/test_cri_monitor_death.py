@@ -10,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
@@ -69,6 +70,40 @@ def test_a_killed_conmon_ends_its_container(daemon: Daemon, image: None, short_t
         assert_ended_by_its_monitors_death(daemon, container_id)
         wait_until(lambda: gone(process))  # killed, not left running unmonitored
         remove(daemon, container_id)
+    assert daemon.leaks() == {}, daemon.log()
+    assert runtime_leaks(daemon) == {}
+
+
+def assert_refused_as_unmonitored(daemon: Daemon, container_id: str) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        start(daemon, container_id)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "monitor (conmon) died before it was started" in refused.value.details()
+    st = status(daemon, container_id)
+    assert (st.state, st.exit_code, st.reason) == (api_pb2.CONTAINER_EXITED, 255, "Error")
+    assert "monitor (conmon) died before it was started" in st.message, st.message
+    assert st.started_at == 0
+    assert container_id not in daemon.runc_containers()
+
+
+def test_a_container_whose_conmon_died_before_it_started_cannot_start(
+    daemon: Daemon, image: None, short_tmp: Path
+) -> None:
+    with pod(daemon, "unstarted", short_tmp) as p:
+        noticed = create(daemon, p, container_config("noticed", "exec sleep 300"))
+        with event_stream(daemon) as events:
+            os.kill(conmon_of(daemon, noticed), signal.SIGKILL)
+            # Reported exited, as soon as the daemon notices: it will never run.
+            events.expect(noticed, api_pb2.CONTAINER_STOPPED_EVENT, timeout=30)
+        assert_refused_as_unmonitored(daemon, noticed)
+        # Started at once, maybe before the daemon noticed: refused all the same.
+        at_once = create(daemon, p, container_config("at-once", "exec sleep 300"))
+        conmon = conmon_of(daemon, at_once)
+        os.kill(conmon, signal.SIGKILL)
+        wait_until(lambda: gone(conmon))
+        assert_refused_as_unmonitored(daemon, at_once)
+        remove(daemon, noticed)
+        remove(daemon, at_once)
     assert daemon.leaks() == {}, daemon.log()
     assert runtime_leaks(daemon) == {}
 

@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.nri import mux, ttrpc
-from cri_shim.nri.adaptation import RUNTIME_SERVICE
+from cri_shim.nri.adaptation import MAX_UPDATES, RUNTIME_SERVICE
 from cri_shim.nri.api import api_pb2 as nri
 from cri_shim.nri.api import ttrpc_pb2
 from cri_shim.nri.ttrpc import CallError, Code
@@ -161,14 +161,22 @@ def test_a_refused_creation_leaves_nothing_and_frees_its_name(
     assert nri_daemon.leaks() == {}
 
 
-def test_a_plugin_updates_a_running_containers_memory_limit(
+def test_a_plugin_updates_a_running_containers_memory_limit_within_the_cap(
     nri_daemon: Daemon, plugin: RecordingPlugin, short_tmp: Path
 ) -> None:
     with pod(nri_daemon, "updated", short_tmp) as p:
         container_id = create(nri_daemon, p, container_config("long", "sleep 60"))
         start(nri_daemon, container_id)
+        before = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT]).stdout
         update = nri.ContainerUpdate(container_id=container_id)
         update.linux.resources.memory.limit.value = 2 * LIMIT
+        # Over the cap: refused whole, nothing of it applied.
+        with pytest.raises(CallError) as refused:
+            plugin_call(plugin, plugin.update_containers([update] * (MAX_UPDATES + 1)))
+        assert refused.value.code == Code.RESOURCE_EXHAUSTED
+        assert f"{MAX_UPDATES + 1} container updates in one request" in refused.value.message
+        assert f"at most {MAX_UPDATES}" in refused.value.message
+        assert exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT]).stdout == before
         answer = plugin_call(plugin, plugin.update_containers([update]))
         assert list(answer.failed) == []
         got = exec_sync(nri_daemon, container_id, ["sh", "-c", MEMORY_LIMIT])
@@ -495,7 +503,9 @@ def test_plugins_being_admitted_hold_no_creation_and_miss_no_container(
     make_daemon: Any, short_tmp: Path, busybox_layout: Path
 ) -> None:
     # A budget far longer than the test: only the plugins' answers end their Synchronize.
-    daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout, plugin_request_timeout="60s")
+    daemon = nri_daemon_with(
+        make_daemon, short_tmp, busybox_layout, plugin_registration_timeout="60s"
+    )
     socket = short_tmp / "nri.sock"
     with pod(daemon, "admitted", short_tmp) as p:
         before = create(daemon, p, container_config("before", "sleep 60"))
@@ -624,3 +634,66 @@ def test_a_plugin_configuration_that_is_not_a_regular_file_is_refused(
     assert f"{configs}/20-piped.conf is not a regular file" in log
     assert f"{configs}/30-huge.conf is larger than 1048576 bytes" in log
     assert not (out / "20-piped").exists() and not (out / "30-huge").exists()
+
+
+def test_with_the_default_budgets_a_plugin_may_take_longer_to_synchronize_than_an_event(
+    nri_daemon: Daemon, short_tmp: Path
+) -> None:
+    # critest's joining plugin holds its Synchronize for 2 s, one event's whole budget.
+    with pod(nri_daemon, "synced", short_tmp) as p:
+        before = create(nri_daemon, p, container_config("before", "sleep 60"))
+        thread = PluginThread(
+            RecordingPlugin(name="slow-sync", delays={"Synchronize": 3.0}),
+            short_tmp / "nri.sock",
+        )
+        plugin = thread.start()
+        try:
+            during = create(nri_daemon, p, container_config("during", "sleep 60"))
+            wait_until(lambda: _registered_as(nri_daemon, plugin), timeout=15)
+            after = create(nri_daemon, p, container_config("after", "sleep 60"))
+            wait_until(lambda: after in plugin.told())
+            assert sorted(plugin.told()) == sorted([before, during, after])
+            for container_id in (before, during, after):
+                remove(nri_daemon, container_id)
+        finally:
+            thread.stop()
+    assert nri_daemon.leaks() == {}
+
+
+def removed_told(plugin: RecordingPlugin) -> set[str]:
+    return {
+        request.container.id
+        for method, request in plugin.calls
+        if isinstance(request, nri.RemoveContainerRequest)
+    }
+
+
+def test_a_plugin_that_joins_during_a_removal_is_told_of_every_container_it_synchronized_with(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+) -> None:
+    # Budgets longer than the test: only the first plugin's answer ends the removal.
+    daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout, plugin_request_timeout="60s")
+    socket = short_tmp / "nri.sock"
+    release = threading.Event()
+    first = PluginThread(RecordingPlugin(name="first", holds={"RemoveContainer": release}), socket)
+    late = PluginThread(RecordingPlugin(name="late", index="20"), socket)
+    try:
+        holding = first.start()
+        with pod(daemon, "removing", short_tmp) as p:
+            container_id = create(daemon, p, container_config("gone", "sleep 60"))
+            removal = threading.Thread(target=remove, args=(daemon, container_id))
+            removal.start()
+            # The removal has picked its plugins and waits for the first one's answer.
+            wait_until(lambda: container_id in removed_told(holding))
+            joined = late.start()
+            wait_until(lambda: _registered_as(daemon, joined))
+            release.set()
+            removal.join(timeout=30)
+            assert not removal.is_alive()
+            # What it was synchronized with, it hears the end of.
+            wait_until(lambda: set(joined.told()) <= removed_told(joined), timeout=5)
+    finally:
+        release.set()
+        first.stop()
+        late.stop()
+    assert daemon.leaks() == {}

@@ -15,6 +15,7 @@ import pytest
 from cri_shim.errors import NotFound
 from cri_shim.nri.adaptation import (
     MAX_CONFIG,
+    MAX_UPDATES,
     Adaptation,
     NriSettings,
     PluginConfigRefused,
@@ -399,7 +400,9 @@ def big_world() -> World:
 
 
 async def split_adaptation(tmp: str, world: World) -> Adaptation:
-    settings = NriSettings(socket_path=Path(tmp) / "nri.sock", request_timeout=1.0)
+    settings = NriSettings(
+        socket_path=Path(tmp) / "nri.sock", registration_timeout=1.0, request_timeout=1.0
+    )
     nri = Adaptation(settings, world.snapshot)
     await nri.start()
     return nri
@@ -430,5 +433,51 @@ async def test_a_split_synchronize_has_one_budget_for_all_its_messages() -> None
             assert plugin.connection is not None
             await until(plugin.connection.closed.is_set)
             assert "Synchronize" in plugin.methods and nri.plugins == []
+        finally:
+            await nri.stop()
+
+
+async def test_synchronize_is_budgeted_as_registration_not_as_one_event() -> None:
+    # critest holds a joining plugin's Synchronize for 2 s: longer than an event may take,
+    # well within what a plugin has to register.
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(
+            socket_path=Path(tmp) / "nri.sock", registration_timeout=2.0, request_timeout=0.5
+        )
+        nri = Adaptation(settings, World().snapshot)
+        await nri.start()
+        try:
+            plugin = await joined(nri, RecordingPlugin(delays={"Synchronize": 1.0}))
+            assert [p.name for p in nri.plugins] == [plugin.name]
+            late = RecordingPlugin(name="late", delays={"Synchronize": 3.0})
+            await late.connect(nri.settings.socket_path)
+            assert late.connection is not None
+            await until(late.connection.closed.is_set, 5.0)
+            assert [p.name for p in nri.plugins] == [plugin.name]
+            await plugin.close()
+        finally:
+            await nri.stop()
+
+
+async def test_a_synchronize_answer_with_more_updates_than_the_cap_refuses_the_plugin() -> None:
+    applied: list[str] = []
+
+    async def update(container_id: str, _resources: dict[str, object]) -> None:
+        applied.append(container_id)
+
+    many = api_pb2.SynchronizeResponse(
+        update=[api_pb2.ContainerUpdate(container_id="c1")] * (MAX_UPDATES + 1)
+    )
+    with tempfile.TemporaryDirectory(prefix="nri") as tmp:
+        settings = NriSettings(socket_path=Path(tmp) / "nri.sock")
+        nri = Adaptation(settings, World().snapshot, update)
+        await nri.start()
+        try:
+            plugin = RecordingPlugin(responders={"Synchronize": lambda _request: many})
+            await plugin.connect(nri.settings.socket_path)
+            assert plugin.connection is not None
+            await until(plugin.connection.closed.is_set)
+            assert nri.plugins == [] and applied == []
+            await plugin.close()
         finally:
             await nri.stop()

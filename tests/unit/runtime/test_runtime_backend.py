@@ -187,6 +187,18 @@ async def test_stop_with_a_signal_the_process_honours(
     assert stub_backend.exit_status("c1")[0] == 128 + signal.SIGTERM  # type: ignore[index]
 
 
+async def test_a_container_that_exits_before_its_stop_signal_lands_is_stopped(
+    stub_backend: RuntimeBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runtime finds it running, then answers ESRCH: its process exited meanwhile.
+    monkeypatch.setenv("FAKE_OCI_KILL_LATE", "1")
+    await create(stub_backend, tmp_path, "sleep 0.3")
+    await stub_backend.start("c1")
+    await stub_backend.stop("c1", 5, signal.SIGTERM)
+    status = stub_backend.exit_status("c1")
+    assert status is not None and status[0] == 0
+
+
 async def test_stop_of_a_created_container(stub_backend: RuntimeBackend, tmp_path: Path) -> None:
     pid = await create(stub_backend, tmp_path, "echo never")
     await stub_backend.stop("c1", 0, signal.SIGKILL)
