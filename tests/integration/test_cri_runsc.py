@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.cpusets import first_missing, parse
 from tests.harness import Daemon, conmon_of, wait_until
 from tests.integration.cri_testkit import (
     container_config,
@@ -468,5 +469,65 @@ def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_t
                 lambda c=container_id: status(gvisor, c).state == api_pb2.CONTAINER_EXITED,
                 timeout=60,
             )
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def online_cpus() -> str:
+    return Path("/sys/devices/system/cpu/online").read_text().strip()
+
+
+def test_cpusets_beyond_the_hosts_cpus_are_refused_before_anything_is_made(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # A cpuset was once expanded into a set of its numbers to sum the pod's total:
+    # "0-8000000" took the daemon to 0.8 GB and seconds; "0-99999999999" would exhaust
+    # the node. Each is refused as the request's own error, naming the field.
+    beyond = first_missing([(0, 8_000_000)], parse(online_cpus()))
+    with pod(gvisor, "cpusets", short_tmp, handler="runsc") as p:
+        running = create(gvisor, p, container_config("running", "exec sleep 300"))
+        start(gvisor, running)
+        refusals = {}
+        for cpus in ("0-8000000", "0-99999999999"):
+            with pytest.raises(grpc.RpcError) as refused:
+                gvisor.runtime().UpdateContainerResources(
+                    api_pb2.UpdateContainerResourcesRequest(
+                        container_id=running,
+                        linux=api_pb2.LinuxContainerResources(cpuset_cpus=cpus),
+                    ),
+                    timeout=30,
+                )
+            refusals[cpus] = (refused.value.code(), refused.value.details())
+        field = "UpdateContainerResourcesRequest.linux.cpuset_cpus"
+        assert refusals == {
+            "0-8000000": (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}: CPU {beyond} is not online on this host (online: {online_cpus()})",
+            ),
+            "0-99999999999": (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}: '0-99999999999' is not a CPU list: 99999999999 is out of range",
+            ),
+        }
+        # A creation naming a memory node the host lacks makes no container.
+        config = container_config("pinned", "exec sleep 300")
+        config.linux.resources.cpuset_mems = "0-1000"
+        with pytest.raises(grpc.RpcError) as refused:
+            create(gvisor, p, config)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "linux.resources.cpuset_mems: memory node 1 is not online" in (
+            refused.value.details() or ""
+        )
+        listed = gvisor.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=10)
+        assert [c.id for c in listed.containers] == [running]
+        # Within the host's CPUs, the update is applied.
+        gvisor.runtime().UpdateContainerResources(
+            api_pb2.UpdateContainerResourcesRequest(
+                container_id=running, linux=api_pb2.LinuxContainerResources(cpuset_cpus="0")
+            ),
+            timeout=30,
+        )
+        spec = json.loads(status_info(gvisor, running))["runtimeSpec"]
+        assert spec["linux"]["resources"]["cpu"]["cpus"] == "0"
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
