@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -529,5 +530,43 @@ def test_cpusets_beyond_the_hosts_cpus_are_refused_before_anything_is_made(
         )
         spec = json.loads(status_info(gvisor, running))["runtimeSpec"]
         assert spec["linux"]["resources"]["cpu"]["cpus"] == "0"
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+@pytest.mark.skipif(
+    (CGROUPS / "cgroup.controllers").exists(), reason="the test reads cgroup v1's files"
+)
+def test_concurrent_updates_of_one_pod_leave_the_sandbox_its_containers_total(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # Each update sums every container's limits into the sandbox's cgroup: two at once
+    # once summed each other's old limits, leaving the pod below its containers' total.
+    with pod(gvisor, "racing", short_tmp, handler="runsc") as p:
+        ids = []
+        for name in ("left", "right"):
+            config = container_config(name, "exec sleep 300")
+            config.linux.resources.CopyFrom(limits(64 * MiB, 256, 20_000))
+            ids.append(create(gvisor, p, config))
+            start(gvisor, ids[-1])
+        sandbox_group = f"/cri-shim/{p[0]}"
+
+        def update(container_id: str, memory: int) -> None:
+            gvisor.runtime().UpdateContainerResources(
+                api_pb2.UpdateContainerResourcesRequest(
+                    container_id=container_id, linux=limits(memory, 256, 20_000)
+                ),
+                timeout=30,
+            )
+
+        wrong = []
+        with ThreadPoolExecutor(2) as pool:
+            for round_ in range(30):
+                sizes = [(100 + round_) * MiB, (200 + 2 * round_) * MiB]
+                list(pool.map(update, ids, sizes))
+                total = cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes")
+                if total != str(sum(sizes)):
+                    wrong.append((round_, int(total) // MiB, sum(sizes) // MiB))
+        assert wrong == []
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
