@@ -59,6 +59,7 @@ from cri_shim.runtime.gvisor import (
     joining_waiter,
     remove_locks,
     sandboxes_of,
+    wake_waiter,
 )
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.monitors import MonitorWatch, ProcessRef, alive, process_stat
@@ -488,6 +489,8 @@ class RuntimeBackend:
         await self.oci.delete(container_id, force=True)
         if gvisor:
             remove_locks(self.oci.root, container_id, sandboxes)
+            if meta is not None:
+                wake_waiter(Path(meta.bundle))  # one of a never-started container ends
         if meta is not None:
             await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_root)
 
