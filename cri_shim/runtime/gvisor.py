@@ -33,6 +33,8 @@ import itertools
 import json
 import os
 import shlex
+import signal
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -190,6 +192,74 @@ def wake_waiter(bundle: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def process_tree(listing: str, root: int) -> list[int]:
+    """`root` and its descendants, from `runsc ps`'s table (UID PID PPID ...); empty
+    when `root` is not listed."""
+    children: dict[int, list[int]] = {}
+    listed = set()
+    for line in listing.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 3 or not (fields[1].isdigit() and fields[2].isdigit()):
+            continue
+        pid, parent = int(fields[1]), int(fields[2])
+        listed.add(pid)
+        children.setdefault(parent, []).append(pid)
+    if root not in listed:
+        return []
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:  # a listing taken as processes come and go
+            tree.append(pid)
+            todo += children.get(pid, [])
+    return tree
+
+
+# How often an exec's process tree is listed again for members that forked meanwhile.
+TREE_ROUNDS = 4
+
+
+def kill_process_tree(runsc: Sequence[str], container_id: str, root: int, timeout: float) -> None:
+    """SIGKILL a process inside gVisor's kernel and all its descendants (an ExecSync past
+    its timeout: `sh -c 'sleep 600 & sleep 601'` must leave nothing). runsc signals one
+    pid at a time, and a process whose parent died is re-parented out of the tree: so
+    each member is stopped first, and the tree listed again until no new one appears
+    (none forks away between the listing and the kill), then all are killed at once.
+    `runsc` is the command line before the subcommand."""
+    stopped: list[int] = []
+    for _ in range(TREE_ROUNDS):
+        listing = subprocess.run(
+            [*runsc, "ps", container_id], capture_output=True, text=True, timeout=timeout
+        )
+        fresh = [pid for pid in process_tree(listing.stdout, root) if pid not in stopped]
+        if not fresh:
+            break
+        _signal_each(runsc, container_id, fresh, signal.SIGSTOP, timeout)
+        stopped += fresh
+    _signal_each(runsc, container_id, stopped or [root], signal.SIGKILL, timeout)
+
+
+def _signal_each(
+    runsc: Sequence[str], container_id: str, pids: list[int], sig: int, timeout: float
+) -> None:
+    """`runsc kill --pid` of each, side by side."""
+    calls = [
+        subprocess.Popen(
+            [*runsc, "kill", "--pid", str(pid), container_id, str(int(sig))],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid in pids
+    ]
+    for call in calls:
+        try:
+            call.wait(timeout)
+        except subprocess.TimeoutExpired:
+            call.kill()
+            call.wait()
 
 
 # Port-forward into a gVisor pod goes through its sandbox: busybox's `nc`, from the static

@@ -626,3 +626,34 @@ def test_a_created_container_waits_for_its_start_without_polling(
         assert "outlived its container" not in gvisor.log()
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
+
+
+def live_processes(daemon: Daemon, container_id: str) -> list[str]:
+    """The commands running in a container, as its own `ps` sees them (zombies aside:
+    a process whose parent died is the container's init's to reap, as under runc)."""
+    listed = exec_sync(daemon, container_id, ["ps", "-o", "stat,args"]).stdout.decode()
+    rows = [line.split(maxsplit=1) for line in listed.splitlines()[1:]]
+    return [args for stat, args in rows if not stat.startswith("Z") and args != "ps -o stat,args"]
+
+
+def test_an_exec_past_its_timeout_leaves_none_of_its_processes(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # runsc kills one pid at a time: the exec's shell alone was killed, its background
+    # child ran on (one per timed-out probe), holding the output open for seconds more.
+    with pod(gvisor, "probes", short_tmp, handler="runsc") as p:
+        container_id = create(gvisor, p, container_config("probed", "exec sleep 300"))
+        start(gvisor, container_id)
+        for command in ("sleep 600 & sleep 601", "sh -c 'sleep 602 & wait' & sleep 603"):
+            with pytest.raises(grpc.RpcError) as timed_out:
+                gvisor.runtime().ExecSync(
+                    api_pb2.ExecSyncRequest(
+                        container_id=container_id, cmd=["sh", "-c", command], timeout=1
+                    ),
+                    timeout=60,
+                )
+            assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert live_processes(gvisor, container_id) == ["sleep 300"], command
+        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
