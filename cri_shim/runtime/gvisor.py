@@ -92,7 +92,9 @@ exec 3<&0
 (
     while state=$("$runsc" $globals state "$id" 2>/dev/null {wake_fd}<&-); do
         case $state in
-        *'"status": "created"'*) read -r _ <&{wake_fd} || exit 255 ;;
+        # In a subshell: `read` takes stdin, and the waiter's own stdin must stay the
+        # container's, which the start hands over through /proc.
+        *'"status": "created"'*) (read -r _ <&{wake_fd}) || exit 255 ;;
         *) break ;;
         esac
     done
@@ -230,10 +232,13 @@ def kill_process_tree(runsc: Sequence[str], container_id: str, root: int, timeou
     `runsc` is the command line before the subcommand."""
     stopped: list[int] = []
     for _ in range(TREE_ROUNDS):
-        listing = subprocess.run(
-            [*runsc, "ps", container_id], capture_output=True, text=True, timeout=timeout
-        )
-        fresh = [pid for pid in process_tree(listing.stdout, root) if pid not in stopped]
+        try:
+            listing = subprocess.run(
+                [*runsc, "ps", container_id], capture_output=True, text=True, timeout=timeout
+            ).stdout
+        except subprocess.TimeoutExpired:
+            listing = ""
+        fresh = [pid for pid in process_tree(listing, root) if pid not in stopped]
         if not fresh:
             break
         _signal_each(runsc, container_id, fresh, signal.SIGSTOP, timeout)
