@@ -671,3 +671,32 @@ def test_an_exec_past_its_timeout_leaves_none_of_its_processes(
         assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
+
+
+async def _leave_once_running(url: str, daemon: Daemon, container_id: str) -> None:
+    command = await SpdyCommand.start(url, stderr=True, tty=False)
+    try:
+        await asyncio.to_thread(
+            wait_until, lambda: len(live_processes(daemon, container_id)) == 3, 30
+        )
+    finally:
+        await command.close()
+
+
+def test_a_streaming_exec_whose_client_leaves_leaves_none_of_its_processes(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    with pod(gvisor, "leaving", short_tmp, handler="runsc") as p:
+        container_id = create(gvisor, p, container_config("shell", "exec sleep 300"))
+        start(gvisor, container_id)
+        request = api_pb2.ExecRequest(
+            container_id=container_id,
+            cmd=["sh", "-c", "sleep 998 & sleep 997"],
+            stdout=True,
+            stderr=True,
+        )
+        url = gvisor.runtime().Exec(request, timeout=10).url
+        asyncio.run(_leave_once_running(url, gvisor, container_id))
+        wait_until(lambda: live_processes(gvisor, container_id) == ["sleep 300"], timeout=30)
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
