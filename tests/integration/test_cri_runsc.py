@@ -650,7 +650,17 @@ def live_processes(daemon: Daemon, container_id: str) -> list[str]:
     return [args for stat, args in rows if not stat.startswith("Z") and args != "ps -o stat,args"]
 
 
-def test_an_exec_past_its_timeout_leaves_none_of_its_processes(
+async def _leave_once_running(url: str, daemon: Daemon, container_id: str) -> None:
+    command = await SpdyCommand.start(url, stderr=True, tty=False)
+    try:
+        await asyncio.to_thread(
+            wait_until, lambda: len(live_processes(daemon, container_id)) == 3, 30
+        )
+    finally:
+        await command.close()
+
+
+def test_an_exec_past_its_timeout_or_left_by_its_client_leaves_none_of_its_processes(
     gvisor: Daemon, short_tmp: Path
 ) -> None:
     # runsc kills one pid at a time: the exec's shell alone was killed, its background
@@ -668,35 +678,12 @@ def test_an_exec_past_its_timeout_leaves_none_of_its_processes(
                 )
             assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert live_processes(gvisor, container_id) == ["sleep 300"], command
-        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
-    assert runsc_list(gvisor) == []
-    assert gvisor.leaks() == {}
-
-
-async def _leave_once_running(url: str, daemon: Daemon, container_id: str) -> None:
-    command = await SpdyCommand.start(url, stderr=True, tty=False)
-    try:
-        await asyncio.to_thread(
-            wait_until, lambda: len(live_processes(daemon, container_id)) == 3, 30
-        )
-    finally:
-        await command.close()
-
-
-def test_a_streaming_exec_whose_client_leaves_leaves_none_of_its_processes(
-    gvisor: Daemon, short_tmp: Path
-) -> None:
-    with pod(gvisor, "leaving", short_tmp, handler="runsc") as p:
-        container_id = create(gvisor, p, container_config("shell", "exec sleep 300"))
-        start(gvisor, container_id)
-        request = api_pb2.ExecRequest(
-            container_id=container_id,
-            cmd=["sh", "-c", "sleep 998 & sleep 997"],
-            stdout=True,
-            stderr=True,
-        )
+        # A streaming exec whose client leaves is killed the same way.
+        command = ["sh", "-c", "sleep 998 & sleep 997"]
+        request = api_pb2.ExecRequest(container_id=container_id, cmd=command, stdout=True)
         url = gvisor.runtime().Exec(request, timeout=10).url
         asyncio.run(_leave_once_running(url, gvisor, container_id))
         wait_until(lambda: live_processes(gvisor, container_id) == ["sleep 300"], timeout=30)
+        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}
