@@ -51,8 +51,12 @@ _SCRIPT = """#!/bin/sh
 runsc={runsc}
 if [ -n "${{CRI_SHIM_STDIO_OF:-}}" ]; then
     # `start` of a container that joins a sandbox: runsc hands its own stdio to it.
+    # Its stdin is kept on fd {stdin_fd} (its fd 0 is the wake-up FIFO while it reads one),
+    # or on 0 by a waiter of an earlier version.
     fd=/proc/$CRI_SHIM_STDIO_OF/fd
-    "$runsc" "$@" <"$fd/0" >"$fd/1" 2>"$fd/2"
+    stdin=$fd/{stdin_fd}
+    [ -e "$stdin" ] || stdin=$fd/0
+    "$runsc" "$@" <"$stdin" >"$fd/1" 2>"$fd/2"
     status=$?
     # Started or not, the waiter looks again (its wake-up FIFO: read-write, never blocks).
     {{ echo >&9; }} 2>/dev/null 9<>"$fd/{wake_fd}"
@@ -90,15 +94,14 @@ rm -f "$wake" && mkfifo -m 600 "$wake" && exec {wake_fd}<>"$wake" && rm -f "$wak
 # A background job's stdin would be /dev/null; the waiter keeps the container's.
 exec 3<&0
 (
-    while state=$("$runsc" $globals state "$id" 2>/dev/null {wake_fd}<&-); do
+    exec {stdin_fd}<&0
+    while state=$("$runsc" $globals state "$id" 2>/dev/null {wake_fd}<&- {stdin_fd}<&-); do
         case $state in
-        # In a subshell: `read` takes stdin, and the waiter's own stdin must stay the
-        # container's, which the start hands over through /proc.
-        *'"status": "created"'*) (read -r _ <&{wake_fd}) || exit 255 ;;
+        *'"status": "created"'*) read -r _ <&{wake_fd} || exit 255 ;;
         *) break ;;
         esac
     done
-    exec {wake_fd}<&-
+    exec {wake_fd}<&- {stdin_fd}<&-
     out=$("$runsc" $globals wait "$id" 2>/dev/null) || exit 255
     code=${{out##*'"exitStatus":'}}
     exit "${{code%%[!0-9]*}}"
@@ -107,9 +110,11 @@ exec {wake_fd}<&-
 echo $! >"$pidfile"
 """
 
-# The waiter's wake-up FIFO: made in the bundle, and its descriptor in the waiter.
+# The waiter's wake-up FIFO: made in the bundle, and its descriptor in the waiter; and
+# where the waiter keeps the container's stdin (`read` puts the FIFO on its fd 0).
 WAKE_NAME = ".waiter-wake"
 WAKE_FD = 4
+STDIN_FD = 5
 
 
 def conmon_runtime(runsc: Path, state_dir: Path, handler: str) -> Path:
@@ -117,7 +122,11 @@ def conmon_runtime(runsc: Path, state_dir: Path, handler: str) -> Path:
     start into the handler's state directory."""
     path = state_dir / SCRIPT_NAME
     text = _SCRIPT.format(
-        runsc=shlex.quote(str(runsc)), handler=repr(handler), wake_name=WAKE_NAME, wake_fd=WAKE_FD
+        runsc=shlex.quote(str(runsc)),
+        handler=repr(handler),
+        wake_name=WAKE_NAME,
+        wake_fd=WAKE_FD,
+        stdin_fd=STDIN_FD,
     )
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(text)
