@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cri_shim import cpusets
 from cri_shim.errors import InvalidArgument
 from cri_shim.nri.api import api_pb2
 
@@ -56,6 +57,7 @@ def _check_supported(plugin: str, adjustment: api_pb2.ContainerAdjustment) -> No
         raise AdjustmentRefused(
             f"NRI plugin {plugin}: cri-shim cannot apply the adjustment of {', '.join(unsupported)}"
         )
+    check_cpusets(linux.resources, f"NRI plugin {plugin}: ")
     for mount in adjustment.mounts:
         if not mount.destination.startswith("-") and not mount.destination.startswith("/"):
             raise AdjustmentRefused(
@@ -120,8 +122,21 @@ def _apply(spec: dict[str, Any], adjustment: api_pb2.ContainerAdjustment) -> Non
             resources[key] = values
 
 
+def check_cpusets(resources: api_pb2.LinuxResources, who: str = "") -> None:
+    """A plugin's CPUs and memory nodes are held to what the host has online, as a
+    request's are (runtime/cpusets.py)."""
+    for name in ("cpus", "mems"):
+        value = getattr(resources.cpu, name)
+        try:
+            cpusets.check(value, f"{who}linux.resources.cpu.{name}", nodes=name == "mems")
+        except InvalidArgument as err:
+            raise AdjustmentRefused(str(err)) from None
+
+
 def oci_resources(adjusted: api_pb2.LinuxResources) -> dict[str, Any]:
-    """The OCI LinuxResources fields an NRI LinuxResources sets (those we apply)."""
+    """The OCI LinuxResources fields an NRI LinuxResources sets (those we apply); CPUs
+    and nodes the host does not have online are refused."""
+    check_cpusets(adjusted)
     resources: dict[str, Any] = {}
     if adjusted.HasField("memory"):
         resources["memory"] = {
@@ -201,6 +216,7 @@ def adjust_update(resources: Any, updates: list[tuple[str, api_pb2.LinuxResource
             raise AdjustmentRefused(
                 f"NRI plugin {plugin}: cannot apply to an update: {', '.join(unsupported)}"
             )
+        check_cpusets(changed, f"NRI plugin {plugin}: ")
         for cri, section, name in _CRI_UPDATE_FIELDS:
             part = getattr(changed, section)
             if name in {"cpus", "mems"}:

@@ -38,7 +38,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from cri_shim.runtime.gvisor import (
     joining_waiter,
     remove_locks,
     sandboxes_of,
+    wake_waiter,
 )
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.monitors import MonitorWatch, ProcessRef, alive, process_stat
@@ -160,6 +161,9 @@ class RuntimeBackend:
             observe_call=observe_call,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
+        # gVisor: one lock per pod sandbox over each read-sum-write of the pod's total,
+        # taken when first needed and dropped when the sandbox container is deleted.
+        self._pod_locks: dict[str, asyncio.Lock] = {}
         # What conmon runs: gVisor's containers need a process it can wait for.
         self.conmon_runtime = self.runtime_path
         if handler_features(self.runtime_path).kind == "gvisor":
@@ -204,7 +208,8 @@ class RuntimeBackend:
             )
             if self.sandboxed:
                 # The pod's sandbox grows by what the container may use.
-                await asyncio.to_thread(self._resize_sandbox, spec)
+                sandbox_id = (spec.get("annotations") or {}).get(SANDBOX_ID, "")
+                await self._in_pod(sandbox_id, self._resize_sandbox, spec)
         except BaseException:
             await self._discard(container_id)
             raise
@@ -466,6 +471,7 @@ class RuntimeBackend:
         _check_id(container_id)
         # Its conmon's exit from here on is this deletion's doing, not a death to handle.
         await self._forget(container_id)
+        self._pod_locks.pop(container_id, None)  # the pod's, when this is its sandbox
         cdir = self._containers / container_id
         meta = self._read_meta(container_id)
         conmon = self._conmon_ref(container_id)
@@ -500,6 +506,8 @@ class RuntimeBackend:
         await self.oci.delete(container_id, force=True)
         if gvisor:
             remove_locks(self.oci.root, container_id, sandboxes)
+            if meta is not None:
+                wake_waiter(Path(meta.bundle))  # one of a never-started container ends
         if meta is not None:
             await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_root)
 
@@ -778,9 +786,34 @@ class RuntimeBackend:
             return
         if self.sandboxed:
             # runsc has no `update`: the host cgroups, where gVisor's limits apply.
-            await asyncio.to_thread(self._update_sandboxed, container_id, oci_resources)
+            sandbox_id = await asyncio.to_thread(self._sandbox_of, container_id)
+            await self._in_pod(sandbox_id, self._update_sandboxed, container_id, oci_resources)
             return
         await self.oci.update(container_id, oci_resources)
+
+    async def _in_pod(self, sandbox_id: str, work: Callable[..., None], *args: Any) -> None:
+        """Run `work` on a thread under the pod's lock: each update reads every
+        container's limits, sums them and writes the sandbox's cgroup, and two at once
+        would each sum the other's old limits (the pod left below its containers' total,
+        OOM-killed inside its limits). A cancelled caller leaves the lock held until the
+        thread has written: it cannot be stopped half-way."""
+        if not sandbox_id:
+            await asyncio.to_thread(work, *args)
+            return
+        lock = self._pod_locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            job = asyncio.ensure_future(asyncio.to_thread(work, *args))
+            try:
+                await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await asyncio.wait([job])
+                raise
+
+    def _sandbox_of(self, container_id: str) -> str:
+        """The pod sandbox of a gVisor container ("" where its spec cannot be read)."""
+        meta = self._read_meta(container_id)
+        spec = read_spec(Path(meta.bundle)) if meta is not None else None
+        return str(((spec or {}).get("annotations") or {}).get(SANDBOX_ID) or "")
 
     def _update_sandboxed(self, container_id: str, update: Mapping[str, Any]) -> None:
         """A gVisor container's new limits (runtime/sandbox_cgroups.py): the pod's new

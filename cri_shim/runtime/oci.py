@@ -25,6 +25,7 @@ from typing import Any
 from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
+from cri_shim.runtime.gvisor import kill_process_tree
 
 log = logging.getLogger(__name__)
 
@@ -250,16 +251,15 @@ class OciRuntime:
                     os.unlink(leftover)
 
     def _inner_killer(self, container_id: str, inner_pid_file: Path) -> Callable[[], None]:
-        """Kills an exec'd process by its pid inside the runtime's kernel (runsc's
-        `kill --pid`); run on the spawn thread that waits for the exec."""
+        """Kills an exec'd process and its descendants by their pids inside the runtime's
+        kernel (runtime/gvisor.py); run on the spawn thread that waits for the exec."""
 
         def kill() -> None:
             inner = _read_pid(inner_pid_file)
             if inner <= 0:
                 return
-            argv = [str(self.path), "--root", str(self.root), *self.extra_args, "kill"]
-            argv += ["--pid", str(inner), container_id, str(int(signal.SIGKILL))]
-            subprocess.run(argv, capture_output=True, timeout=self.call_timeout, check=False)
+            runsc = [str(self.path), "--root", str(self.root), *self.extra_args]
+            kill_process_tree(runsc, container_id, inner, self.call_timeout)
 
         return kill
 

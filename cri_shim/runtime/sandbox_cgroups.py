@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cri_shim import cpusets
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, Internal
 from cri_shim.runtime.host_limits import current_host_limits
@@ -119,13 +120,24 @@ def _containers_total(resources: list[Mapping[str, Any]]) -> dict[str, Any]:
     for key in ("cpus", "mems"):
         sets = [c.get(key) or "" for c in cpus]
         # One container free to use every CPU makes the pod free to.
-        total["cpu"][key] = format_set(set().union(*map(parse_set, sets))) if all(sets) else ""
+        total["cpu"][key] = _united(sets) if all(sets) else ""
     for key in ("limit", "swap"):
         values = [int(m.get(key) or 0) for m in memories]
         total["memory"][key] = sum(values) if all(v > 0 for v in values) else UNLIMITED
     pids = [int((r.get("pids") or {}).get("limit") or 0) for r in resources]
     total["pids"] = {"limit": sum(pids) if all(v > 0 for v in pids) else UNLIMITED}
     return total
+
+
+def _united(lists: list[str]) -> str:
+    """Cpuset lists together, as intervals (never their numbers: a spec written before
+    requests were checked against the host may name billions)."""
+    try:
+        return cpusets.format_list(cpusets.union(*map(cpusets.parse, lists)))
+    except cpusets.BadList as err:
+        raise FailedPrecondition(
+            f"a container of the pod has a cpuset the kernel refuses: {err}"
+        ) from None
 
 
 # What a gVisor pod's update can carry: the rest has no sum (`unified`, a free-form map of
@@ -137,26 +149,6 @@ IGNORED = frozenset({"hugepageLimits"})
 def unappliable(update: Mapping[str, Any]) -> list[str]:
     """The keys of an OCI LinuxResources update a gVisor pod cannot take."""
     return sorted(key for key in update if key not in APPLIED | IGNORED)
-
-
-def parse_set(text: str) -> set[int]:
-    """A cpuset list ("0-3,6") as numbers."""
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        low, _, high = part.partition("-")
-        out.update(range(int(low), int(high or low) + 1))
-    return out
-
-
-def format_set(numbers: set[int]) -> str:
-    """Numbers as a cpuset list, runs collapsed ("0-3,6")."""
-    runs: list[list[int]] = []
-    for number in sorted(numbers):
-        if runs and number == runs[-1][1] + 1:
-            runs[-1][1] = number
-        else:
-            runs.append([number, number])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def cgroup_writes(resources: Mapping[str, Any], *, v2: bool) -> list[tuple[str, str, str]]:

@@ -27,6 +27,7 @@ from typing import Any
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from cri_shim import cpusets
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 from cri_shim.pod_rules import host_network, namespaced_sysctls
@@ -54,7 +55,6 @@ _DNS_OPTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]*$")
 # Kubernetes' sysctl name format, with "/" allowed as a separator (interface names with dots).
 _SYSCTL_SEGMENT = r"[a-z0-9]([-_a-z0-9]*[a-z0-9])?"
 _SYSCTL = re.compile(rf"^({_SYSCTL_SEGMENT}[./])*{_SYSCTL_SEGMENT}$")
-_CPUSET = re.compile(r"^[0-9,\-]*$")
 
 Validator = Callable[[Any], None]
 _VALIDATORS: dict[str, Validator] = {}
@@ -230,6 +230,8 @@ def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
         _ids([sc.run_as_group.value], f"{where}.linux.security_context.run_as_group")
     _ids(sc.supplemental_groups, f"{where}.linux.security_context.supplemental_groups")
     _sysctls(config, host_network(config), f"{where}.linux.sysctls")
+    check_cpusets(linux.overhead, f"{where}.linux.overhead")
+    check_cpusets(linux.resources, f"{where}.linux.resources")
 
 
 def _ip(value: str, field: str) -> None:
@@ -287,10 +289,16 @@ def _sysctls(config: api_pb2.PodSandboxConfig, hostnet: bool, field: str) -> Non
     "RemovePodSandbox",
     "PodSandboxStatus",
     "PodSandboxStats",
-    "UpdatePodSandboxResources",
 )
 def _sandbox_id(request: Any) -> None:
     _id(request.pod_sandbox_id, f"{type(request).__name__}.pod_sandbox_id")
+
+
+@_validates("UpdatePodSandboxResources")
+def _update_pod_resources(request: api_pb2.UpdatePodSandboxResourcesRequest) -> None:
+    _sandbox_id(request)
+    check_cpusets(request.overhead, "UpdatePodSandboxResourcesRequest.overhead")
+    check_cpusets(request.resources, "UpdatePodSandboxResourcesRequest.resources")
 
 
 @_validates("PortForward")
@@ -434,16 +442,20 @@ def check_resources(resources: api_pb2.LinuxContainerResources, field: str) -> N
     if not -1000 <= resources.oom_score_adj <= 1000:
         oom = resources.oom_score_adj
         raise InvalidArgument(f"{field}.oom_score_adj: {oom} is not in -1000..1000")
-    for name in ("cpuset_cpus", "cpuset_mems"):
-        value = getattr(resources, name)
-        if len(value) > MAX_PATH or not _CPUSET.match(value):
-            raise InvalidArgument(f"{field}.{name}: {_short(value)} is not a CPU or node list")
+    check_cpusets(resources, field)
     for key, value in resources.unified.items():
         # Written as a file of the container's cgroup: a name, never a path.
         if not key or "/" in key or key.startswith(".") or len(key) > MAX_NAME:
             raise InvalidArgument(f"{field}.unified: {_short(key)} is not a cgroup file name")
         if "\n" in value or len(value) > MAX_PATH:
             raise InvalidArgument(f"{field}.unified[{_short(key)}]: not a cgroup value")
+
+
+def check_cpusets(resources: api_pb2.LinuxContainerResources, field: str) -> None:
+    """Checked against the CPUs and nodes online here, for every handler: the kernel
+    refuses others only when a cgroup is written, after the container was made."""
+    for name in ("cpuset_cpus", "cpuset_mems"):
+        cpusets.check(getattr(resources, name), f"{field}.{name}", nodes=name == "cpuset_mems")
 
 
 @_validates(

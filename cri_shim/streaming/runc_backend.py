@@ -44,6 +44,7 @@ from typing import TypeVar
 from cri_shim.errors import FailedPrecondition, Internal
 from cri_shim.host.namespaces import netns_entered
 from cri_shim.host.process import set_child_subreaper
+from cri_shim.runtime.gvisor import kill_process_tree
 from cri_shim.streaming.chunks import ChunkQueue
 from cri_shim.streaming.terminal import EOT, PtyMaster
 
@@ -358,12 +359,13 @@ class RuncExecProcess:
 
 
 class _InsideKiller:
-    """Kills an exec'd command in the runtime's own kernel (runsc), by its pid there: a
-    SIGKILL to the host's `runsc exec` would leave it running in the sandbox."""
+    """Kills an exec'd command and its descendants in the runtime's own kernel (runsc),
+    by their pids there (runtime/gvisor.py): a SIGKILL to the host's `runsc exec` would
+    leave them running in the sandbox."""
 
     def __init__(self, endpoint: ContainerEndpoint, container_id: str, scratch: Path) -> None:
         self.pid_file = scratch / "inner-pid"
-        self._argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "kill"]
+        self._runsc = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root)]
         self._container_id = container_id
 
     async def kill(self) -> None:
@@ -371,16 +373,9 @@ class _InsideKiller:
             pid = _read_pid(self.pid_file)
         except (OSError, ValueError):
             return  # not started in the sandbox yet: killing `runsc exec` stops the start
-        argv = [*self._argv, "--pid", str(pid), self._container_id, str(int(signal.SIGKILL))]
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        await asyncio.to_thread(
+            kill_process_tree, self._runsc, self._container_id, pid, KILL_TIMEOUT
         )
-        try:
-            await asyncio.wait_for(process.wait(), KILL_TIMEOUT)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
 
 
 def _read_pid(path: Path) -> int:

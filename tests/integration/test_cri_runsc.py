@@ -15,7 +15,9 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.cpusets import first_missing, parse
 from tests.harness import Daemon, conmon_of, wait_until
 from tests.integration.cri_testkit import (
     container_config,
@@ -468,5 +471,211 @@ def test_resource_updates_reach_the_sandboxs_host_cgroup(gvisor: Daemon, short_t
                 lambda c=container_id: status(gvisor, c).state == api_pb2.CONTAINER_EXITED,
                 timeout=60,
             )
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def online_cpus() -> str:
+    return Path("/sys/devices/system/cpu/online").read_text().strip()
+
+
+def test_cpusets_beyond_the_hosts_cpus_are_refused_before_anything_is_made(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # A cpuset was once expanded into a set of its numbers to sum the pod's total:
+    # "0-8000000" took the daemon to 0.8 GB and seconds; "0-99999999999" would exhaust
+    # the node. Each is refused as the request's own error, naming the field.
+    beyond = first_missing([(0, 8_000_000)], parse(online_cpus()))
+    with pod(gvisor, "cpusets", short_tmp, handler="runsc") as p:
+        running = create(gvisor, p, container_config("running", "exec sleep 300"))
+        start(gvisor, running)
+        refusals = {}
+        for cpus in ("0-8000000", "0-99999999999"):
+            with pytest.raises(grpc.RpcError) as refused:
+                gvisor.runtime().UpdateContainerResources(
+                    api_pb2.UpdateContainerResourcesRequest(
+                        container_id=running,
+                        linux=api_pb2.LinuxContainerResources(cpuset_cpus=cpus),
+                    ),
+                    timeout=30,
+                )
+            refusals[cpus] = (refused.value.code(), refused.value.details())
+        field = "UpdateContainerResourcesRequest.linux.cpuset_cpus"
+        assert refusals == {
+            "0-8000000": (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}: CPU {beyond} is not online on this host (online: {online_cpus()})",
+            ),
+            "0-99999999999": (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}: '0-99999999999' is not a CPU list: 99999999999 is out of range",
+            ),
+        }
+        # A creation naming a memory node the host lacks makes no container.
+        config = container_config("pinned", "exec sleep 300")
+        config.linux.resources.cpuset_mems = "0-1000"
+        with pytest.raises(grpc.RpcError) as refused:
+            create(gvisor, p, config)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "linux.resources.cpuset_mems: memory node 1 is not online" in (
+            refused.value.details() or ""
+        )
+        listed = gvisor.runtime().ListContainers(api_pb2.ListContainersRequest(), timeout=10)
+        assert [c.id for c in listed.containers] == [running]
+        # Within the host's CPUs, the update is applied.
+        gvisor.runtime().UpdateContainerResources(
+            api_pb2.UpdateContainerResourcesRequest(
+                container_id=running, linux=api_pb2.LinuxContainerResources(cpuset_cpus="0")
+            ),
+            timeout=30,
+        )
+        spec = json.loads(status_info(gvisor, running))["runtimeSpec"]
+        assert spec["linux"]["resources"]["cpu"]["cpus"] == "0"
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+@pytest.mark.skipif(
+    (CGROUPS / "cgroup.controllers").exists(), reason="the test reads cgroup v1's files"
+)
+def test_concurrent_updates_of_one_pod_leave_the_sandbox_its_containers_total(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # Each update sums every container's limits into the sandbox's cgroup: two at once
+    # once summed each other's old limits, leaving the pod below its containers' total.
+    with pod(gvisor, "racing", short_tmp, handler="runsc") as p:
+        ids = []
+        for name in ("left", "right"):
+            config = container_config(name, "exec sleep 300")
+            config.linux.resources.CopyFrom(limits(64 * MiB, 256, 20_000))
+            ids.append(create(gvisor, p, config))
+            start(gvisor, ids[-1])
+        sandbox_group = f"/cri-shim/{p[0]}"
+
+        def update(container_id: str, memory: int) -> None:
+            gvisor.runtime().UpdateContainerResources(
+                api_pb2.UpdateContainerResourcesRequest(
+                    container_id=container_id, linux=limits(memory, 256, 20_000)
+                ),
+                timeout=30,
+            )
+
+        wrong = []
+        with ThreadPoolExecutor(2) as pool:
+            for round_ in range(30):
+                sizes = [(100 + round_) * MiB, (200 + 2 * round_) * MiB]
+                list(pool.map(update, ids, sizes))
+                total = cgroup_value(sandbox_group, "memory", "memory.limit_in_bytes")
+                if total != str(sum(sizes)):
+                    wrong.append((round_, int(total) // MiB, sum(sizes) // MiB))
+        assert wrong == []
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def waiter_of(daemon: Daemon, container_id: str) -> int:
+    """The waiter conmon waits for, of a container that joins a sandbox: conmon's child."""
+    (child,) = children_of(conmon_of(daemon, container_id))
+    return child
+
+
+def waiter_ticks(waiter: int) -> int:
+    """utime + stime + cutime + cstime: what a waiter and its reaped children used."""
+    fields = Path(f"/proc/{waiter}/stat").read_text().rpartition(")")[2].split()
+    return sum(int(value) for value in fields[11:15])
+
+
+def ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_created_container_waits_for_its_start_without_polling(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # The waiter of a created container once asked `runsc state` every 50 ms (14 % of a
+    # core each); it now sleeps until its start, or its removal, wakes it.
+    with pod(gvisor, "idle", short_tmp, handler="runsc") as p:
+        started = create(gvisor, p, container_config("started", "echo up; exit 3"))
+        never = create(gvisor, p, container_config("never", "exec sleep 300"))
+        stopped = create(gvisor, p, container_config("stopped", "exec sleep 300"))
+        waiters = {c: waiter_of(gvisor, c) for c in (started, never, stopped)}
+        # Once its first look at the state is done, a waiter uses no CPU and runs nothing.
+        for waiter in waiters.values():
+            wait_until(lambda w=waiter: not children_of(w), 30)
+        before = {c: waiter_ticks(w) for c, w in waiters.items()}
+        time.sleep(2)
+        for container_id, waiter in waiters.items():
+            assert waiter_ticks(waiter) == before[container_id]
+            assert children_of(waiter) == [], f"the waiter of {container_id} runs a command"
+        # Its stop (runsc cannot signal a created container) ends it, leaving nothing.
+        gvisor.runtime().StopContainer(
+            api_pb2.StopContainerRequest(container_id=stopped, timeout=0), timeout=30
+        )
+        wait_until(lambda: ended(waiters[stopped]), 10)
+        # Its start wakes it: the exit is recorded as before.
+        start(gvisor, started)
+        wait_until(lambda: status(gvisor, started).state == api_pb2.CONTAINER_EXITED, 30)
+        assert status(gvisor, started).exit_code == 3
+        assert output(status(gvisor, started)) == ["up"]
+        # Its removal wakes it: the waiter ends, and its conmon with it (not killed).
+        gvisor.runtime().RemoveContainer(
+            api_pb2.RemoveContainerRequest(container_id=never), timeout=30
+        )
+        wait_until(lambda: ended(waiters[never]), 10)
+        assert "outlived its container" not in gvisor.log()
+    assert runsc_list(gvisor) == []
+    assert gvisor.leaks() == {}
+
+
+def live_processes(daemon: Daemon, container_id: str) -> list[str]:
+    """The commands running in a container, as its own `ps` sees them (zombies aside:
+    a process whose parent died is the container's init's to reap, as under runc)."""
+    listed = exec_sync(daemon, container_id, ["ps", "-o", "stat,args"]).stdout.decode()
+    rows = [line.split(maxsplit=1) for line in listed.splitlines()[1:]]
+    return [args for stat, args in rows if not stat.startswith("Z") and args != "ps -o stat,args"]
+
+
+async def _leave_once_running(url: str, daemon: Daemon, container_id: str) -> None:
+    command = await SpdyCommand.start(url, stderr=True, tty=False)
+    try:
+        await asyncio.to_thread(
+            wait_until, lambda: len(live_processes(daemon, container_id)) == 3, 30
+        )
+    finally:
+        await command.close()
+
+
+def test_an_exec_past_its_timeout_or_left_by_its_client_leaves_none_of_its_processes(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # runsc kills one pid at a time: the exec's shell alone was killed, its background
+    # child ran on (one per timed-out probe), holding the output open for seconds more.
+    with pod(gvisor, "probes", short_tmp, handler="runsc") as p:
+        container_id = create(gvisor, p, container_config("probed", "exec sleep 300"))
+        start(gvisor, container_id)
+        for command in ("sleep 600 & sleep 601", "sh -c 'sleep 602 & wait' & sleep 603"):
+            with pytest.raises(grpc.RpcError) as timed_out:
+                gvisor.runtime().ExecSync(
+                    api_pb2.ExecSyncRequest(
+                        container_id=container_id, cmd=["sh", "-c", command], timeout=1
+                    ),
+                    timeout=60,
+                )
+            assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert live_processes(gvisor, container_id) == ["sleep 300"], command
+        # A streaming exec whose client leaves is killed the same way.
+        command = ["sh", "-c", "sleep 998 & sleep 997"]
+        request = api_pb2.ExecRequest(container_id=container_id, cmd=command, stdout=True)
+        url = gvisor.runtime().Exec(request, timeout=10).url
+        asyncio.run(_leave_once_running(url, gvisor, container_id))
+        wait_until(lambda: live_processes(gvisor, container_id) == ["sleep 300"], timeout=30)
+        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
     assert runsc_list(gvisor) == []
     assert gvisor.leaks() == {}

@@ -3,6 +3,7 @@ removals, conflicts between plugins, and what is refused by name."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +14,10 @@ from cri_shim.nri.adjust import (
     adjust_update,
     apply_adjustments,
     nri_resources_of,
+    oci_resources,
 )
 from cri_shim.nri.api import api_pb2
+from tests.unit.test_cpusets import host_with_two_cpus
 
 
 def spec() -> dict[str, Any]:
@@ -110,3 +113,29 @@ def test_plugins_change_a_cri_update_in_order_and_conflicts_are_named() -> None:
     pids.pids.limit = 10
     with pytest.raises(AdjustmentRefused, match=r"NRI plugin 40-d: .*linux\.resources\.pids"):
         adjust_update(update, [("40-d", pids)])
+
+
+def test_cpus_and_nodes_not_online_are_refused_on_every_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host_with_two_cpus(tmp_path, monkeypatch)
+    # A creation's adjustment: refused before the spec changes.
+    adjustment = api_pb2.ContainerAdjustment()
+    adjustment.linux.resources.cpu.cpus = "0-8000000"
+    s = spec()
+    with pytest.raises(AdjustmentRefused) as refused:
+        apply_adjustments(s, [("10-a", adjustment)])
+    assert str(refused.value) == (
+        "NRI plugin 10-a: linux.resources.cpu.cpus: CPU 2 is not online on this host (online: 0-1)"
+    )
+    assert s == spec()
+    # A change to a CRI update.
+    nodes = api_pb2.LinuxResources()
+    nodes.cpu.mems = "3"
+    update = cri_api.LinuxContainerResources(cpu_shares=512)
+    with pytest.raises(AdjustmentRefused, match=r"^NRI plugin 20-b: .*memory node 3 is not"):
+        adjust_update(update, [("20-b", nodes)])
+    assert update.cpuset_mems == ""
+    # A plugin's own update (UpdateContainers), as OCI resources.
+    with pytest.raises(AdjustmentRefused, match=r"cpu\.cpus: '0-99999999999' is not a CPU list"):
+        oci_resources(api_pb2.LinuxResources(cpu=api_pb2.LinuxCPU(cpus="0-99999999999")))

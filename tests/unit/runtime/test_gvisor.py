@@ -20,6 +20,7 @@ from cri_shim.runtime.features import (
 from cri_shim.runtime.gvisor import (
     conmon_runtime,
     joining_waiter,
+    process_tree,
     relay_argv,
     require_port_forward,
 )
@@ -143,3 +144,19 @@ def test_a_running_sandboxs_lock_stays(tmp_path: Path) -> None:
         (tmp_path / name).touch()
     gvisor.remove_locks(tmp_path, "c", {"s"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s_sandbox:s.lock", "s_sandbox:s.state"]
+
+
+def test_an_exec_process_tree_is_read_from_runsc_ps() -> None:
+    listing = (
+        "UID       PID       PPID      C         TTY       STIME     TIME      CMD\n"
+        "0         1         0         0         ?         16:40     0s        pause\n"
+        "0         2         0         0         ?         16:40     10ms      sleep\n"
+        "0         3         0         0         ?         16:40     0s        sh\n"
+        "0         4         3         0         ?         16:40     10ms      sh\n"
+        "0         5         4         0         ?         16:40     10ms      sleep\n"
+        "0         6         2         0         ?         16:40     10ms      sleep\n"
+    )
+    assert sorted(process_tree(listing, 3)) == [3, 4, 5]
+    assert process_tree(listing, 5) == [5]
+    assert process_tree(listing, 9) == []  # gone: nothing of it to kill
+    assert process_tree("", 3) == []

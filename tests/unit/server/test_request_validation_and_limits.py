@@ -19,6 +19,7 @@ from cri_shim.server.limits import READ_RPCS, RequestLimiter
 from cri_shim.server.rpc import cri_method_name
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.validation import validate_request
+from tests.unit.test_cpusets import host_with_two_cpus
 from tests.waiting import until
 
 
@@ -350,3 +351,24 @@ def test_resources_the_kernel_would_refuse_are_named(
         validate_request("UpdateContainerResources", request)
     ok = api_pb2.LinuxContainerResources(cpu_period=100_000, cpu_quota=50_000, cpu_shares=2)
     validate_request("UpdateContainerResources", api_pb2.UpdateContainerResourcesRequest(linux=ok))
+
+
+def test_pod_level_cpusets_are_held_to_the_hosts_cpus_and_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host_with_two_cpus(tmp_path, monkeypatch)
+    resize = api_pb2.UpdatePodSandboxResourcesRequest(
+        pod_sandbox_id="p", resources=api_pb2.LinuxContainerResources(cpuset_cpus="0-8000000")
+    )
+    with pytest.raises(InvalidArgument) as refused:
+        validate_request("UpdatePodSandboxResources", resize)
+    assert str(refused.value) == (
+        "UpdatePodSandboxResourcesRequest.resources.cpuset_cpus: CPU 2 is not online on this "
+        "host (online: 0-1)"
+    )
+    run = api_pb2.RunPodSandboxRequest()
+    run.config.linux.overhead.cpuset_mems = "1"
+    with pytest.raises(InvalidArgument, match=r"^PodSandboxConfig\.linux\.overhead\.cpuset_mems: "):
+        validate_request("RunPodSandbox", run)
+    resize.resources.cpuset_cpus = "1"
+    validate_request("UpdatePodSandboxResources", resize)
