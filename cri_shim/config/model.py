@@ -170,9 +170,11 @@ class TracingConfig:
     endpoint: str = ""
     sampling_ratio: float = 1.0
     service_name: str = "cri-shim"
-    # Spans waiting for export; beyond it the oldest are dropped (a dead collector costs
-    # this much memory at most).
+    # Spans waiting for export, in number and in bytes; beyond either the oldest are
+    # dropped (a dead collector costs this much memory at most).
     max_queued_spans: int = 2048
+    max_queued_bytes: int = 8 << 20
+    # One export's whole exchange with the collector: connect, send, read the answer.
     export_timeout: float = 5.0
 
 
@@ -227,4 +229,5 @@ SIZE_KEYS = {
     ("", "max_message_bytes"),
     ("images", "max_layer_bytes"),
     ("images", "download_min_rate"),
+    ("tracing", "max_queued_bytes"),
 }

@@ -159,14 +159,21 @@ KEY_DOCS: dict[str, str] = {
     "tracing.endpoint": "OTLP/HTTP base URL of an OpenTelemetry collector (Jaeger, Tempo, the "
     "OpenTelemetry Collector), e.g. `http://127.0.0.1:4318`; spans are POSTed as protobuf to "
     '`<endpoint>/v1/traces`; `""` is off (nothing of OpenTelemetry is loaded)',
-    "tracing.sampling_ratio": "share of new traces recorded (0 to 1); a call whose "
-    "`traceparent` says sampled or not is followed, and a creation is recorded with the "
-    "request that started it",
+    "tracing.sampling_ratio": "share of traces recorded (0 to 1), whoever started them: a "
+    "trace is recorded when its ID falls within the ratio (OpenTelemetry's TraceIdRatioBased "
+    "rule, so a caller sampling with it at a lower ratio has each of its sampled traces "
+    "recorded here too) and the caller's `traceparent`, if any, does not say not sampled; a "
+    "caller's sampled `traceparent` never records more than the ratio, so 0 records nothing; "
+    "a creation is recorded with the request that started it",
     "tracing.service_name": "`service.name` of the exported spans",
     "tracing.max_queued_spans": "spans waiting for export; beyond it the oldest are dropped, "
     "so an unreachable collector costs at most this much memory",
-    "tracing.export_timeout": "how long one export to the collector may take before it fails "
-    "(counted in Status verbose as `tracing.failed`)",
+    "tracing.max_queued_bytes": "bytes of spans waiting for export (their attributes, events "
+    "and links, and a fixed part per span); beyond it the oldest are dropped, as beyond "
+    "`max_queued_spans`",
+    "tracing.export_timeout": "how long one export to the collector may take in all "
+    "(connecting, sending, reading the answer, of which at most 64 KiB is read) before it "
+    "fails (counted in Status verbose as `tracing.failed`)",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

@@ -304,7 +304,14 @@ def _load_nri(table: dict[str, Any]) -> NriConfig:
 def _load_tracing(table: dict[str, Any]) -> TracingConfig:
     _unknown(
         table,
-        {"endpoint", "sampling_ratio", "service_name", "max_queued_spans", "export_timeout"},
+        {
+            "endpoint",
+            "sampling_ratio",
+            "service_name",
+            "max_queued_spans",
+            "max_queued_bytes",
+            "export_timeout",
+        },
         "tracing.",
     )
     tracing = TracingConfig()
@@ -329,6 +336,11 @@ def _load_tracing(table: dict[str, Any]) -> TracingConfig:
     if "max_queued_spans" in table:
         tracing.max_queued_spans = _positive_int(
             table["max_queued_spans"], "tracing.max_queued_spans"
+        )
+    if "max_queued_bytes" in table:
+        # Below 64KiB a handful of spans would fill it.
+        tracing.max_queued_bytes = parse_size(
+            table["max_queued_bytes"], "tracing.max_queued_bytes", minimum=64 << 10
         )
     if "export_timeout" in table:
         tracing.export_timeout = parse_duration(table["export_timeout"], "tracing.export_timeout")
