@@ -126,6 +126,16 @@ class RequestsConfig:
 
 
 @dataclass
+class EventsConfig:
+    """GetContainerEvents: kubelet opens one stream; crictl events a few more."""
+
+    # Streams open at once; one more is refused with RESOURCE_EXHAUSTED.
+    max_subscribers: int = 16
+    # Events one stream may leave unread; a stream behind by more is dropped.
+    max_backlog_bytes: int = 16 << 20
+
+
+@dataclass
 class StreamingSection:
     # Loopback on a free port: kubelet proxies exec/attach/port-forward from the node.
     address: str = "127.0.0.1:0"
@@ -197,6 +207,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     streaming: StreamingSection = field(default_factory=StreamingSection)
     requests: RequestsConfig = field(default_factory=RequestsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
     nri: NriConfig = field(default_factory=NriConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -230,4 +241,5 @@ SIZE_KEYS = {
     ("images", "max_layer_bytes"),
     ("images", "download_min_rate"),
     ("tracing", "max_queued_bytes"),
+    ("events", "max_backlog_bytes"),
 }

@@ -123,6 +123,12 @@ KEY_DOCS: dict[str, str] = {
     "requests.stream_write_timeout": "how long one message of a streaming list may wait for "
     "the client to read it; a stream whose client reads nothing for this long ends with "
     "DEADLINE_EXCEEDED naming this key",
+    "events.max_subscribers": "`GetContainerEvents` streams open at once (kubelet opens one, "
+    "`crictl events` one each); one more is refused with RESOURCE_EXHAUSTED naming this key",
+    "events.max_backlog_bytes": "bytes of events one stream may leave unread (each event is "
+    "serialized once and shared by every stream); a stream behind by more is dropped: it "
+    "ends with RESOURCE_EXHAUSTED naming this key, or is cancelled when it reads nothing at "
+    "all, and its client subscribes again and relists, as kubelet does",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
     "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled while a "
     "CRI call is served, shown in Status (verbose) as `eventLoop` and exported as "

@@ -18,6 +18,7 @@ from cri_shim.config.model import (
     Config,
     ConfigError,
     CreationConfig,
+    EventsConfig,
     ImagesConfig,
     MetricsConfig,
     NetworkConfig,
@@ -197,6 +198,19 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
             )
         requests.stream_write_timeout = timeout
     return requests
+
+
+def _load_events(table: dict[str, Any]) -> EventsConfig:
+    _unknown(table, {"max_subscribers", "max_backlog_bytes"}, "events.")
+    events = EventsConfig()
+    if "max_subscribers" in table:
+        events.max_subscribers = _positive_int(table["max_subscribers"], "events.max_subscribers")
+    if "max_backlog_bytes" in table:
+        # Below 64KiB an ordinary pod's few events would drop kubelet's stream.
+        events.max_backlog_bytes = parse_size(
+            table["max_backlog_bytes"], "events.max_backlog_bytes", minimum=64 << 10
+        )
+    return events
 
 
 def _load_metrics(table: dict[str, Any]) -> MetricsConfig:
@@ -410,6 +424,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "metrics": _load_metrics,
         "streaming": _load_streaming,
         "requests": _load_requests,
+        "events": _load_events,
         "cdi": _load_cdi,
         "nri": _load_nri,
         "tracing": _load_tracing,

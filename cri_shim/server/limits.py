@@ -17,7 +17,8 @@ split by what they cost:
   freed by a timed-out request must not let the next one start yet another creation
   without bound, so a new creation is refused while `max_in_flight` creations are still
   running, attached or not.
-- The event stream (GetContainerEvents) lives as long as its client: it takes no slot.
+- The event stream (GetContainerEvents) lives as long as its client: it takes no slot;
+  the event bus caps the streams and their backlogs (`[events]`, lifecycle/events.py).
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ async def admitted(
     async with services.limiter.admit(rpc, deadline):
         if rpc in LIST_STREAM_RPCS or rpc in STREAM_RPCS:
             # Streams' writes end quietly when the client goes; a list's have a deadline.
-            # The event stream has none: a subscriber that does not read loses its oldest
-            # events instead (lifecycle/events.py).
+            # The event stream has none: a subscriber that falls behind is dropped instead
+            # (lifecycle/events.py).
             timeout = services.config.requests.stream_write_timeout
             context = StreamContext(context, rpc, timeout if rpc in LIST_STREAM_RPCS else None)
         return await handler(services, request, context)
