@@ -186,9 +186,13 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
     keys = {f.name for f in dataclasses.fields(RequestsConfig)}
     _unknown(table, keys, "requests.")
     requests = RequestsConfig()
-    for key in sorted(keys - {"stream_write_timeout"}):
+    for key in sorted(keys - {"stream_write_timeout", "max_reply_bytes_in_flight"}):
         if key in table:
             setattr(requests, key, _positive_int(table[key], f"requests.{key}"))
+    if "max_reply_bytes_in_flight" in table:
+        requests.max_reply_bytes_in_flight = parse_size(
+            table["max_reply_bytes_in_flight"], "requests.max_reply_bytes_in_flight"
+        )
     if "stream_write_timeout" in table:
         timeout = parse_duration(table["stream_write_timeout"], "requests.stream_write_timeout")
         if timeout <= 0:

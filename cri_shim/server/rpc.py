@@ -119,10 +119,11 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 bind_request_objects(view.names, request)
                 # Validated and admitted first: a bad or surplus call does nothing, not even
                 # reserve a name or hold a slot that a good call needs.
+                # A unary call's reply is written by `admitted`, within its place.
                 response = await admitted(
                     handler, name, view, request, context, request_deadline(context), large
                 )
-                return response
+                return None
             except errors.CriError as exc:
                 code = status_code(exc)
                 log.info("%s: %s: %s", name, code.name, exc)

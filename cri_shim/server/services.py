@@ -109,18 +109,17 @@ def _serializer(message_class: Any) -> Callable[[Any], bytes]:
 
 def add_to_server(server: grpc.aio.Server, runtime: RuntimeService, image: ImageService) -> None:
     """Serve both services on `server`. Each method's requests are deserialized so that
-    a large one is parsed off the event loop (server/wire.py); replies as protobuf does."""
+    a large one is parsed off the event loop (server/wire.py); replies as protobuf does,
+    or as they are when already serialized."""
     for servicer, service in ((runtime, "RuntimeService"), (image, "ImageService")):
         descriptor = api_pb2.DESCRIPTOR.services_by_name[service]
         handlers: dict[str, Any] = {}
         for method in descriptor.methods:
             assert not method.client_streaming, f"{method.full_name} streams requests"
-            handler = (
-                grpc.unary_stream_rpc_method_handler
-                if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler
-            )
-            handlers[method.name] = handler(
+            # Unary methods too: their handler writes the one reply itself, so that the
+            # call's admission lasts until the reply has left (server/limits.py). On the
+            # wire a unary reply and a stream of one message are the same.
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 getattr(servicer, method.name),
                 request_deserializer=deserializer(getattr(api_pb2, method.input_type.name)),
                 response_serializer=_serializer(getattr(api_pb2, method.output_type.name)),
