@@ -138,6 +138,9 @@ def post(target: _Target, body: bytes, timeout: float, tls: ssl.SSLContext | Non
         sock.settimeout(left())
         sock.sendall(head + body)  # the timeout covers the whole sendall
         status = _read_status(sock, left)
+    except OSError:
+        left()  # a step cut at the deadline says so
+        raise
     finally:
         watchdog.cancel()
         sock.close()  # whatever the collector still sends is not read
@@ -161,6 +164,7 @@ def _read_status(sock: socket.socket, left: Callable[[], float]) -> int:
         sock.settimeout(left())
         chunk = sock.recv(MAX_ANSWER_BYTES + 1 - len(answer))
         if not chunk:
+            left()  # cut at the deadline (_cut) rather than hung up: say so
             if not separator:
                 raise ExportFailed(f"the collector hung up after {len(answer)} bytes of its answer")
             break

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
 import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk (test extras)")
@@ -11,7 +17,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from cri_shim import logcontext, tracing
 from cri_shim.config import TracingConfig
-from cri_shim.tracing.export import SpanQueue, span_bytes
+from cri_shim.tracing.export import ExportFailed, SpanQueue, _target, post, span_bytes
 from cri_shim.tracing.otel import MAX_ATTRIBUTE_LENGTH, OtelTracer
 
 
@@ -93,3 +99,71 @@ def test_an_unsampled_request_has_its_creation_unrecorded() -> None:
         creation.end("visible")
     tracer.shutdown(5)
     assert list(memory.get_finished_spans()) == []
+
+
+@contextlib.contextmanager
+def collector(answer: Callable[[socket.socket], None]) -> Iterator[str]:
+    """One connection at a time on 127.0.0.1, read up to its body, answered by `answer`."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = listener.accept()
+                with connection, contextlib.suppress(OSError):
+                    received = b""
+                    while b"\r\n\r\n" not in received:
+                        received += connection.recv(65536)
+                    answer(connection)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces"
+    finally:
+        listener.close()
+
+
+def endless(connection: socket.socket) -> None:
+    connection.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+    while True:
+        connection.sendall(b"\0" * 65536)
+
+
+def trickle(connection: socket.socket) -> None:
+    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+        connection.sendall(bytes([byte]))
+        time.sleep(0.1)
+
+
+def refuse(connection: socket.socket) -> None:
+    connection.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+
+
+def accept(connection: socket.socket) -> None:
+    connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n\n\0")
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (endless, "longer than 65536 bytes"),
+        (trickle, "within 1 s"),
+        (refuse, "HTTP 503"),
+        (accept, None),
+    ],
+)
+def test_an_export_reads_a_bounded_answer_within_its_deadline(
+    answer: Callable[[socket.socket], None], error: str | None
+) -> None:
+    with collector(answer) as url:
+        target = _target(url)
+        started = time.monotonic()
+        if error is None:
+            post(target, b"spans", 1.0, None)
+        else:
+            with pytest.raises(ExportFailed, match=error):
+                post(target, b"spans", 1.0, None)
+        assert time.monotonic() - started < 1.5
