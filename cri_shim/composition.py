@@ -195,7 +195,11 @@ def _lifecycle(
     pods, journal = storage.pods, storage.journal
     # An event is rendered when it happens, and only for a subscriber: the pod's status
     # and its containers' as recorded at that moment.
-    events = EventBus(render=EventRenderer(pods.get, storage.container_rows.list_visible_in))
+    events = EventBus(
+        render=EventRenderer(pods.get, storage.container_rows.list_visible_in),
+        max_subscribers=config.events.max_subscribers,
+        max_backlog_bytes=config.events.max_backlog_bytes,
+    )
     pause = SandboxContainers(journal, backends, config.runtime.handlers)
 
     # NRI plugins and the container lifecycle call each other (a creation asks the

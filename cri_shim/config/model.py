@@ -121,8 +121,21 @@ class RequestsConfig:
     # Streaming lists (StreamContainers, ...) open at once: apart from the reads, as a
     # client that does not read holds its stream open.
     max_streams_in_flight: int = 64
-    # How long one message of such a stream may wait for the client to read.
+    # How long one message of such a stream (or a unary call's reply) may wait for the
+    # client to read.
     stream_write_timeout: float = 30.0
+    # Bytes of unary replies being sent at once, all calls together.
+    max_reply_bytes_in_flight: int = 64 << 20
+
+
+@dataclass
+class EventsConfig:
+    """GetContainerEvents: kubelet opens one stream; crictl events a few more."""
+
+    # Streams open at once; one more is refused with RESOURCE_EXHAUSTED.
+    max_subscribers: int = 16
+    # Events one stream may leave unread; a stream behind by more is dropped.
+    max_backlog_bytes: int = 16 << 20
 
 
 @dataclass
@@ -170,9 +183,11 @@ class TracingConfig:
     endpoint: str = ""
     sampling_ratio: float = 1.0
     service_name: str = "cri-shim"
-    # Spans waiting for export; beyond it the oldest are dropped (a dead collector costs
-    # this much memory at most).
+    # Spans waiting for export, in number and in bytes; beyond either the oldest are
+    # dropped (a dead collector costs this much memory at most).
     max_queued_spans: int = 2048
+    max_queued_bytes: int = 8 << 20
+    # One export's whole exchange with the collector: connect, send, read the answer.
     export_timeout: float = 5.0
 
 
@@ -195,6 +210,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     streaming: StreamingSection = field(default_factory=StreamingSection)
     requests: RequestsConfig = field(default_factory=RequestsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
     nri: NriConfig = field(default_factory=NriConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
@@ -227,4 +243,7 @@ SIZE_KEYS = {
     ("", "max_message_bytes"),
     ("images", "max_layer_bytes"),
     ("images", "download_min_rate"),
+    ("tracing", "max_queued_bytes"),
+    ("events", "max_backlog_bytes"),
+    ("requests", "max_reply_bytes_in_flight"),
 }

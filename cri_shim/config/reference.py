@@ -120,9 +120,19 @@ KEY_DOCS: dict[str, str] = {
     "`StreamContainers`, `StreamContainerStats`, ...) open at once, counted apart from the "
     "reads so that streams a client leaves unread never hold up Version, Status or a list; "
     "more are refused with RESOURCE_EXHAUSTED",
-    "requests.stream_write_timeout": "how long one message of a streaming list may wait for "
-    "the client to read it; a stream whose client reads nothing for this long ends with "
-    "DEADLINE_EXCEEDED naming this key",
+    "requests.stream_write_timeout": "how long one message of a streaming list, or the reply "
+    "of any other call, may wait for the client to read it; a call whose client reads "
+    "nothing for this long is cancelled (logged naming this key), and its place given back",
+    "requests.max_reply_bytes_in_flight": "bytes of replies being sent at once, all calls "
+    "together: a call keeps its place until its reply has left, and a reply that would pass "
+    "this while others wait for their clients is refused with RESOURCE_EXHAUSTED naming this "
+    "key (a single reply always goes)",
+    "events.max_subscribers": "`GetContainerEvents` streams open at once (kubelet opens one, "
+    "`crictl events` one each); one more is refused with RESOURCE_EXHAUSTED naming this key",
+    "events.max_backlog_bytes": "bytes of events one stream may leave unread (each event is "
+    "serialized once and shared by every stream); a stream behind by more is dropped: it "
+    "ends with RESOURCE_EXHAUSTED naming this key, or is cancelled when it reads nothing at "
+    "all, and its client subscribes again and relists, as kubelet does",
     "metrics.listen": 'Prometheus endpoint (`/metrics`), e.g. `127.0.0.1:9090`; `""` is off',
     "metrics.event_loop_sample_interval": "how often the event loop's lag is sampled while a "
     "CRI call is served, shown in Status (verbose) as `eventLoop` and exported as "
@@ -159,14 +169,21 @@ KEY_DOCS: dict[str, str] = {
     "tracing.endpoint": "OTLP/HTTP base URL of an OpenTelemetry collector (Jaeger, Tempo, the "
     "OpenTelemetry Collector), e.g. `http://127.0.0.1:4318`; spans are POSTed as protobuf to "
     '`<endpoint>/v1/traces`; `""` is off (nothing of OpenTelemetry is loaded)',
-    "tracing.sampling_ratio": "share of new traces recorded (0 to 1); a call whose "
-    "`traceparent` says sampled or not is followed, and a creation is recorded with the "
-    "request that started it",
+    "tracing.sampling_ratio": "share of traces recorded (0 to 1), whoever started them: a "
+    "trace is recorded when its ID falls within the ratio (OpenTelemetry's TraceIdRatioBased "
+    "rule, so a caller sampling with it at a lower ratio has each of its sampled traces "
+    "recorded here too) and the caller's `traceparent`, if any, does not say not sampled; a "
+    "caller's sampled `traceparent` never records more than the ratio, so 0 records nothing; "
+    "a creation is recorded with the request that started it",
     "tracing.service_name": "`service.name` of the exported spans",
     "tracing.max_queued_spans": "spans waiting for export; beyond it the oldest are dropped, "
     "so an unreachable collector costs at most this much memory",
-    "tracing.export_timeout": "how long one export to the collector may take before it fails "
-    "(counted in Status verbose as `tracing.failed`)",
+    "tracing.max_queued_bytes": "bytes of spans waiting for export (their attributes, events "
+    "and links, and a fixed part per span); beyond it the oldest are dropped, as beyond "
+    "`max_queued_spans`",
+    "tracing.export_timeout": "how long one export to the collector may take in all "
+    "(connecting, sending, reading the answer, of which at most 64 KiB is read) before it "
+    "fails (counted in Status verbose as `tracing.failed`)",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

@@ -18,6 +18,7 @@ from cri_shim.config.model import (
     Config,
     ConfigError,
     CreationConfig,
+    EventsConfig,
     ImagesConfig,
     MetricsConfig,
     NetworkConfig,
@@ -185,9 +186,13 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
     keys = {f.name for f in dataclasses.fields(RequestsConfig)}
     _unknown(table, keys, "requests.")
     requests = RequestsConfig()
-    for key in sorted(keys - {"stream_write_timeout"}):
+    for key in sorted(keys - {"stream_write_timeout", "max_reply_bytes_in_flight"}):
         if key in table:
             setattr(requests, key, _positive_int(table[key], f"requests.{key}"))
+    if "max_reply_bytes_in_flight" in table:
+        requests.max_reply_bytes_in_flight = parse_size(
+            table["max_reply_bytes_in_flight"], "requests.max_reply_bytes_in_flight"
+        )
     if "stream_write_timeout" in table:
         timeout = parse_duration(table["stream_write_timeout"], "requests.stream_write_timeout")
         if timeout <= 0:
@@ -197,6 +202,19 @@ def _load_requests(table: dict[str, Any]) -> RequestsConfig:
             )
         requests.stream_write_timeout = timeout
     return requests
+
+
+def _load_events(table: dict[str, Any]) -> EventsConfig:
+    _unknown(table, {"max_subscribers", "max_backlog_bytes"}, "events.")
+    events = EventsConfig()
+    if "max_subscribers" in table:
+        events.max_subscribers = _positive_int(table["max_subscribers"], "events.max_subscribers")
+    if "max_backlog_bytes" in table:
+        # Below 64KiB an ordinary pod's few events would drop kubelet's stream.
+        events.max_backlog_bytes = parse_size(
+            table["max_backlog_bytes"], "events.max_backlog_bytes", minimum=64 << 10
+        )
+    return events
 
 
 def _load_metrics(table: dict[str, Any]) -> MetricsConfig:
@@ -304,7 +322,14 @@ def _load_nri(table: dict[str, Any]) -> NriConfig:
 def _load_tracing(table: dict[str, Any]) -> TracingConfig:
     _unknown(
         table,
-        {"endpoint", "sampling_ratio", "service_name", "max_queued_spans", "export_timeout"},
+        {
+            "endpoint",
+            "sampling_ratio",
+            "service_name",
+            "max_queued_spans",
+            "max_queued_bytes",
+            "export_timeout",
+        },
         "tracing.",
     )
     tracing = TracingConfig()
@@ -329,6 +354,11 @@ def _load_tracing(table: dict[str, Any]) -> TracingConfig:
     if "max_queued_spans" in table:
         tracing.max_queued_spans = _positive_int(
             table["max_queued_spans"], "tracing.max_queued_spans"
+        )
+    if "max_queued_bytes" in table:
+        # Below 64KiB a handful of spans would fill it.
+        tracing.max_queued_bytes = parse_size(
+            table["max_queued_bytes"], "tracing.max_queued_bytes", minimum=64 << 10
         )
     if "export_timeout" in table:
         tracing.export_timeout = parse_duration(table["export_timeout"], "tracing.export_timeout")
@@ -398,6 +428,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         "metrics": _load_metrics,
         "streaming": _load_streaming,
         "requests": _load_requests,
+        "events": _load_events,
         "cdi": _load_cdi,
         "nri": _load_nri,
         "tracing": _load_tracing,

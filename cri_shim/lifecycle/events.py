@@ -6,13 +6,18 @@ removed; a pod sandbox the same way under its own ID, as containerd and CRI-O re
 infra containers, so that kubelet also learns when a pod is ready or stopped.
 
 Each subscriber (one GetContainerEvents stream) has its own bounded queue. An emitter
-never waits for a subscriber: when a queue is full its oldest event is dropped and the
-drop is logged, so a stuck kubelet costs memory for at most `max_queue` events per stream
-and never blocks a request. kubelet falls back to relisting when it misses events.
+never waits for a subscriber: when a queue holds `max_queue` events its oldest is dropped
+and the drop is logged, and a subscriber whose queue holds more than `max_backlog_bytes`
+of events is dropped itself (its stream ends with RESOURCE_EXHAUSTED naming the key, as
+containerd drops a slow event subscriber), so a stuck kubelet never blocks a request and
+costs a bounded backlog. kubelet relists when it misses events or its stream ends. At
+most `max_subscribers` streams are open at once (`[events]`).
 
 Events are rendered (pod sandbox status and container statuses, as the CRI message wants
-them) once, when they happen, and only while someone is subscribed. The renderer is
-installed by the gRPC edge; this module knows nothing of protobuf.
+them, serialized) once, when they happen, and only while someone is subscribed: every
+subscriber queues the same bytes, so a subscriber costs its place in the queue, not a
+copy (200 streams each serialized a 2.5 MiB event for itself on the event loop). The
+renderer is installed by the gRPC edge; this module knows nothing of protobuf.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cri_shim.errors import ResourceExhausted
 from cri_shim.host.inotify import DirectoryWatch
 from cri_shim.logcontext import object_fields
 
@@ -50,6 +56,9 @@ EVENT_NAMES = {
 # Per subscriber. kubelet drains its stream continuously; a thousand events is several
 # seconds of heavy churn on a busy node.
 DEFAULT_MAX_QUEUE = 1000
+# The defaults of `[events] max_subscribers` and `max_backlog_bytes` (config/model.py).
+DEFAULT_MAX_SUBSCRIBERS = 16
+DEFAULT_MAX_BACKLOG_BYTES = 16 << 20
 # A slow subscriber's drops are logged at most this often (with the count since).
 DROP_LOG_INTERVAL = 1.0
 
@@ -72,21 +81,35 @@ Renderer = Callable[[ContainerEvent], Any]
 
 
 class Subscription:
-    """One consumer's bounded queue; iterate it to receive rendered events in order."""
+    """One consumer's bounded queue; iterate it to receive rendered events in order.
 
-    def __init__(self, number: int, max_queue: int) -> None:
+    An item counts its length in bytes when it has one (the rendered, serialized event)."""
+
+    def __init__(self, number: int, max_queue: int, max_backlog_bytes: int) -> None:
         self.number = number
         self._queue: deque[Any] = deque()
         self._max = max_queue
+        self._max_bytes = max_backlog_bytes
+        self._bytes = 0
         self._ready = asyncio.Event()
         self._closed = False
         self.dropped = 0
         self._unlogged_drops = 0
         self._last_drop_log = 0.0
+        # Why the subscriber was dropped, and who is told at once (its pending write).
+        self.fell_behind: ResourceExhausted | None = None
+        self.on_fell_behind: Callable[[], None] | None = None
 
     def put(self, item: Any) -> None:
+        if self.fell_behind is not None:
+            return
+        size = len(item) if isinstance(item, bytes) else 0
+        if self._queue and self._bytes + size > self._max_bytes:  # one event always fits
+            self._fall_behind(size)
+            return
         if len(self._queue) >= self._max:
-            self._queue.popleft()
+            oldest = self._queue.popleft()
+            self._bytes -= len(oldest) if isinstance(oldest, bytes) else 0
             self.dropped += 1
             self._unlogged_drops += 1
             now = time.monotonic()
@@ -102,10 +125,35 @@ class Subscription:
                 self._unlogged_drops = 0
                 self._last_drop_log = now
         self._queue.append(item)
+        self._bytes += size
         self._ready.set()
+
+    def _fall_behind(self, size: int) -> None:
+        """Drop this subscriber: what it has not read is thrown away, its stream ends."""
+        self.fell_behind = ResourceExhausted(
+            f"GetContainerEvents: this subscriber fell behind by more than {self._max_bytes} "
+            f"bytes of events ({len(self._queue)} unread, next of {size} bytes), the most "
+            "allowed ([events] max_backlog_bytes); subscribe again and list what changed"
+        )
+        log.warning(
+            "events subscriber %d is not keeping up: dropped with %d unread events "
+            "(%d bytes; [events] max_backlog_bytes %d)",
+            self.number,
+            len(self._queue),
+            self._bytes,
+            self._max_bytes,
+        )
+        self._queue.clear()
+        self._bytes = 0
+        self._ready.set()
+        if self.on_fell_behind is not None:
+            self.on_fell_behind()
 
     def pending(self) -> int:
         return len(self._queue)
+
+    def pending_bytes(self) -> int:
+        return self._bytes
 
     def close(self) -> None:
         """End the subscription: what is queued is still delivered, then iteration stops."""
@@ -113,13 +161,18 @@ class Subscription:
         self._ready.set()
 
     async def get(self) -> Any:
-        """The next event; raises StopAsyncIteration once closed and drained."""
+        """The next event; raises StopAsyncIteration once closed and drained, and
+        ResourceExhausted once the subscriber fell behind."""
         while not self._queue:
+            if self.fell_behind is not None:
+                raise self.fell_behind
             if self._closed:
                 raise StopAsyncIteration
             self._ready.clear()
             await self._ready.wait()
-        return self._queue.popleft()
+        item = self._queue.popleft()
+        self._bytes -= len(item) if isinstance(item, bytes) else 0
+        return item
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self
@@ -132,10 +185,19 @@ class EventBus:
     """Fans lifecycle events out to the current subscribers. `emit` never raises and
     never blocks: a broken renderer loses the event (logged), not the transition."""
 
-    def __init__(self, max_queue: int = DEFAULT_MAX_QUEUE, render: Renderer | None = None) -> None:
+    def __init__(
+        self,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        render: Renderer | None = None,
+        *,
+        max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
+        max_backlog_bytes: int = DEFAULT_MAX_BACKLOG_BYTES,
+    ) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
         self.max_queue = max_queue
+        self.max_subscribers = max_subscribers
+        self.max_backlog_bytes = max_backlog_bytes
         # None delivers the events themselves (tests); the daemon renders CRI messages.
         self.render = render
         self._subscribers: dict[int, Subscription] = {}
@@ -152,7 +214,14 @@ class EventBus:
 
     @contextlib.contextmanager
     def subscribe(self) -> Iterator[Subscription]:
-        subscription = Subscription(next(self._numbers), self.max_queue)
+        """A new subscriber's queue while the block runs; ResourceExhausted when
+        `max_subscribers` are subscribed already."""
+        if len(self._subscribers) >= self.max_subscribers:
+            raise ResourceExhausted(
+                f"GetContainerEvents: {len(self._subscribers)} event streams are open, the "
+                "most allowed ([events] max_subscribers); close one or retry later"
+            )
+        subscription = Subscription(next(self._numbers), self.max_queue, self.max_backlog_bytes)
         self._subscribers[subscription.number] = subscription
         log.debug("events subscriber %d joined", subscription.number)
         try:

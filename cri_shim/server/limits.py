@@ -17,7 +17,19 @@ split by what they cost:
   freed by a timed-out request must not let the next one start yet another creation
   without bound, so a new creation is refused while `max_in_flight` creations are still
   running, attached or not.
-- The event stream (GetContainerEvents) lives as long as its client: it takes no slot.
+- A call keeps its place until its reply has left: a client that sends calls and reads
+  none of their replies would otherwise keep every reply in memory outside every limit
+  (50 ListPodSandbox replies of 8 MiB on one connection: the daemon grew by 1.2 GiB).
+  grpcio's asyncio server sends a unary handler's return value after the handler has
+  returned, out of our reach; so every method is served as unary-stream (services.py),
+  which is the same on the wire: the handler writes its one reply itself with
+  `context.write`, which returns once the transport has taken it, within
+  `stream_write_timeout` (else the call is cancelled). The bytes of replies being sent
+  are capped overall at `max_reply_bytes_in_flight` (a unix socket's peers cannot be told
+  apart, so there is no cap per connection); a reply beyond it is refused with
+  RESOURCE_EXHAUSTED, except the only one: a single reply always goes.
+- The event stream (GetContainerEvents) lives as long as its client: it takes no slot;
+  the event bus caps the streams and their backlogs (`[events]`, lifecycle/events.py).
 """
 
 from __future__ import annotations
@@ -90,6 +102,7 @@ class RequestLimiter:
         self.reading = 0
         self.streaming = 0
         self.refused = 0
+        self.reply_bytes = 0  # of replies being sent
 
     def admit(self, rpc: str, deadline: float | None) -> AbstractAsyncContextManager[None]:
         """Hold a place for the call `rpc` while its handler runs. `deadline` is on the
@@ -102,6 +115,29 @@ class RequestLimiter:
             streams = "streaming lists are open (read or cancel them)"
             return _Place(self, rpc, "streaming", "max_streams_in_flight", streams)
         return self._work(rpc, deadline)
+
+    def check_replies(self, rpc: str, size: int = 0) -> None:
+        """Refuse a call whose reply (of `size` bytes; 0: not made yet) would pass
+        `max_reply_bytes_in_flight`. Checked before the handler too, so that a call
+        refused anyway does not build its reply first."""
+        held, limit = self.reply_bytes, self.config.max_reply_bytes_in_flight
+        full = held + size > limit if size else held >= limit
+        if held and full:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"{rpc}: replies not yet taken by their clients hold {held} bytes, the most "
+                "allowed ([requests] max_reply_bytes_in_flight); retry shortly"
+            )
+
+    async def send_reply(self, rpc: str, reply: Any, context: grpc.aio.ServicerContext) -> None:
+        """Send the one reply of a unary call (see the module docstring)."""
+        data: bytes = reply.SerializeToString()
+        self.check_replies(rpc, len(data))
+        self.reply_bytes += len(data)
+        try:
+            await StreamContext(context, rpc, self.config.stream_write_timeout).write(data)
+        finally:
+            self.reply_bytes -= len(data)
 
     @asynccontextmanager
     async def _work(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
@@ -204,11 +240,15 @@ async def admitted(
     async with services.limiter.admit(rpc, deadline):
         if rpc in LIST_STREAM_RPCS or rpc in STREAM_RPCS:
             # Streams' writes end quietly when the client goes; a list's have a deadline.
-            # The event stream has none: a subscriber that does not read loses its oldest
-            # events instead (lifecycle/events.py).
+            # The event stream has none: a subscriber that falls behind is dropped instead
+            # (lifecycle/events.py).
             timeout = services.config.requests.stream_write_timeout
             context = StreamContext(context, rpc, timeout if rpc in LIST_STREAM_RPCS else None)
-        return await handler(services, request, context)
+            return await handler(services, request, context)
+        services.limiter.check_replies(rpc)
+        reply = await handler(services, request, context)
+        await services.limiter.send_reply(rpc, reply, context)  # within the call's place
+        return reply
 
 
 _VALIDATED_OFF_LOOP = frozenset({"CreateContainer"})

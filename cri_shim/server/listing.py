@@ -124,7 +124,7 @@ class StreamContext:
     def __getattr__(self, name: str) -> object:
         return getattr(self._context, name)
 
-    async def write(self, message: Message) -> None:
+    async def write(self, message: Message | bytes) -> None:
         try:
             async with asyncio.timeout(self._write_timeout):
                 await self._context.write(message)

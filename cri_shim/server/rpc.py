@@ -104,17 +104,13 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
             monitor.note_call()  # the lag is sampled while calls arrive
         started = time.perf_counter()
         code = grpc.StatusCode.OK
+        response = None
         with (
             # ... and more often while one is served (not the event stream, which lasts
             # as long as its client).
             monitor.serving() if monitor is not None and not long_lived else _NOT_SERVED,
             logcontext.scope(),  # what the request binds ends with it
-            tracing.serving(
-                view.tracer,
-                name,
-                lambda: _metadata(context),
-                lambda: _span_attributes(request),
-            ) as span,
+            tracing.serving(view.tracer, name, lambda: _metadata(context)) as span,
         ):
             try:
                 large = isinstance(request, LargeRequest)
@@ -123,11 +119,11 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 bind_request_objects(view.names, request)
                 # Validated and admitted first: a bad or surplus call does nothing, not even
                 # reserve a name or hold a slot that a good call needs.
+                # A unary call's reply is written by `admitted`, within its place.
                 response = await admitted(
                     handler, name, view, request, context, request_deadline(context), large
                 )
-                _note_response(span, response)
-                return response
+                return None
             except errors.CriError as exc:
                 code = status_code(exc)
                 log.info("%s: %s: %s", name, code.name, exc)
@@ -145,6 +141,7 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 await context.abort(code, f"{name} failed: {type(exc).__name__}: {exc}")
             finally:
                 if span is not tracing.NO_SPAN:
+                    _describe(span, code, request, response)
                     span.set_attribute("rpc.grpc.status_code", code.value[0])
                     if code is not grpc.StatusCode.OK:
                         span.fail(code.name)
@@ -160,6 +157,17 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {
         key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)
     }
+
+
+def _describe(span: tracing.Span, code: grpc.StatusCode, request: Any, response: Any) -> None:
+    """What a call's span says it was about, once it is over. Only a request that passed
+    validation is described: a refused one may carry anything (a 250 KiB ID), and its
+    span would keep it until exported."""
+    if code is grpc.StatusCode.INVALID_ARGUMENT or isinstance(request, LargeRequest):
+        return
+    for key, value in _span_attributes(request).items():
+        span.set_attribute(key, value)
+    _note_response(span, response)
 
 
 def _span_attributes(request: Any) -> dict[str, str]:

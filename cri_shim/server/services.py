@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -95,23 +96,33 @@ def _fill_unimplemented() -> None:
 _fill_unimplemented()
 
 
+def _serializer(message_class: Any) -> Callable[[Any], bytes]:
+    """Replies as protobuf serializes them; a reply already serialized (an event sent to
+    every subscriber, server/events.py) goes as it is."""
+    serialize = message_class.SerializeToString
+
+    def serialized(reply: Any) -> bytes:
+        return reply if isinstance(reply, bytes) else serialize(reply)
+
+    return serialized
+
+
 def add_to_server(server: grpc.aio.Server, runtime: RuntimeService, image: ImageService) -> None:
     """Serve both services on `server`. Each method's requests are deserialized so that
-    a large one is parsed off the event loop (server/wire.py); replies as protobuf does."""
+    a large one is parsed off the event loop (server/wire.py); replies as protobuf does,
+    or as they are when already serialized."""
     for servicer, service in ((runtime, "RuntimeService"), (image, "ImageService")):
         descriptor = api_pb2.DESCRIPTOR.services_by_name[service]
         handlers: dict[str, Any] = {}
         for method in descriptor.methods:
             assert not method.client_streaming, f"{method.full_name} streams requests"
-            handler = (
-                grpc.unary_stream_rpc_method_handler
-                if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler
-            )
-            handlers[method.name] = handler(
+            # Unary methods too: their handler writes the one reply itself, so that the
+            # call's admission lasts until the reply has left (server/limits.py). On the
+            # wire a unary reply and a stream of one message are the same.
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 getattr(servicer, method.name),
                 request_deserializer=deserializer(getattr(api_pb2, method.input_type.name)),
-                response_serializer=getattr(api_pb2, method.output_type.name).SerializeToString,
+                response_serializer=_serializer(getattr(api_pb2, method.output_type.name)),
             )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)

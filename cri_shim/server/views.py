@@ -19,6 +19,8 @@ from cri_shim.state.records import ContainerRecord, ImageRecord, SandboxRecord
 from cri_shim.tracing import Tracer
 
 if TYPE_CHECKING:
+    import grpc
+
     from cri_shim.images.auth import Credentials
     from cri_shim.images.store import FsInfo
     from cri_shim.inspection.census import Census
@@ -48,6 +50,10 @@ class Admission(Protocol):
     """server/limits.py's RequestLimiter."""
 
     def admit(self, rpc: str, deadline: float | None) -> AbstractAsyncContextManager[None]: ...
+
+    def check_replies(self, rpc: str, size: int = 0) -> None: ...
+
+    async def send_reply(self, rpc: str, reply: Any, context: grpc.aio.ServicerContext) -> None: ...
 
 
 class RpcObserver(Protocol):

@@ -217,10 +217,9 @@ NO_CREATION_TRACE: CreationTrace = _NoCreationTrace()
 class Tracer(Protocol):
     """What the edge and the coordinator ask of tracing."""
 
-    def server_span(
-        self, method: str, metadata: Mapping[str, str], attributes: Mapping[str, Any]
-    ) -> Span:
-        """A started server span for one CRI call, child of the caller's `traceparent`."""
+    def server_span(self, method: str, metadata: Mapping[str, str]) -> Span:
+        """A started server span for one CRI call, child of the caller's `traceparent`.
+        What the request is about is set once it is validated (server/rpc.py)."""
 
     def creation(self, kind: str, name: str, object_id: str) -> CreationTrace:
         """A new creation's trace (its root span started), sampled when the current request
@@ -234,9 +233,7 @@ class Tracer(Protocol):
 
 
 class _NoTracer:
-    def server_span(
-        self, method: str, metadata: Mapping[str, str], attributes: Mapping[str, Any]
-    ) -> Span:
+    def server_span(self, method: str, metadata: Mapping[str, str]) -> Span:
         return NO_SPAN
 
     def creation(self, kind: str, name: str, object_id: str) -> CreationTrace:
@@ -264,28 +261,22 @@ _UNTRACED = _Untraced()
 
 
 def serving(
-    tracer: Tracer,
-    method: str,
-    metadata: Callable[[], Mapping[str, str]],
-    attributes: Callable[[], Mapping[str, Any]],
+    tracer: Tracer, method: str, metadata: Callable[[], Mapping[str, str]]
 ) -> contextlib.AbstractContextManager[Span]:
     """The server span of one CRI call, current for the call's work and its log lines.
 
-    `metadata` and `attributes` are read only when tracing is on: every call passes here,
-    and an untraced one should not pay for them (nor for a generator's context manager)."""
+    `metadata` is read only when tracing is on: every call passes here, and an untraced
+    one should not pay for it (nor for a generator's context manager)."""
     if tracer is NO_TRACER:
         return _UNTRACED
-    return _serving(tracer, method, metadata, attributes)
+    return _serving(tracer, method, metadata)
 
 
 @contextlib.contextmanager
 def _serving(
-    tracer: Tracer,
-    method: str,
-    metadata: Callable[[], Mapping[str, str]],
-    attributes: Callable[[], Mapping[str, Any]],
+    tracer: Tracer, method: str, metadata: Callable[[], Mapping[str, str]]
 ) -> Iterator[Span]:
-    server = tracer.server_span(method, metadata(), attributes())
+    server = tracer.server_span(method, metadata())
     token = _make_current(server)  # the log binding ends with the caller's log scope
     try:
         yield server

@@ -1,10 +1,17 @@
 """Tracing with the OpenTelemetry SDK, exported over OTLP/HTTP (protobuf).
 
-Imported only when `[tracing] endpoint` is set. Spans are queued by the SDK's batch
-processor, whose thread exports them: nothing waits for the collector on the event loop, the
-queue is bounded (`max_queued_spans`; beyond it the oldest are dropped), and each export
-gives up after `export_timeout`, so a dead collector costs a full queue and a counter, never
-growing memory or a blocked RPC.
+Imported only when `[tracing] endpoint` is set. Ended spans wait in a queue whose thread
+exports them (cri_shim/tracing/export.py): nothing waits for the collector on the event
+loop, the queue is bounded in spans and in bytes (`max_queued_spans`, `max_queued_bytes`;
+beyond either the oldest are dropped), and each export gives up after `export_timeout`, so
+a dead or hostile collector costs a full queue and a counter, never growing memory or a
+blocked RPC.
+
+Sampling: `sampling_ratio` is the share of traces recorded, whoever started them. A trace
+is recorded when its ID falls within the ratio (OpenTelemetry's TraceIdRatioBased rule, so
+a caller sampling with that rule at a lower ratio has each of its sampled traces recorded
+here too) and the caller's `traceparent`, if any, does not say "not sampled". A caller
+cannot make the daemon record more than the operator's ratio: 0 records nothing.
 """
 
 from __future__ import annotations
@@ -15,30 +22,35 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import (
     Decision,
-    ParentBased,
     Sampler,
     SamplingResult,
     TraceIdRatioBased,
 )
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from cri_shim import __version__
 from cri_shim.config import TracingConfig
-from cri_shim.tracing import NO_SPAN, CreationTrace, Span, current
+from cri_shim.tracing import CreationTrace, Span, current
+from cri_shim.tracing.export import OtlpHttpExporter, SpanQueue
 
 # A new root span with this attribute follows the sampling decision it carries instead of
 # the ratio: a creation is recorded exactly when the request that started it is.
 _FOLLOW = "cri_shim.sampled"
+# Longest string attribute or status message kept (longer ones are cut): IDs and names
+# are far shorter, and a span is no place for a request's megabytes.
+MAX_ATTRIBUTE_LENGTH = 1024
 
 
-class _RootSampler(Sampler):
+class _Sampler(Sampler):
+    """See the module docstring: the ratio bounds every trace, a caller's "not sampled" is
+    followed, and spans inside a trace follow their parent's decision."""
+
     def __init__(self, ratio: float) -> None:
         self._ratio = TraceIdRatioBased(ratio)
 
@@ -52,7 +64,12 @@ class _RootSampler(Sampler):
         links: Sequence[Link] | None = None,
         trace_state: Any = None,
     ) -> SamplingResult:
+        parent = get_current_span(parent_context).get_span_context()
         follow = (attributes or {}).get(_FOLLOW)
+        if parent.is_valid and not parent.is_remote:
+            follow = parent.trace_flags.sampled  # decided where its trace began
+        elif parent.is_valid and not parent.trace_flags.sampled:
+            follow = False
         if follow is not None:
             decision = Decision.RECORD_AND_SAMPLE if follow else Decision.DROP
             return SamplingResult(decision, attributes)
@@ -61,7 +78,7 @@ class _RootSampler(Sampler):
         )
 
     def get_description(self) -> str:
-        return f"cri-shim root sampler ({self._ratio.get_description()})"
+        return f"cri-shim sampler ({self._ratio.get_description()})"
 
 
 class _CountingExporter(SpanExporter):
@@ -72,17 +89,13 @@ class _CountingExporter(SpanExporter):
         self._lock = threading.Lock()
         self.exported = 0
         self.failed = 0
-        self.in_flight = 0  # in the export under way
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        with self._lock:
-            self.in_flight = len(spans)
         try:
             result = self._inner.export(spans)
         except Exception:
             result = SpanExportResult.FAILURE
         with self._lock:
-            self.in_flight = 0
             if result is SpanExportResult.SUCCESS:
                 self.exported += len(spans)
             else:
@@ -94,17 +107,6 @@ class _CountingExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._inner.force_flush(timeout_millis)
-
-
-class _EndCounter(SpanProcessor):
-    """Counts the sampled spans that ended (the batch processor's input)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if span.context is not None and span.context.trace_flags.sampled:
-            self.count += 1
 
 
 class _OtelSpan:
@@ -119,7 +121,7 @@ class _OtelSpan:
         self.span.add_event(name, dict(attributes or {}))
 
     def fail(self, message: str) -> None:
-        self.span.set_status(Status(StatusCode.ERROR, message))
+        self.span.set_status(Status(StatusCode.ERROR, message[:MAX_ATTRIBUTE_LENGTH]))
 
     def child(self, name: str, attributes: Mapping[str, Any]) -> Span:
         context = trace.set_span_in_context(self.span)
@@ -143,87 +145,78 @@ class _OtelSpan:
 
 
 class OtelTracer:
-    """The daemon's tracer: one provider, one batch processor, one OTLP exporter."""
+    """The daemon's tracer: one provider, one bounded queue, one OTLP exporter."""
 
     def __init__(self, config: TracingConfig, exporter: SpanExporter | None = None) -> None:
         """`exporter` replaces the OTLP one (tests hand in the SDK's in-memory exporter)."""
         self._exporter = _CountingExporter(
             exporter
             if exporter is not None
-            else OTLPSpanExporter(
-                endpoint=config.endpoint.rstrip("/") + "/v1/traces",
-                timeout=config.export_timeout,
+            else OtlpHttpExporter(
+                config.endpoint.rstrip("/") + "/v1/traces", timeout=config.export_timeout
             )
         )
         self._provider = TracerProvider(
             resource=Resource.create(
                 {"service.name": config.service_name, "service.version": __version__}
             ),
-            sampler=ParentBased(root=_RootSampler(config.sampling_ratio)),
+            sampler=_Sampler(config.sampling_ratio),
+            span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_LENGTH),
+            # The daemon's stop flushes the queue within a bounded wait (shutdown below);
+            # the SDK's exit hook would wait for a stuck export without bound.
+            shutdown_on_exit=False,
         )
-        self._batches = BatchSpanProcessor(
-            self._exporter,
-            max_queue_size=config.max_queued_spans,
-            max_export_batch_size=min(512, config.max_queued_spans),
-            schedule_delay_millis=1000,
+        self._queue = SpanQueue(
+            self._exporter, max_spans=config.max_queued_spans, max_bytes=config.max_queued_bytes
         )
-        self._ended = _EndCounter()
-        self._provider.add_span_processor(self._ended)
-        self._provider.add_span_processor(self._batches)
+        self._provider.add_span_processor(self._queue)
         self._tracer = self._provider.get_tracer("cri_shim", __version__)
         self._propagator = TraceContextTextMapPropagator()
 
-    def server_span(
-        self, method: str, metadata: Mapping[str, str], attributes: Mapping[str, Any]
-    ) -> Span:
+    def server_span(self, method: str, metadata: Mapping[str, str]) -> Span:
         parent = self._propagator.extract(carrier=dict(metadata))
         span = self._tracer.start_span(
             f"runtime.v1.{method}",
             context=parent,
             kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.method": method, **attributes},
+            attributes={"rpc.system": "grpc", "rpc.method": method},
         )
         return _OtelSpan(self._tracer, span)
 
     def creation(self, kind: str, name: str, object_id: str) -> CreationTrace:
+        attributes: dict[str, Any] = {
+            "cri.kind": kind,
+            "cri.name": name,
+            f"cri.{kind}_id": object_id,
+        }
         request = current()
-        sampled = request is NO_SPAN or (
-            isinstance(request, _OtelSpan) and request.span.get_span_context().trace_flags.sampled
-        )
+        if isinstance(request, _OtelSpan):
+            attributes[_FOLLOW] = request.span.get_span_context().trace_flags.sampled
+        # Else no request started it: the ratio decides.
         root = self._tracer.start_span(
             f"{kind} creation",
             context=Context(),  # a trace of its own: it may serve many requests
-            attributes={
-                _FOLLOW: sampled,
-                "cri.kind": kind,
-                "cri.name": name,
-                f"cri.{kind}_id": object_id,
-            },
+            attributes=attributes,
         )
         return CreationTrace(_OtelSpan(self._tracer, root))
 
     def shutdown(self, timeout: float) -> None:
-        # The processor's shutdown exports what is queued, but waits up to 30 s for an
-        # export stuck on a dead collector: it runs in a daemon thread of its own, waited
-        # for `timeout`, so that neither the stop nor the process exit waits longer.
+        # The queue's shutdown exports what is queued, each export within export_timeout:
+        # it runs in a daemon thread of its own, waited for `timeout`, so that neither the
+        # stop nor the process exit waits longer.
         closing = threading.Thread(
-            target=self._batches.shutdown, name="trace export shutdown", daemon=True
+            target=self._queue.shutdown, name="trace export shutdown", daemon=True
         )
         closing.start()
         closing.join(timeout)
 
     def figures(self) -> dict[str, int]:
         """Spans sampled and ended, exported, failed to export, waiting in the queue, and
-        dropped because the queue was full (what is left of the ended ones)."""
-        # The SDK keeps no count of what its full queue dropped: the queue's length is read
-        # from the processor (private, so a missing attribute reads as empty).
-        queue = getattr(getattr(self._batches, "_batch_processor", None), "_queue", ())
-        queued = len(queue)
-        ended, exported, failed = self._ended.count, self._exporter.exported, self._exporter.failed
+        dropped because the queue was full."""
         return {
-            "ended": ended,
-            "exported": exported,
-            "failed": failed,
-            "queued": queued,
-            "dropped": max(0, ended - exported - failed - queued - self._exporter.in_flight),
+            "ended": self._queue.ended,
+            "exported": self._exporter.exported,
+            "failed": self._exporter.failed,
+            "queued": self._queue.queued,
+            "dropped": self._queue.dropped,
         }

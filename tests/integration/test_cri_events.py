@@ -156,3 +156,61 @@ def test_a_stopping_daemon_ends_the_streams_at_once(daemon: Daemon) -> None:
             assert "events: subscriber 1 disconnected" in daemon.log()
         finally:
             stream.cancel()
+
+
+def test_subscribers_are_capped_and_one_that_falls_behind_is_dropped(
+    make_daemon: type, short_tmp: Path
+) -> None:
+    """Streams that never read cost a bounded backlog each (the events are serialized once
+    and shared): past `[events] max_backlog_bytes` such a stream is dropped and its place
+    given back; past `max_subscribers` a new stream is refused by name. A reader that keeps
+    up gets every event."""
+    daemon: Daemon = make_daemon(
+        settings={"events": {"max_subscribers": 4, "max_backlog_bytes": "128KiB"}}
+    )
+    daemon.start()
+    # A client that reads nothing: without BDP probing its window stays at 64 KiB, so
+    # the transport holds no more than that of what the daemon sends.
+    channel = grpc.insecure_channel(f"unix://{daemon.socket}", [("grpc.http2.bdp_probe", 0)])
+    events = api_pb2_grpc.RuntimeServiceStub(channel).GetContainerEvents
+    stuck = [events(api_pb2.GetEventsRequest(), timeout=60) for _ in range(3)]
+    try:
+        wait_until(lambda: logged(daemon, "connected") == 3, timeout=10)
+        with event_stream(daemon) as reader:
+            refused = daemon.runtime().GetContainerEvents(api_pb2.GetEventsRequest(), timeout=10)
+            with pytest.raises(grpc.RpcError) as error:
+                next(refused)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "[events] max_subscribers" in (error.value.details() or "")
+
+            # Each of these pods' events carries 50 KiB of annotations: the two a pod's
+            # start emits at once fit the backlog, the eight of two pods do not.
+            big = {"note": "n" * (50 << 10)}
+            for name in ("ev-big1", "ev-big2"):
+                with pod(daemon, name, short_tmp, annotations=big) as p:
+                    sandbox_id = p[0]
+                for kind in (CREATED, STARTED, STOPPED, DELETED):
+                    reader.expect(sandbox_id, kind)
+            assert not reader.error
+            wait_until(lambda: logged(daemon, "is not keeping up: dropped with") == 3)
+            wait_until(lambda: logged(daemon, "disconnected") == 3, timeout=10)
+        # Their places are free again: four streams at once.
+        with (
+            event_stream(daemon) as first,
+            event_stream(daemon),
+            event_stream(daemon),
+            event_stream(daemon) as last,
+            pod(daemon, "ev-after", short_tmp) as p,
+        ):
+            first.expect(p[0], CREATED)
+            last.expect(p[0], CREATED)
+    finally:
+        for call in stuck:
+            call.cancel()
+        channel.close()
+
+
+def logged(daemon: Daemon, what: str) -> int:
+    """How many lines about event subscribers say `what`."""
+    lines = daemon.log_path.read_text(errors="replace").splitlines()
+    return sum(1 for line in lines if "subscriber" in line and what in line)

@@ -11,10 +11,13 @@ import concurrent.futures
 import contextlib
 import http.server
 import os
+import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -373,4 +376,173 @@ def test_each_nri_plugin_call_is_a_span_of_the_creation_stage(
             )
         finally:
             thread.stop()
+            daemon.stop()
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return (
+        int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+        / 1024
+    )
+
+
+class HostileCollector:
+    """Answers 200 to every export, then `mode` says what: "endless" sends body bytes as
+    fast as the daemon takes them (at most `endless_bytes` per export), "trickle" one byte
+    every `trickle_every` seconds; "good" answers as a collector does (spans in `good`).
+    `exchanges` holds how long each connection lasted, as the collector saw it."""
+
+    def __init__(self) -> None:
+        self.mode = "endless"
+        self.endless_bytes = 400 << 20
+        self.trickle_every = 0.2
+        self.exchanges: list[tuple[str, float]] = []
+        self.good = Receiver(url="")
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                continue
+            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        began, mode = time.monotonic(), self.mode
+        with connection, contextlib.suppress(OSError):
+            connection.settimeout(5)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = connection.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+            header, _, body = head.partition(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: *(\d+)", header).group(1))  # type: ignore[union-attr]
+            while len(body) < length:
+                body += connection.recv(length - len(body))
+            if mode == "good":
+                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
+                    for scope_spans in resource_spans.scope_spans:
+                        self.good.spans.extend(scope_spans.spans)
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                return
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n")
+            if mode == "endless":
+                connection.sendall(b"\r\n")
+                block, sent = b"\0" * (1 << 20), 0
+                while sent < self.endless_bytes and not self._stop.is_set():
+                    connection.sendall(block)
+                    sent += len(block)
+                connection.settimeout(60)
+                connection.recv(1)  # held open until the daemon hangs up
+            else:
+                while not self._stop.is_set():
+                    connection.sendall(b"X")
+                    time.sleep(self.trickle_every)
+        self.exchanges.append((mode, time.monotonic() - began))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(10)
+
+
+def test_a_hostile_collector_costs_neither_memory_nor_stuck_exports(short_tmp: Any) -> None:
+    """What answers at `[tracing] endpoint` may send an endless body or trickle a byte at
+    a time: the daemon reads a bounded answer within `export_timeout` for the whole
+    exchange, counts the export failed, and goes on exporting to a collector that
+    behaves."""
+    collector = HostileCollector()
+    daemon = Daemon(
+        short_tmp,
+        None,
+        settings={"tracing": {"endpoint": collector.url, "export_timeout": "2s"}},
+    )
+    daemon.start()
+    try:
+        assert daemon.proc is not None
+        before = rss_mib(daemon.proc.pid)
+        for _ in range(5):
+            daemon.runtime().Version(api_pb2.VersionRequest(), timeout=10)
+        wait_until(lambda: daemon.status_info()["tracing"]["failed"] >= 5, timeout=30)
+        grown = rss_mib(daemon.proc.pid) - before
+        assert grown < 64, f"an endless answer grew the daemon by {grown:.0f} MiB"
+
+        collector.mode = "trickle"
+        failed = daemon.status_info()["tracing"]["failed"]
+        for _ in range(5):
+            daemon.runtime().Version(api_pb2.VersionRequest(), timeout=10)
+        wait_until(lambda: daemon.status_info()["tracing"]["failed"] >= failed + 5, timeout=30)
+        wait_until(lambda: any(mode == "trickle" for mode, _ in collector.exchanges), timeout=10)
+        trickled = [took for mode, took in collector.exchanges if mode != "good"]
+        assert max(trickled) < 2 + 3, f"an export lasted {max(trickled):.1f}s"
+
+        collector.mode = "good"
+        daemon.runtime().Version(api_pb2.VersionRequest(), timeout=10)
+        wait_until(lambda: collector.good.named("runtime.v1.Version"), timeout=30)
+        assert daemon.status_info()["tracing"]["exported"] >= 1
+        assert rss_mib(daemon.proc.pid) - before < 64
+    finally:
+        daemon.stop()
+        collector.close()
+
+
+def test_refused_requests_leave_their_megabytes_out_of_the_queued_spans(short_tmp: Any) -> None:
+    """A span describes only a request that passed validation: 1000 ContainerStatus calls
+    naming a 250 KiB ID, refused, queued for a collector that never answers, used to keep
+    each ID in the queue (the daemon grew by 350 MiB)."""
+    with black_hole() as endpoint:
+        daemon = Daemon(short_tmp, None, settings={"tracing": {"endpoint": endpoint}})
+        daemon.start()
+        try:
+            assert daemon.proc is not None
+            before = rss_mib(daemon.proc.pid)
+            request = api_pb2.ContainerStatusRequest(container_id="c" * (250 << 10))
+            for _ in range(1000):
+                with pytest.raises(grpc.RpcError) as refused:
+                    daemon.runtime().ContainerStatus(request, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            figures = daemon.status_info()["tracing"]
+            assert figures["ended"] >= 1000 and figures["exported"] == 0
+            grown = rss_mib(daemon.proc.pid) - before
+            assert grown < 64, f"the queued spans grew the daemon by {grown:.0f} MiB"
+        finally:
+            daemon.stop()
+
+
+def test_a_ratio_of_zero_records_nothing_whatever_the_caller_says(short_tmp: Any) -> None:
+    """`sampling_ratio = 0`: a caller's sampled traceparent does not make the daemon record
+    (it used to record every such call)."""
+    with otlp_receiver() as receiver:
+        daemon = Daemon(
+            short_tmp,
+            None,
+            settings={"tracing": {"endpoint": receiver.url, "sampling_ratio": 0}},
+        )
+        daemon.start()
+        try:
+            for _ in range(100):
+                daemon.runtime().Version(
+                    api_pb2.VersionRequest(),
+                    timeout=10,
+                    metadata=(("traceparent", traceparent()[0]),),
+                )
+            daemon.runtime().Version(api_pb2.VersionRequest(), timeout=10)
+            assert daemon.status_info()["tracing"]["ended"] == 0
+            assert receiver.spans == []
+        finally:
             daemon.stop()

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import REPO, Daemon, import_image, pod_config
+from tests.harness import REPO, Daemon, import_image, pod_config, wait_until
 from tests.hostile_layers import Tar, image_of_layers, write_layout
 from tests.imagebuild import base_layer_tar, build_oci_layout
 from tests.integration.cri_testkit import create, start
@@ -457,3 +457,121 @@ def test_a_request_with_a_group_is_refused_before_it_is_parsed(daemon: Daemon) -
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert "field 100 of CreateContainerRequest is a group" in details
     daemon.runtime().Version(api_pb2.VersionRequest(), timeout=30)
+
+
+class UnreadCalls:
+    """An HTTP/2 client, by hand, that sends gRPC calls and reads none of their replies:
+    the connection's window (64 KiB) is never given back, so whatever the daemon answers
+    beyond it stays with the daemon."""
+
+    def __init__(self, path: Path) -> None:
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(str(path))
+        settings_ack = self._frame(4, 1, 0, b"")
+        self.sock.sendall(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + self._frame(4, 0, 0, b"") + settings_ack
+        )
+        self.stream = 1
+
+    @staticmethod
+    def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        return (
+            len(payload).to_bytes(3, "big")
+            + bytes([kind, flags])
+            + stream.to_bytes(4, "big")
+            + payload
+        )
+
+    def call(self, path: str, request: bytes) -> None:
+        headers = b""
+        for name, value in (
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "localhost"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ):
+            # A literal field without indexing, new name, no Huffman coding (RFC 7541 6.2.2).
+            headers += (
+                b"\0" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+            )
+        message = b"\0" + len(request).to_bytes(4, "big") + request
+        self.sock.sendall(
+            self._frame(1, 4, self.stream, headers) + self._frame(0, 1, self.stream, message)
+        )
+        self.stream += 2
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return (
+        int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+        / 1024
+    )
+
+
+def test_replies_nobody_reads_are_bounded_and_let_go(make_daemon: type, short_tmp: Path) -> None:
+    """A client that sends ListPodSandbox calls and reads none of the replies used to keep
+    every reply in the daemon (50 of 8 MiB: 1.2 GiB). A call keeps its place until its
+    reply has left, the replies being sent are capped in bytes (`[requests]
+    max_reply_bytes_in_flight`), and a reply not taken within `stream_write_timeout` is
+    let go: the others are answered again."""
+    daemon: Daemon = make_daemon(
+        settings={"requests": {"max_reply_bytes_in_flight": "8MiB", "stream_write_timeout": "3s"}}
+    )
+    daemon.start()
+    assert daemon.proc is not None
+    runtime = daemon.runtime()
+    pods = []
+    for index in range(8):
+        config = pod_config(
+            f"wide{index}", uid=f"uid-wide{index}", annotations={"a": "x" * (250 << 10)}
+        )
+        pods.append(
+            runtime.RunPodSandbox(
+                api_pb2.RunPodSandboxRequest(config=config), timeout=60
+            ).pod_sandbox_id
+        )
+    reply = runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10).ByteSize()
+    assert reply > 2_000_000
+    before = rss_mib(daemon.proc.pid)
+    client = UnreadCalls(daemon.socket)
+    try:
+        for _ in range(100):
+            client.call("/runtime.v1.RuntimeService/ListPodSandbox", b"")
+        time.sleep(2)
+        # 200 MiB of replies: the daemon grew by 600 MiB before; now by what it takes to
+        # build and refuse them, whatever their number.
+        grown = rss_mib(daemon.proc.pid) - before
+        assert grown < 160, f"100 unread replies of 2 MiB grew the daemon by {grown:.0f} MiB"
+        # Answered all the same, and lists again once the unread replies are let go.
+        runtime.Version(api_pb2.VersionRequest(), timeout=10)
+
+        def listed() -> bool:
+            try:
+                return (
+                    len(runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10).items)
+                    == 8
+                )
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert "[requests] max_reply_bytes_in_flight" in (exc.details() or "")
+                return False
+
+        wait_until(listed, timeout=30)
+        assert "[requests] stream_write_timeout" in daemon.log_path.read_text()
+    finally:
+        client.close()
+        for sandbox_id in pods:
+            runtime.StopPodSandbox(
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+            )
+            runtime.RemovePodSandbox(
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60
+            )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cri_shim.errors import ResourceExhausted
 from cri_shim.lifecycle.events import (
     CONTAINER_CREATED,
     CONTAINER_DELETED,
@@ -113,3 +114,43 @@ async def test_closing_ends_every_stream_after_what_is_queued() -> None:
         bus.emit("last", "pod", CONTAINER_DELETED)
         bus.close()
         assert [event.container_id async for event in sub] == ["last"]
+
+
+async def test_a_subscriber_behind_by_more_than_its_backlog_is_dropped() -> None:
+    bus = EventBus(render=lambda event: b"x" * 40, max_backlog_bytes=100)
+    told: list[str] = []
+    with bus.subscribe() as slow, bus.subscribe() as fast:
+        slow.on_fell_behind = lambda: told.append("dropped")
+        for index in range(3):
+            bus.emit(f"c{index}", "pod", CONTAINER_CREATED)
+            assert await fast.get() == b"x" * 40
+        # Two fit (80 bytes), the third does not: the slow one is dropped, its queue freed.
+        assert told == ["dropped"] and slow.pending() == 0 and slow.pending_bytes() == 0
+        with pytest.raises(ResourceExhausted, match=r"\[events\] max_backlog_bytes"):
+            await slow.get()
+        bus.emit("c3", "pod", CONTAINER_CREATED)
+        assert slow.pending() == 0 and fast.pending() == 1
+
+
+async def test_every_subscriber_queues_the_same_rendered_bytes() -> None:
+    rendered: list[bytes] = []
+
+    def render(event: ContainerEvent) -> bytes:
+        rendered.append(event.container_id.encode() * 1000)
+        return rendered[-1]
+
+    bus = EventBus(render=render)
+    with bus.subscribe() as first, bus.subscribe() as second:
+        bus.emit("c", "pod", CONTAINER_CREATED)
+        assert len(rendered) == 1
+        assert (await first.get()) is (await second.get()) is rendered[0]
+
+
+async def test_subscribers_beyond_the_cap_are_refused_by_name() -> None:
+    bus = EventBus(max_subscribers=2)
+    with bus.subscribe(), bus.subscribe():
+        with pytest.raises(ResourceExhausted, match=r"\[events\] max_subscribers"):
+            with bus.subscribe():
+                pass
+    with bus.subscribe():
+        assert bus.subscribers == 1

@@ -20,7 +20,7 @@ from cri_shim.config import Config
 from cri_shim.metrics import Metrics
 from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.listing import MAX_REPLY_BYTES
-from cri_shim.server.services import RuntimeService
+from cri_shim.server.services import ImageService, RuntimeService, add_to_server
 from cri_shim.state.records import ContainerRecord
 from cri_shim.tracing import NO_TRACER
 
@@ -98,7 +98,7 @@ async def serve(tmp_path: Path) -> AsyncIterator[Any]:
         servicer = RuntimeService()
         servicer.view = services  # type: ignore[assignment]
         server = grpc.aio.server()
-        api_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        add_to_server(server, servicer, ImageService())
         socket = tmp_path / f"cri{len(servers)}.sock"
         server.add_insecure_port(f"unix://{socket}")
         await server.start()

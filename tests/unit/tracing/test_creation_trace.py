@@ -50,12 +50,12 @@ async def test_a_claimed_cached_object_is_one_creation_serving_its_retry() -> No
             await release.wait()
 
     loop = asyncio.get_running_loop()
-    with tracing.serving(tracer, "RunPodSandbox", dict, dict) as first:
+    with tracing.serving(tracer, "RunPodSandbox", dict) as first:
         with pytest.raises(DeadlineExceeded):
             await coordinator.create(NAME, loop.time() + 0.05, creator)
     release.set()
     await hooks.was_cached.wait()
-    with tracing.serving(tracer, "RunPodSandbox", dict, dict) as second:
+    with tracing.serving(tracer, "RunPodSandbox", dict) as second:
         object_id = await coordinator.create(NAME, loop.time() + 60, creator)
     await asyncio.sleep(0.05)  # the name's coroutine sees the claim and ends the root
     await coordinator.aclose()
