@@ -1,0 +1,165 @@
+"""The D-Bus calls to systemd's manager, against a fake bus (FakeSystemdBus) that answers
+as systemd does: a job path, then JobRemoved with the job's result; NoSuchUnit for a
+unit it does not know. The real bus is exercised in the guest (tests/integration/
+runtime/test_systemd_driver.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from dbus_fast import Message, MessageType
+
+from cri_shim.errors import Internal
+from cri_shim.host.systemd_manager import MANAGER, NO_SUCH_UNIT, SystemdManager
+from cri_shim.runtime.conmon_scope import ConmonScopes, conmon_slice, conmon_unit
+
+
+class FakeSystemdBus:
+    """A stand-in for the system bus with systemd behind it (a fake: no socket)."""
+
+    def __init__(self, job_result: str = "done") -> None:
+        self.calls: list[Message] = []
+        self.units: dict[str, dict[str, Any]] = {}
+        self.job_result = job_result
+        self.connected = True
+        self._handlers: list[Callable[[Message], Any]] = []
+        self._jobs = 0
+
+    def add_message_handler(self, handler: Callable[[Message], Any]) -> None:
+        self._handlers.append(handler)
+
+    def disconnect(self) -> None:
+        self.connected = False
+
+    async def call(self, message: Message) -> Message:
+        self.calls.append(message)
+        message.serial = len(self.calls)  # the real bus numbers what it sends
+        if message.member == "StartTransientUnit":
+            unit, _mode, properties, _aux = message.body
+            self.units[unit] = {name: value.value for name, value in properties}
+            return self._job(message, unit)
+        if message.member == "StopUnit":
+            unit = message.body[0]
+            if self.units.pop(unit, None) is None:
+                return Message.new_error(message, NO_SUCH_UNIT, f"Unit {unit} not loaded.")
+            return self._job(message, unit)
+        return Message.new_method_return(message)
+
+    def _job(self, message: Message, unit: str) -> Message:
+        self._jobs += 1
+        job = f"/org/freedesktop/systemd1/job/{self._jobs}"
+        removed = Message.new_signal(
+            "/org/freedesktop/systemd1",
+            MANAGER,
+            "JobRemoved",
+            "uoss",
+            [self._jobs, job, unit, self.job_result],
+        )
+        # systemd answers first and signals the job's end after.
+        asyncio.get_running_loop().call_soon(lambda: [h(removed) for h in self._handlers])
+        return Message.new_method_return(message, "o", [job])
+
+
+def manager_on(bus: FakeSystemdBus) -> SystemdManager:
+    async def connect() -> FakeSystemdBus:
+        return bus
+
+    return SystemdManager(connect)
+
+
+async def test_a_conmon_scope_is_started_in_the_slice_with_its_pid() -> None:
+    bus = FakeSystemdBus()
+    scopes = ConmonScopes(manager_on(bus), "system.slice")
+    await scopes.place("c1", "kubepods-pod1.slice:cri-shim:c1", 4242)
+    subscribed = [m.member for m in bus.calls]
+    assert subscribed == ["AddMatch", "Subscribe", "StartTransientUnit"]
+    start = bus.calls[-1]
+    assert start.signature == "ssa(sv)a(sa(sv))"
+    assert start.body[0] == "cri-shim-conmon-c1.scope" and start.body[1] == "fail"
+    assert bus.units["cri-shim-conmon-c1.scope"] == {
+        "Description": "cri-shim conmon of container c1",
+        "Slice": "system.slice",
+        "PIDs": [4242],
+        "Delegate": True,
+        "DefaultDependencies": False,
+        "CollectMode": "inactive-or-failed",
+    }
+
+
+def test_pod_places_conmon_in_the_pods_slice() -> None:
+    assert conmon_slice("pod", "kubepods-pod1.slice:cri-shim:c1") == "kubepods-pod1.slice"
+    assert conmon_slice("", "kubepods-pod1.slice:cri-shim:c1") == "system.slice"
+    assert conmon_slice("x.slice", "kubepods-pod1.slice:cri-shim:c1") == "x.slice"
+    assert conmon_unit("c1") == "cri-shim-conmon-c1.scope"
+
+
+async def test_one_connection_serves_every_call() -> None:
+    bus = FakeSystemdBus()
+    connections = 0
+
+    async def connect() -> FakeSystemdBus:
+        nonlocal connections
+        connections += 1
+        return bus
+
+    manager = SystemdManager(connect)
+    await asyncio.gather(*(manager.start_scope(f"u{i}.scope", "s.slice", i, "") for i in range(5)))
+    assert connections == 1
+    assert len(bus.units) == 5
+
+
+async def test_a_failed_job_fails_the_placement() -> None:
+    bus = FakeSystemdBus(job_result="failed")
+    with pytest.raises(Internal, match=r"could not start cri-shim-conmon-c1\.scope in system"):
+        await ConmonScopes(manager_on(bus)).place("c1", "system.slice:cri-shim:c1", 1)
+
+
+async def test_removal_stops_a_left_container_scope_and_a_gone_one_is_fine() -> None:
+    bus = FakeSystemdBus()
+    manager = manager_on(bus)
+    await manager.start_scope("cri-shim-c1.scope", "system.slice", 1, "")
+    scopes = ConmonScopes(manager)
+    await scopes.remove("c1", "system.slice:cri-shim:c1")
+    assert "cri-shim-c1.scope" not in bus.units
+    assert bus.calls[-1].member == "StopUnit" and bus.calls[-1].body == [
+        "cri-shim-c1.scope",
+        "replace",
+    ]
+    await scopes.remove("c1", "system.slice:cri-shim:c1")  # gone: NoSuchUnit, no error
+    before = len(bus.calls)
+    await scopes.remove("c2", "/kubepods/cri-shim-c2")  # a cgroupfs container: no call
+    assert len(bus.calls) == before
+
+
+async def test_a_refused_call_names_the_unit_and_systemds_reason() -> None:
+    class Refusing(FakeSystemdBus):
+        async def call(self, message: Message) -> Message:
+            if message.member == "StartTransientUnit":
+                message.serial = 99
+                return Message.new_error(
+                    message, "org.freedesktop.systemd1.UnitExists", "Unit u.scope already exists."
+                )
+            return await super().call(message)
+
+    with pytest.raises(
+        Internal, match=r"systemd refused StartTransientUnit of u\.scope: .*UnitExists"
+    ):
+        await manager_on(Refusing()).start_scope("u.scope", "s.slice", 1, "")
+
+
+async def test_a_lost_connection_is_opened_again() -> None:
+    first, second = FakeSystemdBus(), FakeSystemdBus()
+    buses = iter([first, second])
+
+    async def connect() -> FakeSystemdBus:
+        return next(buses)
+
+    manager = SystemdManager(connect)
+    await manager.start_scope("a.scope", "s.slice", 1, "")
+    first.connected = False
+    await manager.start_scope("b.scope", "s.slice", 2, "")
+    assert "b.scope" in second.units
+    assert MessageType.METHOD_CALL == second.calls[-1].message_type
