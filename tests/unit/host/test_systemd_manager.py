@@ -6,68 +6,14 @@ runtime/test_systemd_driver.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 from dbus_fast import Message, MessageType
 
 from cri_shim.errors import Internal
-from cri_shim.host.systemd_manager import MANAGER, NO_SUCH_UNIT, SystemdManager
+from cri_shim.host.systemd_manager import SystemdManager
 from cri_shim.runtime.conmon_scope import ConmonScopes, conmon_slice, conmon_unit
-
-
-class FakeSystemdBus:
-    """A stand-in for the system bus with systemd behind it (a fake: no socket)."""
-
-    def __init__(self, job_result: str = "done") -> None:
-        self.calls: list[Message] = []
-        self.units: dict[str, dict[str, Any]] = {}
-        self.job_result = job_result
-        self.connected = True
-        self._handlers: list[Callable[[Message], Any]] = []
-        self._jobs = 0
-
-    def add_message_handler(self, handler: Callable[[Message], Any]) -> None:
-        self._handlers.append(handler)
-
-    def disconnect(self) -> None:
-        self.connected = False
-
-    async def call(self, message: Message) -> Message:
-        self.calls.append(message)
-        message.serial = len(self.calls)  # the real bus numbers what it sends
-        if message.member == "StartTransientUnit":
-            unit, _mode, properties, _aux = message.body
-            self.units[unit] = {name: value.value for name, value in properties}
-            return self._job(message, unit)
-        if message.member == "StopUnit":
-            unit = message.body[0]
-            if self.units.pop(unit, None) is None:
-                return Message.new_error(message, NO_SUCH_UNIT, f"Unit {unit} not loaded.")
-            return self._job(message, unit)
-        return Message.new_method_return(message)
-
-    def _job(self, message: Message, unit: str) -> Message:
-        self._jobs += 1
-        job = f"/org/freedesktop/systemd1/job/{self._jobs}"
-        removed = Message.new_signal(
-            "/org/freedesktop/systemd1",
-            MANAGER,
-            "JobRemoved",
-            "uoss",
-            [self._jobs, job, unit, self.job_result],
-        )
-        # systemd answers first and signals the job's end after.
-        asyncio.get_running_loop().call_soon(lambda: [h(removed) for h in self._handlers])
-        return Message.new_method_return(message, "o", [job])
-
-
-def manager_on(bus: FakeSystemdBus) -> SystemdManager:
-    async def connect() -> FakeSystemdBus:
-        return bus
-
-    return SystemdManager(connect)
+from tests.fake_systemd import FakeSystemdBus, manager_on
 
 
 async def test_a_conmon_scope_is_started_in_the_slice_with_its_pid() -> None:
