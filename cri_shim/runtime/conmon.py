@@ -49,6 +49,7 @@ from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotF
 from cri_shim.faults import fault_point
 from cri_shim.host import spawn
 from cri_shim.runtime.cgroup_driver import cgroup_dir, is_systemd_path
+from cri_shim.runtime.cgroup_layout import CgroupLayout, cgroup_layout
 from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.gvisor import (
@@ -74,7 +75,6 @@ from cri_shim.runtime.sandbox_cgroups import (
     unappliable,
     write_cgroup,
 )
-from cri_shim.runtime.stats import oom_kill_count
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +495,7 @@ class RuntimeBackend:
         if meta is not None:
             if self._scopes is not None:
                 await self._scopes.remove(container_id, meta.cgroups_path)
-            await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_root)
+            await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_layout)
 
     async def _discard(self, container_id: str) -> None:
         """Undo a failed create. Errors are logged, not raised: the create's own error
@@ -674,10 +674,7 @@ class RuntimeBackend:
         meta = self._read_meta(container_id)
         if meta is None or not meta.cgroups_path:
             return False
-        count = oom_kill_count(
-            cgroup_dir(meta.cgroups_path), self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
-        )
-        return count > 0
+        return self.cgroup_layout.oom_kills(cgroup_dir(meta.cgroups_path)) > 0
 
     def cgroups_path(self, container_id: str) -> str | None:
         """The container's cgroup, relative to each hierarchy's root (its spec's
@@ -686,8 +683,9 @@ class RuntimeBackend:
         return (cgroup_dir(meta.cgroups_path) or None) if meta is not None else None
 
     @property
-    def cgroup_v2(self) -> bool:
-        return self._host_limits().cgroup_v2
+    def cgroup_layout(self) -> CgroupLayout:
+        """The host's cgroup layout (v1 or v2), through which its cgroups are read."""
+        return cgroup_layout(self.cgroup_root, v2=self._host_limits().cgroup_v2)
 
     def attach_socket(self, container_id: str) -> Path:
         """conmon's attach socket for the container: `attach` in its bundle. The path may
@@ -861,7 +859,7 @@ class RuntimeBackend:
         return ProcessRef(pid, start[2]) if start is not None else None
 
 
-def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+def remove_cgroups(cgroups_path: str, layout: CgroupLayout) -> None:
     """The empty cgroups of a deleted container, which its runtime's `delete` could not
     find: a runtime killed inside its `create` (a create past its budget, a daemon
     stopping while one was in flight: runc makes the cgroups, cpuset first on cgroup v1,
@@ -872,14 +870,7 @@ def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")
     relative = cgroups_path.strip("/")
     if not relative or is_systemd_path(relative):
         return
-    if (cgroup_root / "cgroup.controllers").exists():
-        groups = [cgroup_root / relative]
-    else:
-        try:
-            groups = [hierarchy / relative for hierarchy in cgroup_root.iterdir()]
-        except FileNotFoundError:
-            return  # no cgroup file system here
-    for group in groups:
+    for group in layout.directories(relative):
         with contextlib.suppress(OSError):
             group.rmdir()
 
