@@ -8,7 +8,8 @@ removes a scope once its last process has exited, so a conmon's scope goes with 
 explicit stop is there for a scope a failed create leaves (and runc's container scopes).
 
 The protocol is dbus-fast's (asyncio), imported on first use only: a daemon with the
-cgroupfs driver never loads it (its import costs about 2 MiB).
+cgroupfs driver never loads it (its import costs 1.1 MiB of Python objects, 3.4 MiB of
+RSS with its compiled modules, measured with tracemalloc).
 """
 
 from __future__ import annotations
