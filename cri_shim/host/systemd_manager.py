@@ -144,7 +144,11 @@ class SystemdManager:
                 return self._bus
             from dbus_fast import Message
 
-            bus = await self._connect()
+            try:
+                bus = await self._connect()
+            except Exception as err:  # dbus-fast's own errors and the socket's
+                # No system bus (dbus not running): say so, not a stack trace.
+                raise Internal(f"cannot reach systemd on the system bus: {err}") from None
             bus.add_message_handler(self._on_message)
             # JobRemoved is sent to subscribers only, and through the bus to a match.
             await bus.call(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+from cri_shim.errors import Internal
 from cri_shim.host.systemd_manager import SystemdManager
 from cri_shim.runtime.cgroup_driver import (
     DEFAULT_SYSTEMD_PARENT,
@@ -58,10 +59,15 @@ class ConmonScopes:
 
     async def remove(self, container_id: str, cgroups_path: str) -> None:
         """Stop the container's scope where its runtime left it."""
-        if is_systemd_path(cgroups_path):
-            unit = scope_unit(cgroups_path)
+        if not is_systemd_path(cgroups_path):
+            return
+        unit = scope_unit(cgroups_path)
+        try:
             if await self._systemd.stop_unit(unit):
                 log.info("stopped %s, left by container %s's runtime", unit, container_id)
+        except Internal as err:
+            # The container itself is gone; an empty scope is systemd's to collect.
+            log.warning("could not stop %s of container %s: %s", unit, container_id, err)
 
     async def close(self) -> None:
         await self._systemd.close()

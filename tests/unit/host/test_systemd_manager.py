@@ -109,3 +109,13 @@ async def test_a_lost_connection_is_opened_again() -> None:
     await manager.start_scope("b.scope", "s.slice", 2, "")
     assert "b.scope" in second.units
     assert MessageType.METHOD_CALL == second.calls[-1].message_type
+
+
+async def test_no_system_bus_is_named_and_a_removal_goes_on_without_it() -> None:
+    async def connect() -> FakeSystemdBus:
+        raise FileNotFoundError(2, "No such file or directory", "/run/dbus/system_bus_socket")
+
+    scopes = ConmonScopes(SystemdManager(connect))
+    with pytest.raises(Internal, match=r"^cannot reach systemd on the system bus: "):
+        await scopes.place("c1", "system.slice:cri-shim:c1", 1)
+    await scopes.remove("c1", "system.slice:cri-shim:c1")  # logged: the container is gone
