@@ -56,6 +56,14 @@ def driver(daemon: Daemon) -> int:
     return int(answer.linux.cgroup_driver)
 
 
+@pytest.fixture
+def daemon(make_daemon: type) -> Daemon:
+    """The default daemon (`auto`), given the time a start takes in the guest."""
+    started: Daemon = make_daemon()
+    started.start(timeout=START_TIMEOUT)
+    return started
+
+
 def test_the_running_driver_is_the_one_reported(daemon: Daemon) -> None:
     expected = "systemd" if systemd_booted() else "cgroupfs"  # `auto`, the default
     assert verbose_config(daemon)["cgroup_manager"] == expected
