@@ -1,7 +1,7 @@
 """The D-Bus calls to systemd's manager, against a fake bus (FakeSystemdBus) that answers
 as systemd does: a job path, then JobRemoved with the job's result; NoSuchUnit for a
-unit it does not know. The real bus is exercised in the guest (tests/integration/
-runtime/test_systemd_driver.py)."""
+unit it does not know. The real bus is exercised in the guest
+(tests/integration/test_cri_cgroup_driver.py)."""
 
 from __future__ import annotations
 
