@@ -1,6 +1,7 @@
-"""The cgroup layouts: v1 read for real on a host that runs it (a process moved into
-cgroups of its own), v2 from fixture files as the kernel writes them (pressure, swap, OOM
-kills), and the directories a killed create leaves, per layout."""
+"""The cgroup layouts: each read for real on a host that runs it (a process moved into
+cgroups of its own: v1 here, v2 in the guest lane), v2 also from fixture files as the
+kernel writes them (pressure, swap, OOM kills), and the directories a killed create
+leaves, per layout."""
 
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ from cri_shim.runtime.cgroup_layout import (
 from cri_shim.runtime.conmon import remove_cgroups
 
 V1_HERE = (CGROUP_ROOT / "memory" / "memory.usage_in_bytes").exists() and os.geteuid() == 0
+V2_HERE = (CGROUP_ROOT / "cgroup.controllers").exists() and os.geteuid() == 0
 CONTROLLERS = ("memory", "cpuacct", "pids")
+# Waits for a line, then touches 16 MiB (charged to the cgroup it was moved into).
+ALLOCATE = (
+    "import sys; sys.stdin.readline(); block = bytearray(16 << 20); "
+    "[block.__setitem__(i, 1) for i in range(0, len(block), 4096)]; "
+    "print('ready', flush=True); sys.stdin.readline()"
+)
 
 
 def write(path: Path, text: str) -> None:
@@ -38,13 +46,8 @@ def v1_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     if not V1_HERE:
         pytest.skip("needs cgroup v1 mounted at /sys/fs/cgroup, as root")
     group = f"/cri-shim-test-{uuid.uuid4().hex[:12]}"
-    program = (
-        "import sys; sys.stdin.readline(); block = bytearray(16 << 20); "
-        "[block.__setitem__(i, 1) for i in range(0, len(block), 4096)]; "
-        "print('ready', flush=True); sys.stdin.readline()"
-    )
     process = subprocess.Popen(
-        [sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        [sys.executable, "-c", ALLOCATE], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     try:
         for controller in CONTROLLERS:
@@ -76,6 +79,45 @@ def test_v1_reads_a_real_cgroup(v1_process: tuple[str, subprocess.Popen[bytes]])
     assert layout.oom_kills(group) == 0
     figures = layout.figures(group)
     assert figures.pids == [process.pid] and figures.processes == 1
+
+
+@pytest.fixture
+def v2_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As v1_process, in one cgroup of the unified hierarchy (with its memory controller,
+    which the root enables for its children)."""
+    if not V2_HERE:
+        pytest.skip("needs cgroup v2 mounted at /sys/fs/cgroup, as root")
+    group = f"/cri-shim-test-{uuid.uuid4().hex[:12]}"
+    process = subprocess.Popen(
+        [sys.executable, "-c", ALLOCATE], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    directory = CGROUP_ROOT / group[1:]
+    try:
+        directory.mkdir()
+        (directory / "cgroup.procs").write_text(str(process.pid))
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(b"go\n")
+        process.stdin.flush()
+        assert process.stdout.readline() == b"ready\n"
+        yield group, process
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        if directory.exists():
+            directory.rmdir()
+
+
+def test_v2_reads_a_real_cgroup(v2_process: tuple[str, subprocess.Popen[bytes]]) -> None:
+    group, process = v2_process
+    layout = cgroup_layout()
+    assert isinstance(layout, CgroupV2)
+    stats = layout.stats(group)
+    assert stats.cpu_usage_ns is not None and stats.cpu_usage_ns > 0
+    assert stats.memory_usage_bytes is not None and stats.memory_usage_bytes >= 16 << 20
+    if (CGROUP_ROOT / group[1:] / "memory.pressure").exists():  # PSI in the kernel
+        assert stats.pressure["memory"].some[0] >= 0
+    assert layout.oom_kills(group) == 0
+    assert layout.figures(group).pids == [process.pid]
 
 
 def test_v1_removal_takes_the_empty_cgroup_from_every_hierarchy(

@@ -37,8 +37,8 @@ async def systemd_backend(
         tmp_path / "state",
         cgroup_root=tmp_path / "cgroup",
         host=host,
-        call_timeout=10,
-        create_timeout=10,
+        call_timeout=60,
+        create_timeout=60,  # bounds, not expectations: the doubles are slow under emulation
         scopes=ConmonScopes(manager_on(bus), "pod"),
     )
     yield backend, bus
