@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,32 +40,49 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-@pytest.fixture
-def v1_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A process in cgroups of its own (memory, cpuacct, pids), made after it moved in:
-    it allocates 16 MiB there, then waits. Killed and the cgroups removed afterwards."""
-    if not V1_HERE:
-        pytest.skip("needs cgroup v1 mounted at /sys/fs/cgroup, as root")
-    group = f"/cri-shim-test-{uuid.uuid4().hex[:12]}"
+@contextmanager
+def process_in(directories: list[Path]) -> Iterator[subprocess.Popen[bytes]]:
+    """A process moved into these new cgroup directories, which then allocates 16 MiB
+    there and waits. Killed and the directories removed afterwards."""
     process = subprocess.Popen(
         [sys.executable, "-c", ALLOCATE], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     try:
-        for controller in CONTROLLERS:
-            (CGROUP_ROOT / controller / group[1:]).mkdir()
-            (CGROUP_ROOT / controller / group[1:] / "cgroup.procs").write_text(str(process.pid))
+        for directory in directories:
+            directory.mkdir()
+            (directory / "cgroup.procs").write_text(str(process.pid))
         assert process.stdin is not None and process.stdout is not None
         process.stdin.write(b"go\n")
         process.stdin.flush()
         assert process.stdout.readline() == b"ready\n"
-        yield group, process
+        yield process
     finally:
         process.kill()
         process.wait(timeout=10)
-        for controller in CONTROLLERS:
-            directory = CGROUP_ROOT / controller / group[1:]
+        for directory in directories:
             if directory.exists():
                 directory.rmdir()
+
+
+@pytest.fixture
+def v1_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A process in v1 cgroups of its own (memory, cpuacct, pids)."""
+    if not V1_HERE:
+        pytest.skip("needs cgroup v1 mounted at /sys/fs/cgroup, as root")
+    group = f"/cri-shim-test-{uuid.uuid4().hex[:12]}"
+    with process_in([CGROUP_ROOT / c / group[1:] for c in CONTROLLERS]) as process:
+        yield group, process
+
+
+@pytest.fixture
+def v2_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A process in a cgroup of its own in the unified hierarchy (with the memory
+    controller, which the root enables for its children)."""
+    if not V2_HERE:
+        pytest.skip("needs cgroup v2 mounted at /sys/fs/cgroup, as root")
+    group = f"/cri-shim-test-{uuid.uuid4().hex[:12]}"
+    with process_in([CGROUP_ROOT / group[1:]]) as process:
+        yield group, process
 
 
 def test_v1_reads_a_real_cgroup(v1_process: tuple[str, subprocess.Popen[bytes]]) -> None:
@@ -79,32 +97,6 @@ def test_v1_reads_a_real_cgroup(v1_process: tuple[str, subprocess.Popen[bytes]])
     assert layout.oom_kills(group) == 0
     figures = layout.figures(group)
     assert figures.pids == [process.pid] and figures.processes == 1
-
-
-@pytest.fixture
-def v2_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """As v1_process, in one cgroup of the unified hierarchy (with its memory controller,
-    which the root enables for its children)."""
-    if not V2_HERE:
-        pytest.skip("needs cgroup v2 mounted at /sys/fs/cgroup, as root")
-    group = f"/cri-shim-test-{uuid.uuid4().hex[:12]}"
-    process = subprocess.Popen(
-        [sys.executable, "-c", ALLOCATE], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
-    directory = CGROUP_ROOT / group[1:]
-    try:
-        directory.mkdir()
-        (directory / "cgroup.procs").write_text(str(process.pid))
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(b"go\n")
-        process.stdin.flush()
-        assert process.stdout.readline() == b"ready\n"
-        yield group, process
-    finally:
-        process.kill()
-        process.wait(timeout=10)
-        if directory.exists():
-            directory.rmdir()
 
 
 def test_v2_reads_a_real_cgroup(v2_process: tuple[str, subprocess.Popen[bytes]]) -> None:
