@@ -28,6 +28,7 @@ from tests.integration.cri_testkit import (
     create,
     import_image,
     pod,
+    run_to_exit,
     start,
 )
 
@@ -147,6 +148,25 @@ def test_a_pod_under_systemd_runs_in_scopes_and_leaves_none(
                 api_pb2.ContainerStatsRequest(container_id=container_id), timeout=10
             )
             assert stats.stats.memory.working_set_bytes.value > 0  # read from the scope
+            if (CGROUP_ROOT / scope[1:] / "memory.pressure").exists():
+                assert stats.stats.memory.HasField("psi") and stats.stats.io.HasField("psi")
+            # runc updates the scope through systemd (its --systemd-cgroup).
+            limit = api_pb2.LinuxContainerResources(memory_limit_in_bytes=64 << 20)
+            daemon.runtime().UpdateContainerResources(
+                api_pb2.UpdateContainerResourcesRequest(container_id=container_id, linux=limit),
+                timeout=60,
+            )
+            assert (CGROUP_ROOT / scope[1:] / "memory.max").read_text().strip() == str(64 << 20)
+            # An OOM kill seen in the scope's memory.events.
+            hog = container_config(
+                "hog",
+                "tail /dev/zero",
+                linux=api_pb2.LinuxContainerConfig(
+                    resources=api_pb2.LinuxContainerResources(memory_limit_in_bytes=32 << 20)
+                ),
+            )
+            exited = run_to_exit(daemon, p, hog, timeout=120)
+            assert (exited.reason, exited.exit_code) == ("OOMKilled", 137)
         deadline = time.monotonic() + 30
         while our_units() and time.monotonic() < deadline:
             time.sleep(0.5)
