@@ -13,6 +13,7 @@ and removing the pod leaves no unit, scope or cgroup of its own.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -115,11 +116,15 @@ def our_units() -> list[str]:
 
 
 @needs_systemd_v2
+@pytest.mark.parametrize("runtime", ["runc", "crun"])
 def test_a_pod_under_systemd_runs_in_scopes_and_leaves_none(
-    make_daemon: type, busybox_layout: Path, short_tmp: Path
+    make_daemon: type, busybox_layout: Path, short_tmp: Path, runtime: str
 ) -> None:
+    if shutil.which(runtime) is None:
+        pytest.skip(f"{runtime} is not installed")
     # `auto`, the default: systemd runs this host.
-    daemon = make_daemon(settings={"conmon_cgroup": "pod"})
+    handlers = {"default_handler": runtime, "handlers": {runtime: {"path": runtime}}}
+    daemon = make_daemon(settings={"conmon_cgroup": "pod", "runtime": handlers})
     daemon.start(timeout=START_TIMEOUT)
     try:
         assert driver(daemon) == api_pb2.SYSTEMD
