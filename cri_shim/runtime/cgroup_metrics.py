@@ -74,8 +74,11 @@ def read_v2_figures(group: Path, figures: CgroupFigures) -> None:
     figures.memory_max_usage_bytes = read_int(group / "memory.peak")
     figures.memory_limit_bytes = read_int(group / "memory.max")  # "max" reads as None
     figures.oom_kills = read_flat_keyed(group / "memory.events").get("oom_kill")
-    figures.processes = _count_lines(group / "cgroup.procs")
-    figures.threads = _count_lines(group / "cgroup.threads")
+    # crun under systemd's driver runs the container in a `container` child of its scope:
+    # the members are the subtree's, as every other v2 figure is.
+    members = _subtree(group)
+    figures.processes = _count_lines_in(members, "cgroup.procs")
+    figures.threads = _count_lines_in(members, "cgroup.threads")
     figures.threads_max = _limit(group / "pids.max")
     figures.cpu_periods = cpu.get("nr_periods")
     figures.cpu_throttled_periods = cpu.get("nr_throttled")
@@ -97,7 +100,7 @@ def read_v2_figures(group: Path, figures: CgroupFigures) -> None:
             for scope in ("container", "hierarchy"):
                 figures.page_faults[(fault, scope)] = memory[fault]
     _read_io_stat(group / "io.stat", figures)
-    figures.pids = _pids(group / "cgroup.procs")
+    figures.pids = [pid for member in members for pid in _pids(member / "cgroup.procs")]
 
 
 def read_v1_figures(root: Path, relative: str, figures: CgroupFigures) -> None:
@@ -243,6 +246,16 @@ def _pids(path: Path) -> list[int]:
         return [int(line) for line in path.read_text().split() if line.isdigit()]
     except OSError:
         return []
+
+
+def _subtree(group: Path) -> list[Path]:
+    """A v2 cgroup and the cgroups below it."""
+    return [Path(directory) for directory, _, _ in os.walk(group)] or [group]
+
+
+def _count_lines_in(groups: list[Path], name: str) -> int | None:
+    counts = [count for g in groups if (count := _count_lines(g / name)) is not None]
+    return sum(counts) if counts else None
 
 
 def _count_lines(path: Path) -> int | None:

@@ -196,3 +196,14 @@ def test_v2_removal_looks_in_the_one_hierarchy(tmp_path: Path) -> None:
     remove_cgroups("/pod/cri-shim-c1", cgroup_layout(tmp_path))
     assert not (tmp_path / "pod" / "cri-shim-c1").exists()
     assert (tmp_path / "pod").exists()
+
+
+def test_v2_members_include_the_scopes_children(tmp_path: Path) -> None:
+    # crun under systemd's driver: the processes are in the scope's `container` child.
+    group = v2_tree(tmp_path)
+    write(group / "cgroup.procs", "")
+    write(group / "cgroup.threads", "")
+    write(group / "container" / "cgroup.procs", "41\n42\n")
+    write(group / "container" / "cgroup.threads", "41\n42\n43\n")
+    figures = cgroup_layout(tmp_path).figures("/kubepods.slice/cri-shim-c1.scope")
+    assert (figures.processes, figures.threads, figures.pids) == (2, 3, [41, 42])
