@@ -146,7 +146,8 @@ def test_a_pod_under_systemd_runs_in_scopes_and_leaves_none(
             )
             scope = f"/{POD_SLICE_DIR}/cri-shim-{container_id}.scope"
             # runc runs the container in its scope; crun in the scope's `container` child.
-            assert cgroup_of(int(info["pid"])) in (scope, f"{scope}/container")
+            own = cgroup_of(int(info["pid"]))
+            assert own in (scope, f"{scope}/container")
             conmon = int(json.loads(_meta(daemon, container_id))["conmon_pid"])
             assert cgroup_of(conmon) == f"/{POD_SLICE_DIR}/cri-shim-conmon-{container_id}.scope"
             assert f"cri-shim-{container_id}.scope" in our_units()
@@ -156,13 +157,13 @@ def test_a_pod_under_systemd_runs_in_scopes_and_leaves_none(
             assert stats.stats.memory.working_set_bytes.value > 0  # read from the scope
             if (CGROUP_ROOT / scope[1:] / "memory.pressure").exists():
                 assert stats.stats.memory.HasField("psi") and stats.stats.io.HasField("psi")
-            # runc updates the scope through systemd (its --systemd-cgroup).
+            # The runtime updates the container's cgroup through systemd (--systemd-cgroup).
             limit = api_pb2.LinuxContainerResources(memory_limit_in_bytes=64 << 20)
             daemon.runtime().UpdateContainerResources(
                 api_pb2.UpdateContainerResourcesRequest(container_id=container_id, linux=limit),
                 timeout=60,
             )
-            assert (CGROUP_ROOT / scope[1:] / "memory.max").read_text().strip() == str(64 << 20)
+            assert (CGROUP_ROOT / own[1:] / "memory.max").read_text().strip() == str(64 << 20)
             # An OOM kill seen in the scope's memory.events.
             hog = container_config(
                 "hog",
