@@ -8,12 +8,14 @@ inspection/census.py): persistence stays with the lifecycle.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cri_shim import __version__
 from cri_shim.config import BUNDLED_CNI_DIR, Config, TracingConfig
+from cri_shim.host.systemd_manager import SystemdManager
 from cri_shim.images.on_demand import PullerOnDemand
 from cri_shim.images.policy import UnpackPolicy
 from cri_shim.images.store import ImageStore
@@ -31,7 +33,9 @@ from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
 from cri_shim.network.netns import NamespacePinner
 from cri_shim.nri.actions import register_inert
+from cri_shim.runtime.cgroup_driver import driver_named, resolve_cgroup_manager, systemd_booted
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.gvisor import SandboxForwarding
 from cri_shim.runtime.monitors import MonitorWatch
 from cri_shim.runtime.oci import CallObserver
@@ -90,6 +94,7 @@ class _Storage:
 
 
 def build_graph(config: Config) -> Graph:
+    config = _with_cgroup_driver(config)
     for path in (config.root, config.run_root):
         # Made so that others may pass through (a container in a user namespace of its
         # own reaches its root filesystem as an unprivileged id) but neither list nor
@@ -165,6 +170,15 @@ def build_graph(config: Config) -> Graph:
             puller=puller,
         ),
     )
+
+
+def _with_cgroup_driver(config: Config) -> Config:
+    """The driver decided once, before anything reads it: `auto` becomes the one the host
+    runs; a driver the host cannot run stops the start (ConfigError)."""
+    manager = resolve_cgroup_manager(
+        config.cgroup_manager, systemd_running=systemd_booted(), conmon_cgroup=config.conmon_cgroup
+    )
+    return dataclasses.replace(config, cgroup_manager=manager)
 
 
 def _storage(config: Config, forwardable: Callable[[SandboxRecord], None]) -> _Storage:
@@ -284,6 +298,9 @@ def build_backends(
     monitors: MonitorWatch | None = None,
 ) -> dict[str, RuntimeBackend]:
     backends = {}
+    driver = driver_named(config.cgroup_manager)
+    # One connection to systemd for every handler's conmon scopes.
+    scopes = ConmonScopes(SystemdManager(), config.conmon_cgroup) if driver.systemd else None
     for name, handler in config.runtime.handlers.items():
         backends[name] = RuntimeBackend(
             name,
@@ -292,8 +309,9 @@ def build_backends(
             config.runtime.conmon,
             config.run_root / "conmon" / name,
             observe_call=observe_call,
-            runtime_args=handler.runtime_args,
+            runtime_args=(*driver.runtime_args, *handler.runtime_args),
             monitors=monitors,
+            scopes=scopes,
         )
     return backends
 

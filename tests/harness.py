@@ -454,7 +454,8 @@ def runtime_leaks(daemon: Daemon) -> dict[str, list[str]]:
         os.path.join(directory, name)
         for directory, subdirs, _ in os.walk(CGROUP_ROOT)
         for name in subdirs
-        if name.removeprefix("cri-shim-") in ids
+        # cgroupfs: cri-shim-<id>; systemd: cri-shim-<id>.scope, cri-shim-conmon-<id>.scope
+        if name.removeprefix("cri-shim-").removeprefix("conmon-").removesuffix(".scope") in ids
     ]
     if cgroups:
         found["cgroups"] = sorted(set(cgroups))

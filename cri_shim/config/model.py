@@ -198,7 +198,11 @@ class Config:
     run_root: Path = Path("/run/cri-shim")
     log_level: str = "info"
     log_format: str = "logfmt"
-    cgroup_manager: str = "cgroupfs"
+    # "auto": systemd where systemd is PID 1, cgroupfs elsewhere (runtime/cgroup_driver.py).
+    cgroup_manager: str = "auto"
+    # Where each conmon goes with the systemd driver: "" (system.slice), "pod" (the pod's
+    # slice) or a slice's name. Unused with cgroupfs: conmon stays in the daemon's cgroup.
+    conmon_cgroup: str = ""
     # gRPC refuses bigger requests with RESOURCE_EXHAUSTED before any handler sees them.
     max_message_bytes: int = 16 << 20
     # The socket is created 0660; this group (name or number) may connect. "" keeps root's.

@@ -56,8 +56,13 @@ KEY_DOCS: dict[str, str] = {
     "run_root": "runtime files: namespace pins, conmon sockets, runtime state",
     "log_level": "`debug`, `info`, `warning` or `error` (the `--log-level` flag wins)",
     "log_format": "`logfmt` (key=value), `json` (one object per line) or `text` (for humans)",
-    "cgroup_manager": "`cgroupfs`, the only driver supported (`systemd` is refused at "
-    "start); run kubelet with `--cgroup-driver=cgroupfs`",
+    "cgroup_manager": "the cgroup driver, as kubelet's `--cgroup-driver` must be: `auto` "
+    "(systemd when systemd is PID 1, that is /run/systemd/system exists, else cgroupfs), "
+    "`systemd` (pods in slices, containers in scopes through runc's `--systemd-cgroup`; "
+    "refused at start where systemd does not run) or `cgroupfs`",
+    "conmon_cgroup": "with the systemd driver, the slice each conmon's transient scope "
+    '(`cri-shim-conmon-<id>.scope`) goes in: `""` for `system.slice`, `pod` for the pod\'s '
+    "slice, or a slice's name; refused with cgroupfs (conmon stays in the daemon's cgroup)",
     "max_message_bytes": "largest gRPC request accepted; a bigger one is refused with "
     "RESOURCE_EXHAUSTED before any handler reads it",
     "socket_group": "group (name or number) that owns the 0660 socket and so may connect; "

@@ -33,9 +33,9 @@ from cri_shim.config.units import parse_duration, parse_size
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _LOG_FORMATS = ("logfmt", "json", "text")
-# Only cgroupfs: the systemd driver (pods in .slice units, runc --systemd-cgroup) is not
-# implemented, and accepting it would report to kubelet a driver its pods cannot run with.
-_CGROUP_MANAGERS = ("cgroupfs",)
+# "auto" is resolved when the daemon starts (runtime/cgroup_driver.py): systemd where
+# systemd runs the host, cgroupfs elsewhere.
+_CGROUP_MANAGERS = ("auto", "cgroupfs", "systemd")
 
 
 def _expect(value: object, kind: type | tuple[type, ...], key: str, what: str) -> Any:
@@ -403,13 +403,12 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if "log_format" in data:
         cfg.log_format = _check_choice(data["log_format"], _LOG_FORMATS, "log_format")
     if "cgroup_manager" in data:
-        if isinstance(data["cgroup_manager"], str) and data["cgroup_manager"].lower() == "systemd":
-            raise ConfigError(
-                'cgroup_manager: the systemd cgroup driver is not supported; use "cgroupfs" '
-                "(the default) and run kubelet with --cgroup-driver=cgroupfs"
-            )
         cfg.cgroup_manager = _check_choice(
             data["cgroup_manager"], _CGROUP_MANAGERS, "cgroup_manager"
+        )
+    if "conmon_cgroup" in data:
+        cfg.conmon_cgroup = _check_conmon_cgroup(
+            _expect(data["conmon_cgroup"], str, "conmon_cgroup", '"pod" or a slice name')
         )
     if "max_message_bytes" in data:
         # Below 64KiB even a normal CreateContainer (env, mounts, annotations) is refused.
@@ -480,6 +479,25 @@ def _check_host_port(value: str, key: str) -> str:
     if match is None or int(match.group("port")) > 65535:
         raise ConfigError(
             f"{key}: expected host:port such as 127.0.0.1:9090 or [::1]:9090, got {value!r}"
+        )
+    return value
+
+
+def _check_conmon_cgroup(value: str) -> str:
+    """ "", "pod" or a slice's name (`system.slice`, `kubepods-conmon.slice`)."""
+    if value in ("", "pod"):
+        return value
+    stem = value.removesuffix(".slice")
+    if (
+        not value.endswith(".slice")
+        or not re.fullmatch(r"[A-Za-z0-9_.:-]+", stem)
+        or stem.startswith("-")
+        or stem.endswith("-")
+        or "--" in stem
+    ):
+        raise ConfigError(
+            f'conmon_cgroup: expected "pod" or a systemd slice name (like "system.slice"), '
+            f"got {value!r}"
         )
     return value
 

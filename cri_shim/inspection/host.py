@@ -20,14 +20,10 @@ from cri_shim.network.netdev import InterfaceCounters as InterfaceCounters
 from cri_shim.network.netdev import NetnsCounters as NetnsCounters
 from cri_shim.network.netdev import read_netns_counters
 from cri_shim.runtime.cgroup_metrics import CgroupFigures as CgroupFigures
-from cri_shim.runtime.cgroup_metrics import (
-    block_device_name,
-    count_descriptors,
-    read_cgroup_figures,
-)
+from cri_shim.runtime.cgroup_metrics import block_device_name, count_descriptors
 from cri_shim.runtime.stats import CgroupStats as CgroupStats
 from cri_shim.runtime.stats import LayerUsage as LayerUsage
-from cri_shim.runtime.stats import read_cgroup_stats
+from cri_shim.runtime.stats import PressureStall as PressureStall
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 if TYPE_CHECKING:
@@ -92,7 +88,7 @@ class HostReader:
         running_backend) and the disk use of its writable layer."""
         cgroup = None
         if backend is not None and (path := self._cgroup_of(container, backend)) is not None:
-            cgroup = read_cgroup_stats(path, backend.cgroup_root, cgroup_v2=backend.cgroup_v2)
+            cgroup = backend.cgroup_layout.stats(path)
         return cgroup, self.layers.usage(container.id, container.bundle_dir / "upper")
 
     def _cgroup_of(self, container: ContainerRecord, backend: RuntimeBackend) -> str | None:
@@ -113,7 +109,7 @@ class HostReader:
         path = backend.cgroups_path(container.id)
         if path is None:
             return None
-        figures = read_cgroup_figures(path, backend.cgroup_root, cgroup_v2=backend.cgroup_v2)
+        figures = backend.cgroup_layout.figures(path)
         devices = set(figures.io_bytes) | set(figures.io_ops)
         return ContainerFigures(
             record=container,

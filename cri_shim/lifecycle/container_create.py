@@ -34,6 +34,7 @@ from cri_shim.lifecycle.pods import Pods
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
 from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.cdi_on_demand import CdiOnDemand
+from cri_shim.runtime.cgroup_driver import CGROUPFS_DRIVER, CgroupDriver, driver_named
 from cri_shim.runtime.features import require_features
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.mount_sources import PinnedSources, pin_bind_sources, release_staging
@@ -162,7 +163,7 @@ class ContainerCreate:
             self._journal.record(container_id, "container_dir", path=str(bundle))
             self._journal.record(container_id, "rootfs_unmount", path=str(bundle / "rootfs"))
         fault_point("container:row")
-        context = sandbox_context(sandbox)
+        context = sandbox_context(sandbox, driver_named(self._config.cgroup_manager))
         image_mounts = await self._make_storage(
             container_id, bundle, config, image, log_path, context
         )
@@ -386,7 +387,9 @@ def _log_path(sandbox: SandboxRecord, config: api_pb2.ContainerConfig) -> str:
     return path
 
 
-def sandbox_context(sandbox: SandboxRecord) -> SandboxContext:
+def sandbox_context(
+    sandbox: SandboxRecord, cgroup_driver: CgroupDriver = CGROUPFS_DRIVER
+) -> SandboxContext:
     """What a container's spec takes from its pod: namespaces, files, security context."""
     sc = sandbox.config.linux.security_context
     options = sc.namespace_options
@@ -404,6 +407,7 @@ def sandbox_context(sandbox: SandboxRecord) -> SandboxContext:
         hosts_path=sandbox.sandbox_dir / "hosts",
         shm_path=sandbox.sandbox_dir / "shm" if options.ipc != api_pb2.NODE else None,
         cgroup_parent=sandbox.config.linux.cgroup_parent,
+        cgroup_driver=cgroup_driver,
         privileged=sc.privileged,
         run_as_user=sc.run_as_user.value if sc.HasField("run_as_user") else None,
         supplemental_groups=tuple(sc.supplemental_groups),

@@ -31,6 +31,7 @@ from cri_shim.lifecycle.pods import PodContainers
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
 from cri_shim.pod_rules import host_network, pod_hostname
+from cri_shim.runtime.cgroup_driver import driver_named
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
 from cri_shim.runtime.userns import pod_mappings, require_searchable
@@ -94,6 +95,7 @@ class SandboxRun:
             before_undo=containers.remove_all_in,
             tracer=tracer,
         )
+        self._cgroup_driver = driver_named(config.cgroup_manager)
         journal.register("cni_del", self._undo_cni)
         journal.register("unpin", self._undo_unpin)
         journal.register("unmount", self._undo_unmount)
@@ -110,6 +112,11 @@ class SandboxRun:
         if handler not in self._config.runtime.handlers:
             known = ", ".join(sorted(self._config.runtime.handlers))
             raise InvalidArgument(f"unknown runtime handler {handler!r} (configured: {known})")
+        # A parent of the other driver's form: refused before anything is made (kubelet
+        # and the runtime would otherwise each manage the pod's cgroups their own way).
+        self._cgroup_driver.check_parent(
+            config.linux.cgroup_parent, "PodSandboxConfig.linux.cgroup_parent"
+        )
         features = self._handler_features(handler)
         userns = pod_mappings(config)
         require_pod_features(userns, handler, features, config)
@@ -243,6 +250,7 @@ class SandboxRun:
             userns_path=pinned.user,
             userns=userns,
             cgroup_parent=config.linux.cgroup_parent,
+            cgroup_driver=self._cgroup_driver,
         )
         await self._pause.start(sandbox_id, sandbox_dir, config, handler, context)
 

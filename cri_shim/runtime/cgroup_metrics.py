@@ -1,14 +1,15 @@
 """The cAdvisor-style figures of one container's cgroup, from cgroup v1 or v2 files.
 
-runtime/stats.py reads what ContainerStats needs; this reads the wider set that kubelet's
-/metrics/cadvisor shows when it takes metrics from the runtime (ListPodSandboxMetrics):
-CPU split into user and system time and CFS throttling, memory usage, working set, RSS,
-cache, mapped files, kernel memory, swap, peak, limit, failures and page faults, OOM
-kills, block I/O per device, the cgroup's CPU and swap settings, and the number of
-processes, threads (and their limit), file descriptors and sockets. A file that does not
-exist (a controller not mounted, the container gone) leaves its figure out: no guessed
-zero. Two figures follow cAdvisor where the kernel has nothing to read: swap is 0 where
-the kernel keeps no swap account, and a thread limit of "max" is 0 (no limit).
+runtime/cgroup_layout.py reads what ContainerStats needs, and with these readers (one
+per layout) the wider set that kubelet's /metrics/cadvisor shows when it takes metrics
+from the runtime (ListPodSandboxMetrics): CPU split into user and system time and CFS
+throttling, memory usage, working set, RSS, cache, mapped files, kernel memory, swap,
+peak, limit, failures and page faults, OOM kills, block I/O per device, the cgroup's CPU
+and swap settings, and the number of processes, threads (and their limit), file
+descriptors and sockets. A file that does not exist (a controller not mounted, the
+container gone) leaves its figure out: no guessed zero. Two figures follow cAdvisor where
+the kernel has nothing to read: swap is 0 where the kernel keeps no swap account, and a
+thread limit of "max" is 0 (no limit).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cri_shim.runtime.stats import read_cgroup_stats, read_flat_keyed, read_int
+from cri_shim.runtime.stats import read_flat_keyed, read_int
 
 # cgroup v1 mounts cpuacct alone or together with cpu, depending on the distribution.
 _CPUACCT = ("cpuacct", "cpu,cpuacct", "cpuacct,cpu")
@@ -62,25 +63,7 @@ class CgroupFigures:
     pids: list[int] = field(default_factory=list)
 
 
-def read_cgroup_figures(
-    cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup"), *, cgroup_v2: bool
-) -> CgroupFigures:
-    base = read_cgroup_stats(cgroups_path, cgroup_root, cgroup_v2=cgroup_v2)
-    figures = CgroupFigures(
-        cpu_usage_ns=base.cpu_usage_ns,
-        memory_usage_bytes=base.memory_usage_bytes,
-        memory_working_set_bytes=base.memory_working_set_bytes,
-        memory_rss_bytes=base.memory_rss_bytes,
-    )
-    relative = cgroups_path.lstrip("/")
-    if cgroup_v2:
-        _read_v2(cgroup_root / relative, figures)
-    else:
-        _read_v1(cgroup_root, relative, figures)
-    return figures
-
-
-def _read_v2(group: Path, figures: CgroupFigures) -> None:
+def read_v2_figures(group: Path, figures: CgroupFigures) -> None:
     cpu = read_flat_keyed(group / "cpu.stat")
     if "user_usec" in cpu:
         figures.cpu_user_ns = cpu["user_usec"] * 1000
@@ -91,8 +74,11 @@ def _read_v2(group: Path, figures: CgroupFigures) -> None:
     figures.memory_max_usage_bytes = read_int(group / "memory.peak")
     figures.memory_limit_bytes = read_int(group / "memory.max")  # "max" reads as None
     figures.oom_kills = read_flat_keyed(group / "memory.events").get("oom_kill")
-    figures.processes = _count_lines(group / "cgroup.procs")
-    figures.threads = _count_lines(group / "cgroup.threads")
+    # crun under systemd's driver runs the container in a `container` child of its scope:
+    # the members are the subtree's, as every other v2 figure is.
+    members = _subtree(group)
+    figures.processes = _count_lines_in(members, "cgroup.procs")
+    figures.threads = _count_lines_in(members, "cgroup.threads")
     figures.threads_max = _limit(group / "pids.max")
     figures.cpu_periods = cpu.get("nr_periods")
     figures.cpu_throttled_periods = cpu.get("nr_throttled")
@@ -114,10 +100,10 @@ def _read_v2(group: Path, figures: CgroupFigures) -> None:
             for scope in ("container", "hierarchy"):
                 figures.page_faults[(fault, scope)] = memory[fault]
     _read_io_stat(group / "io.stat", figures)
-    figures.pids = _pids(group / "cgroup.procs")
+    figures.pids = [pid for member in members for pid in _pids(member / "cgroup.procs")]
 
 
-def _read_v1(root: Path, relative: str, figures: CgroupFigures) -> None:
+def read_v1_figures(root: Path, relative: str, figures: CgroupFigures) -> None:
     for mount in _CPUACCT:
         user = read_int(root / mount / relative / "cpuacct.usage_user")
         if user is not None:
@@ -260,6 +246,16 @@ def _pids(path: Path) -> list[int]:
         return [int(line) for line in path.read_text().split() if line.isdigit()]
     except OSError:
         return []
+
+
+def _subtree(group: Path) -> list[Path]:
+    """A v2 cgroup and the cgroups below it."""
+    return [Path(directory) for directory, _, _ in os.walk(group)] or [group]
+
+
+def _count_lines_in(groups: list[Path], name: str) -> int | None:
+    counts = [count for g in groups if (count := _count_lines(g / name)) is not None]
+    return sum(counts) if counts else None
 
 
 def _count_lines(path: Path) -> int | None:

@@ -48,6 +48,9 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.faults import fault_point
 from cri_shim.host import spawn
+from cri_shim.runtime.cgroup_driver import cgroup_dir, is_systemd_path
+from cri_shim.runtime.cgroup_layout import CgroupLayout, cgroup_layout
+from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.gvisor import (
     CONTAINER_TYPE,
@@ -73,7 +76,6 @@ from cri_shim.runtime.sandbox_cgroups import (
     unappliable,
     write_cgroup,
 )
-from cri_shim.runtime.stats import oom_kill_count
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +138,11 @@ class RuntimeBackend:
         runtime_args: Sequence[str] = (),
         observe_call: CallObserver | None = None,
         monitors: MonitorWatch | None = None,
+        scopes: ConmonScopes | None = None,
     ) -> None:
         self.handler_name = handler_name
+        # The systemd cgroup driver's: conmon's scope, and the units a delete may leave.
+        self._scopes = scopes
         # None: conmon is not watched (tests of the runtime layer that need no watch).
         self._monitors = monitors
         self.runtime_path = _executable(runtime_path, "runtime")
@@ -233,8 +238,11 @@ class RuntimeBackend:
         meta = self._prepare(container_id, cdir, bundle, spec, log_path, tty)
         args = self._conmon_args(container_id, cdir, bundle, log_path, tty, stdin, stdin_once)
         report = await self._run_conmon(container_id, cdir, args)
-        self._record_conmon(cdir, meta)
-        return _pid_from_report(container_id, cdir, report)
+        conmon = self._record_conmon(cdir, meta)
+        pid = _pid_from_report(container_id, cdir, report)
+        if self._scopes is not None and conmon is not None:
+            await self._scopes.place(container_id, meta.cgroups_path, conmon.pid)
+        return pid
 
     def _conmon_args(
         self,
@@ -332,7 +340,7 @@ class RuntimeBackend:
                 os.close(sync_read)
         return report
 
-    def _record_conmon(self, cdir: Path, meta: _Meta) -> None:
+    def _record_conmon(self, cdir: Path, meta: _Meta) -> ProcessRef | None:
         """Add conmon's identity (pid and start time) to the container's meta.json, so that
         a later stop or restart can tell conmon from a process that reused its pid."""
         conmon = self._read_conmon_ref(cdir)
@@ -341,6 +349,7 @@ class RuntimeBackend:
                 **{**asdict(meta), "conmon_pid": conmon.pid, "conmon_start_time": conmon.start_time}
             )
             _write_atomic(cdir / "meta.json", json.dumps(asdict(meta)).encode())
+        return conmon
 
     def _prepare(
         self,
@@ -509,7 +518,9 @@ class RuntimeBackend:
             if meta is not None:
                 wake_waiter(Path(meta.bundle))  # one of a never-started container ends
         if meta is not None:
-            await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_root)
+            if self._scopes is not None:
+                await self._scopes.remove(container_id, meta.cgroups_path)
+            await asyncio.to_thread(remove_cgroups, meta.cgroups_path, self.cgroup_layout)
 
     async def _discard(self, container_id: str) -> None:
         """Undo a failed create. Errors are logged, not raised: the create's own error
@@ -693,19 +704,18 @@ class RuntimeBackend:
         meta = self._read_meta(container_id)
         if meta is None or not meta.cgroups_path:
             return False
-        count = oom_kill_count(
-            meta.cgroups_path, self.cgroup_root, cgroup_v2=self._host_limits().cgroup_v2
-        )
-        return count > 0
+        return self.cgroup_layout.oom_kills(cgroup_dir(meta.cgroups_path)) > 0
 
     def cgroups_path(self, container_id: str) -> str | None:
-        """The container's cgroup, relative to each hierarchy's root (as in its spec)."""
+        """The container's cgroup, relative to each hierarchy's root (its spec's
+        cgroupsPath, a systemd one resolved to its scope's directory)."""
         meta = self._read_meta(container_id)
-        return meta.cgroups_path if meta is not None and meta.cgroups_path else None
+        return (cgroup_dir(meta.cgroups_path) or None) if meta is not None else None
 
     @property
-    def cgroup_v2(self) -> bool:
-        return self._host_limits().cgroup_v2
+    def cgroup_layout(self) -> CgroupLayout:
+        """The host's cgroup layout (v1 or v2), through which its cgroups are read."""
+        return cgroup_layout(self.cgroup_root, v2=self._host_limits().cgroup_v2)
 
     def attach_socket(self, container_id: str) -> Path:
         """conmon's attach socket for the container: `attach` in its bundle. The path may
@@ -869,7 +879,7 @@ class RuntimeBackend:
     def _write_cgroup(self, cgroups_path: str, resources: Mapping[str, Any]) -> None:
         host = self._host_limits()
         write_cgroup(
-            cgroups_path,
+            cgroup_dir(cgroups_path),
             resources,
             v2=host.cgroup_v2,
             swap_accounting=host.swap_accounting,
@@ -904,24 +914,18 @@ class RuntimeBackend:
         return ProcessRef(pid, start[2]) if start is not None else None
 
 
-def remove_cgroups(cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup")) -> None:
+def remove_cgroups(cgroups_path: str, layout: CgroupLayout) -> None:
     """The empty cgroups of a deleted container, which its runtime's `delete` could not
     find: a runtime killed inside its `create` (a create past its budget, a daemon
     stopping while one was in flight: runc makes the cgroups, cpuset first on cgroup v1,
     before it writes the state that names them), and runsc on cgroup v1 for a container
     it never started or whose sandbox was gone. One still in use (not empty) stays. A
-    systemd cgroup (`slice:prefix:name`) is systemd's to remove."""
+    systemd cgroup (`slice:prefix:name`) is systemd's to remove, with its scope (which a
+    delete stops where it is left: runtime/conmon_scope.py)."""
     relative = cgroups_path.strip("/")
-    if not relative or ":" in relative:
+    if not relative or is_systemd_path(relative):
         return
-    if (cgroup_root / "cgroup.controllers").exists():
-        groups = [cgroup_root / relative]
-    else:
-        try:
-            groups = [hierarchy / relative for hierarchy in cgroup_root.iterdir()]
-        except FileNotFoundError:
-            return  # no cgroup file system here
-    for group in groups:
+    for group in layout.directories(relative):
         with contextlib.suppress(OSError):
             group.rmdir()
 

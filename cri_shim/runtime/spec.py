@@ -24,6 +24,7 @@ from cri_shim.pod_rules import namespaced_sysctls
 from cri_shim.runtime.apparmor import AppArmor
 from cri_shim.runtime.capabilities import CapabilitySet, resolve_capabilities
 from cri_shim.runtime.cdi_on_demand import CdiOnDemand
+from cri_shim.runtime.cgroup_driver import CGROUPFS_DRIVER, CgroupDriver
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
 from cri_shim.runtime.identity import EtcReader, ProcessIdentity, read_in_root, resolve_identity
 from cri_shim.runtime.resources import clamp_oom_score_adj, linux_resources
@@ -86,6 +87,8 @@ class SandboxContext:
     hosts_path: Path | None = None
     shm_path: Path | None = None
     cgroup_parent: str = ""
+    # The daemon's driver, which reads cgroup_parent (a path, or a slice for systemd's).
+    cgroup_driver: CgroupDriver = CGROUPFS_DRIVER
     privileged: bool = False
     run_as_user: int | None = None
     supplemental_groups: tuple[int, ...] = ()
@@ -263,7 +266,7 @@ def _linux(
     resources["devices"] = device_rules
     linux: dict[str, Any] = {
         "namespaces": container_namespaces(cfg, sandbox, target_pid_ns_path),
-        "cgroupsPath": cgroups_path(sandbox.cgroup_parent, container_id),
+        "cgroupsPath": cgroups_path(sandbox.cgroup_parent, container_id, sandbox.cgroup_driver),
         "resources": resources,
         "devices": devices,
         "maskedPaths": [] if privileged else list(sc.masked_paths or DEFAULT_MASKED_PATHS),
@@ -348,16 +351,12 @@ def container_working_dir(cfg: api_pb2.ContainerConfig, image: ImageConfigView) 
     return cwd
 
 
-def cgroups_path(cgroup_parent: str, container_id: str) -> str:
-    """For the cgroupfs driver: `<parent>/cri-shim-<id>`, or `/cri-shim/<id>` without one."""
-    if not cgroup_parent:
-        return f"/cri-shim/{container_id}"
-    if not cgroup_parent.startswith("/") or cgroup_parent.endswith(".slice"):
-        raise InvalidArgument(
-            f"cgroup_parent: {cgroup_parent!r} is not a cgroupfs path (the cgroup driver is "
-            "cgroupfs; configure kubelet with --cgroup-driver=cgroupfs)"
-        )
-    return f"{cgroup_parent.rstrip('/')}/cri-shim-{container_id}"
+def cgroups_path(
+    cgroup_parent: str, container_id: str, driver: CgroupDriver = CGROUPFS_DRIVER
+) -> str:
+    """`<parent>/cri-shim-<id>` for the cgroupfs driver, `<slice>:cri-shim:<id>` for
+    systemd's (runtime/cgroup_driver.py)."""
+    return driver.cgroups_path(cgroup_parent, container_id)
 
 
 def container_namespaces(

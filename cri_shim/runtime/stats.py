@@ -1,5 +1,6 @@
-"""Container statistics: CPU and memory from the container's cgroup (v1 or v2), and the
-disk use of its writable layer. CPU rates, which need the previous sample, are kept by
+"""Container statistics: the figures of a container's cgroup (read per layout by
+runtime/cgroup_layout.py), the small-file readers they use, and the disk use of its
+writable layer. CPU rates, which need the previous sample, are kept by
 inspection/cpu_rates.py.
 
 The mapping of CRI resource limits onto the cgroup (used by create and by
@@ -9,12 +10,9 @@ UpdateContainerResources) lives in runtime/resources.py.
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-
-# cgroup v1 mounts cpuacct alone or together with cpu, depending on the distribution.
-_CPUACCT_MOUNTS = ("cpuacct", "cpu,cpuacct", "cpuacct,cpu")
 
 
 @dataclass(frozen=True)
@@ -26,69 +24,25 @@ class CgroupStats:
     memory_rss_bytes: int | None
     page_faults: int | None
     major_page_faults: int | None
+    swap_usage_bytes: int | None = None
+    swap_limit_bytes: int | None = None  # None: no limit of its own
+    # "cpu", "memory", "io" -> their pressure stall figures (cgroup v2 only).
+    pressure: Mapping[str, PressureStall] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PressureStall:
+    """One PSI file: (total µs stalled, avg10, avg60, avg300 in %) of some tasks stalled,
+    and of all (`full`, absent where the kernel has no such line)."""
+
+    some: tuple[int, float, float, float]
+    full: tuple[int, float, float, float] | None
 
 
 @dataclass(frozen=True)
 class LayerUsage:
     used_bytes: int  # blocks allocated, not apparent sizes: sparse files count as they use
     inodes_used: int
-
-
-def read_cgroup_stats(
-    cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup"), *, cgroup_v2: bool | None = None
-) -> CgroupStats:
-    """Read what exists; a missing file (a controller not mounted, the container already
-    deleted) gives None for that value rather than an error."""
-    relative = cgroups_path.lstrip("/")
-    if cgroup_v2 is None:
-        cgroup_v2 = (cgroup_root / "cgroup.controllers").exists()
-    now = time.time_ns()
-    if cgroup_v2:
-        group = cgroup_root / relative
-        cpu = read_flat_keyed(group / "cpu.stat")
-        memory = read_flat_keyed(group / "memory.stat")
-        usage = read_int(group / "memory.current")
-        usage_usec = cpu.get("usage_usec")
-        return CgroupStats(
-            timestamp_ns=now,
-            cpu_usage_ns=usage_usec * 1000 if usage_usec is not None else None,
-            memory_usage_bytes=usage,
-            memory_working_set_bytes=_working_set(usage, memory.get("inactive_file")),
-            memory_rss_bytes=memory.get("anon"),
-            page_faults=memory.get("pgfault"),
-            major_page_faults=memory.get("pgmajfault"),
-        )
-    cpu_usage = None
-    for mount in _CPUACCT_MOUNTS:
-        cpu_usage = read_int(cgroup_root / mount / relative / "cpuacct.usage")
-        if cpu_usage is not None:
-            break
-    group = cgroup_root / "memory" / relative
-    memory = read_flat_keyed(group / "memory.stat")
-    usage = read_int(group / "memory.usage_in_bytes")
-    return CgroupStats(
-        timestamp_ns=now,
-        cpu_usage_ns=cpu_usage,
-        memory_usage_bytes=usage,
-        # total_* include child cgroups, which is what a container's figure must cover.
-        memory_working_set_bytes=_working_set(usage, memory.get("total_inactive_file")),
-        memory_rss_bytes=memory.get("total_rss"),
-        page_faults=memory.get("total_pgfault"),
-        major_page_faults=memory.get("total_pgmajfault"),
-    )
-
-
-def oom_kill_count(
-    cgroups_path: str, cgroup_root: Path = Path("/sys/fs/cgroup"), *, cgroup_v2: bool
-) -> int:
-    """How many processes of the cgroup the kernel's OOM killer killed (kernel >= 4.13
-    on v1). Zero when the cgroup is gone."""
-    relative = cgroups_path.lstrip("/")
-    if cgroup_v2:
-        counters = read_flat_keyed(cgroup_root / relative / "memory.events")
-    else:
-        counters = read_flat_keyed(cgroup_root / "memory" / relative / "memory.oom_control")
-    return counters.get("oom_kill", 0)
 
 
 def writable_layer_usage(upper_dir: Path) -> LayerUsage:
@@ -124,12 +78,6 @@ def writable_layer_usage(upper_dir: Path) -> LayerUsage:
             if entry.is_dir(follow_symlinks=False):
                 pending.append(entry.path)
     return LayerUsage(used_bytes=used, inodes_used=inodes)
-
-
-def _working_set(usage: int | None, inactive_file: int | None) -> int | None:
-    if usage is None:
-        return None
-    return max(0, usage - (inactive_file or 0))
 
 
 def read_small_file(path: Path) -> bytes:

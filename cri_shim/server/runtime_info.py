@@ -67,6 +67,7 @@ async def status(
                 "root": str(view.config.root),
                 "run_root": str(view.config.run_root),
                 "cgroup_manager": view.config.cgroup_manager,
+                "conmon_cgroup": view.config.conmon_cgroup,
                 "keep_on_timeout": view.config.creation.keep_on_timeout,
                 "hand_off": view.config.creation.hand_off,
             },
@@ -95,9 +96,11 @@ def _features(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
 async def runtime_config(
     view: RuntimeView, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
 ) -> api_pb2.RuntimeConfigResponse:
-    # The one driver the configuration accepts (a systemd one stops the start).
+    # kubelet (KubeletCgroupDriverFromCRI) takes its driver from this answer: the one the
+    # daemon resolved at its start (config.cgroup_manager, `auto` no longer).
+    driver = api_pb2.SYSTEMD if view.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
     return api_pb2.RuntimeConfigResponse(
-        linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=api_pb2.CGROUPFS)
+        linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver)
     )
 
 

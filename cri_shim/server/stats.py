@@ -13,6 +13,7 @@ from cri_shim.server import listing
 from cri_shim.server.listing import selected
 
 if TYPE_CHECKING:
+    from cri_shim.inspection.host import PressureStall
     from cri_shim.inspection.usage import ContainerUsage, PodNetwork, PodUsage
     from cri_shim.server.views import RuntimeView
 
@@ -39,6 +40,7 @@ def _container_stats(view: RuntimeView, usage: ContainerUsage) -> api_pb2.Contai
                 timestamp=cg.timestamp_ns,
                 usage_core_nano_seconds=_u64(cg.cpu_usage_ns),
                 usage_nano_cores=_u64(usage.cpu_nano_cores),
+                psi=_psi(cg.pressure.get("cpu")),
             )
         )
         stats.memory.CopyFrom(
@@ -49,8 +51,24 @@ def _container_stats(view: RuntimeView, usage: ContainerUsage) -> api_pb2.Contai
                 rss_bytes=_u64(cg.memory_rss_bytes),
                 page_faults=_u64(cg.page_faults),
                 major_page_faults=_u64(cg.major_page_faults),
+                psi=_psi(cg.pressure.get("memory")),
             )
         )
+        if cg.swap_usage_bytes is not None:
+            available = None
+            if cg.swap_limit_bytes is not None:
+                available = max(0, cg.swap_limit_bytes - cg.swap_usage_bytes)
+            stats.swap.CopyFrom(
+                api_pb2.SwapUsage(
+                    timestamp=cg.timestamp_ns,
+                    swap_usage_bytes=_u64(cg.swap_usage_bytes),
+                    swap_available_bytes=_u64(available),
+                )
+            )
+        if "io" in cg.pressure:
+            stats.io.CopyFrom(
+                api_pb2.IoUsage(timestamp=cg.timestamp_ns, psi=_psi(cg.pressure["io"]))
+            )
     stats.writable_layer.CopyFrom(
         api_pb2.FilesystemUsage(
             # kubelet dates the figures by it: without one they would read as of 1970.
@@ -61,6 +79,20 @@ def _container_stats(view: RuntimeView, usage: ContainerUsage) -> api_pb2.Contai
         )
     )
     return stats
+
+
+def _psi(stall: PressureStall | None) -> api_pb2.PsiStats | None:
+    """cgroup v2's pressure stall figures (total in microseconds, as the kernel counts)."""
+    if stall is None:
+        return None
+
+    def data(line: tuple[int, float, float, float]) -> api_pb2.PsiData:
+        total, avg10, avg60, avg300 = line
+        return api_pb2.PsiData(Total=total, Avg10=avg10, Avg60=avg60, Avg300=avg300)
+
+    return api_pb2.PsiStats(
+        Some=data(stall.some), Full=data(stall.full) if stall.full is not None else None
+    )
 
 
 async def container_stats(

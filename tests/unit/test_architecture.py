@@ -336,6 +336,7 @@ def names_from(prefix: str) -> Iterator[tuple[str, str, str]]:
 EDGE_MAY_RECEIVE = {
     ("cri_shim.runtime.cgroup_metrics", "CgroupFigures"),
     ("cri_shim.runtime.stats", "CgroupStats"),
+    ("cri_shim.runtime.stats", "PressureStall"),
     ("cri_shim.runtime.stats", "LayerUsage"),
     ("cri_shim.network.netdev", "InterfaceCounters"),
     ("cri_shim.network.netdev", "NetnsCounters"),

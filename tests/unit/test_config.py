@@ -24,7 +24,7 @@ def test_defaults_match_the_documented_contract() -> None:
     assert cfg.listen == "unix:///run/cri-shim/cri-shim.sock"
     assert cfg.root == Path("/var/lib/cri-shim")
     assert cfg.run_root == Path("/run/cri-shim")
-    assert cfg.cgroup_manager == "cgroupfs"
+    assert cfg.cgroup_manager == "auto"
     assert cfg.network.config_dir == Path("/etc/cni/net.d")
     assert cfg.network.bin_dirs == [Path("/usr/lib/cni"), Path("/opt/cni/bin")]
     assert cfg.network.setup_timeout == 300
@@ -136,13 +136,23 @@ def test_errors_name_the_key(data: dict[str, object], key: str) -> None:
     assert str(info.value).startswith(key)
 
 
-def test_the_systemd_cgroup_driver_is_refused_with_what_to_use() -> None:
-    # Accepted, it would be reported to kubelet while every pod under a .slice parent fails.
-    with pytest.raises(ConfigError) as info:
-        config_from_dict({"cgroup_manager": "systemd"})
-    message = str(info.value)
-    assert message.startswith("cgroup_manager: the systemd cgroup driver is not supported")
-    assert '"cgroupfs"' in message and "--cgroup-driver=cgroupfs" in message
+@pytest.mark.parametrize("manager", ["auto", "cgroupfs", "systemd"])
+def test_every_cgroup_driver_is_accepted_as_written(manager: str) -> None:
+    # Resolved against the host when the daemon starts (runtime/cgroup_driver.py).
+    assert config_from_dict({"cgroup_manager": manager}).cgroup_manager == manager
+
+
+@pytest.mark.parametrize("value", ["", "pod", "system.slice", "kubepods-conmon.slice"])
+def test_conmon_cgroup_takes_pod_or_a_slice(value: str) -> None:
+    assert config_from_dict({"conmon_cgroup": value}).conmon_cgroup == value
+
+
+@pytest.mark.parametrize(
+    "value", ["/system.slice", "system", "-a.slice", "a--b.slice", "a b.slice"]
+)
+def test_conmon_cgroup_refuses_what_is_no_slice(value: str) -> None:
+    with pytest.raises(ConfigError, match=r'^conmon_cgroup: expected "pod" or a systemd slice'):
+        config_from_dict({"conmon_cgroup": value})
 
 
 def test_printed_config_loads_back_to_the_same(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from cri_shim.inspection.cpu_rates import CpuRates
 from cri_shim.inspection.host import HostReader
 from cri_shim.inspection.layer_usage import LayerUsageCache
 from cri_shim.inspection.usage import PodFigures, UsageCollector
+from cri_shim.runtime.cgroup_layout import CgroupLayout, cgroup_layout
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 
 T = TypeVar("T")
@@ -31,7 +32,10 @@ class FakeBackend:
     """A runtime handler as the reader uses it: where a container's cgroup is."""
 
     cgroup_root: Path
-    cgroup_v2: bool = True
+
+    @property
+    def cgroup_layout(self) -> CgroupLayout:
+        return cgroup_layout(self.cgroup_root, v2=True)
 
     def cgroups_path(self, container_id: str) -> str | None:
         return f"/pods/{container_id}"

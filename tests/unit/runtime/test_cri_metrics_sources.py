@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cri_shim.network.netdev import parse_net_dev
-from cri_shim.runtime.cgroup_metrics import read_cgroup_figures
+from cri_shim.runtime.cgroup_layout import cgroup_layout
 from cri_shim.server.metrics_cri import metric_descriptors
 
 # Real /proc/net/dev lines, with the runs of spaces squeezed (the parser splits on any).
@@ -44,7 +44,7 @@ def test_cgroup_v1_figures(tmp_path: Path) -> None:
     _write(memory / "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
     _write(tmp_path / "pids" / group[1:] / "cgroup.procs", "10\n11\n")
     _write(tmp_path / "pids" / group[1:] / "tasks", "10\n11\n12\n")
-    figures = read_cgroup_figures(group, tmp_path, cgroup_v2=False)
+    figures = cgroup_layout(tmp_path, v2=False).figures(group)
     assert (figures.cpu_usage_ns, figures.cpu_user_ns, figures.cpu_system_ns) == (
         3_000_000_000,
         2_000_000_000,
@@ -63,7 +63,7 @@ def test_cgroup_v2_figures_and_missing_files(tmp_path: Path) -> None:
     _write(group / "memory.max", "max\n")
     _write(group / "memory.stat", "anon 4000\nfile 700\ninactive_file 200\n")
     _write(group / "cgroup.procs", "1\n")
-    figures = read_cgroup_figures("/kubepods/c1", tmp_path, cgroup_v2=True)
+    figures = cgroup_layout(tmp_path, v2=True).figures("/kubepods/c1")
     assert (figures.cpu_usage_ns, figures.cpu_user_ns, figures.cpu_system_ns) == (
         3_000_000,
         2_000_000,
@@ -72,7 +72,7 @@ def test_cgroup_v2_figures_and_missing_files(tmp_path: Path) -> None:
     assert (figures.memory_working_set_bytes, figures.memory_cache_bytes) == (4800, 700)
     assert figures.memory_limit_bytes is None and figures.memory_max_usage_bytes is None
     assert figures.processes == 1 and figures.threads is None  # no cgroup.threads: unknown
-    gone = read_cgroup_figures("/kubepods/gone", tmp_path, cgroup_v2=True)
+    gone = cgroup_layout(tmp_path, v2=True).figures("/kubepods/gone")
     assert gone.cpu_usage_ns is None and gone.processes is None
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
+from cri_shim.runtime.cgroup_layout import cgroup_layout
 from cri_shim.runtime.conmon import RuntimeBackend, remove_cgroups
 from tests.crilog import Stream, join_partials, read_records
 from tests.waiting import until
@@ -154,7 +155,7 @@ async def test_delete_removes_the_cgroups_a_runtime_killed_inside_create_left(
 
 def test_systemd_cgroups_are_left_to_systemd(tmp_path: Path) -> None:
     (tmp_path / "cpu" / "system.slice" / "cri-shim-c.scope").mkdir(parents=True)
-    remove_cgroups("system.slice:cri-shim:c", tmp_path)
+    remove_cgroups("system.slice:cri-shim:c", cgroup_layout(tmp_path, v2=False))
     assert (tmp_path / "cpu" / "system.slice" / "cri-shim-c.scope").exists()
 
 

@@ -9,9 +9,10 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
+from cri_shim.runtime.cgroup_layout import cgroup_layout
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.resources import linux_resources
-from cri_shim.runtime.stats import oom_kill_count, read_cgroup_stats, writable_layer_usage
+from cri_shim.runtime.stats import writable_layer_usage
 
 
 def write(path: Path, text: str) -> None:
@@ -29,7 +30,7 @@ def test_cgroup_v1(tmp_path: Path, cpuacct_mount: str) -> None:
         "cache 5\nrss 7\ninactive_file 999\ntotal_rss 3000000\ntotal_inactive_file 4000000\n"
         "total_pgfault 77\ntotal_pgmajfault 2\n",
     )
-    stats = read_cgroup_stats(f"/{group}", tmp_path, cgroup_v2=False)
+    stats = cgroup_layout(tmp_path, v2=False).stats(f"/{group}")
     assert stats.cpu_usage_ns == 123456789
     assert stats.memory_usage_bytes == 10_000_000
     assert stats.memory_working_set_bytes == 6_000_000  # usage - total_inactive_file
@@ -46,7 +47,7 @@ def test_cgroup_v2(tmp_path: Path) -> None:
     write(
         group / "memory.stat", "anon 3000\nfile 5000\ninactive_file 9000\npgfault 5\npgmajfault 1\n"
     )
-    stats = read_cgroup_stats("/cri-shim/c1", tmp_path)  # v2 detected from the root
+    stats = cgroup_layout(tmp_path).stats("/cri-shim/c1")  # v2 detected from the root
     assert stats.cpu_usage_ns == 1_500_000
     assert stats.memory_usage_bytes == 8000
     assert stats.memory_working_set_bytes == 0  # never negative
@@ -55,7 +56,7 @@ def test_cgroup_v2(tmp_path: Path) -> None:
 
 
 def test_missing_cgroup_gives_none(tmp_path: Path) -> None:
-    stats = read_cgroup_stats("/gone", tmp_path, cgroup_v2=False)
+    stats = cgroup_layout(tmp_path, v2=False).stats("/gone")
     assert stats.cpu_usage_ns is None and stats.memory_working_set_bytes is None
 
 
@@ -65,9 +66,9 @@ def test_oom_kill_count(tmp_path: Path) -> None:
         "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
     )
     write(tmp_path / "g" / "memory.events", "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n")
-    assert oom_kill_count("/g", tmp_path, cgroup_v2=False) == 2
-    assert oom_kill_count("/g", tmp_path, cgroup_v2=True) == 1
-    assert oom_kill_count("/none", tmp_path, cgroup_v2=False) == 0
+    assert cgroup_layout(tmp_path, v2=False).oom_kills("/g") == 2
+    assert cgroup_layout(tmp_path, v2=True).oom_kills("/g") == 1
+    assert cgroup_layout(tmp_path, v2=False).oom_kills("/none") == 0
 
 
 def test_writable_layer_usage_counts_blocks_and_hard_links_once(tmp_path: Path) -> None:

@@ -1,0 +1,73 @@
+"""Where conmon runs under the systemd cgroup driver, and the units a container leaves.
+
+Each conmon is moved, once it has made its container, into a transient scope of its own,
+`cri-shim-conmon-<id>.scope`, in the slice `conmon_cgroup` names (`system.slice` by
+default, the pod's slice for `pod`), as CRI-O does: out of cri-shim.service's cgroup, so
+that the service's unit owns the daemon alone, and visible to systemd as what it is. The
+scope ends with conmon (systemd collects an empty scope).
+
+A container's own scope (`cri-shim-<id>.scope`) is runc's: `runc delete` stops it. A
+runtime killed inside its `create` may leave it behind, so a delete stops it too (one
+already gone is fine).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cri_shim.errors import Internal
+from cri_shim.host.systemd_manager import SystemdManager
+from cri_shim.runtime.cgroup_driver import (
+    DEFAULT_SYSTEMD_PARENT,
+    SCOPE_PREFIX,
+    is_systemd_path,
+    scope_unit,
+    slice_of,
+)
+
+log = logging.getLogger(__name__)
+
+# conmon_cgroup's value for "the pod's slice".
+POD = "pod"
+
+
+def conmon_unit(container_id: str) -> str:
+    return f"{SCOPE_PREFIX}-conmon-{container_id}.scope"
+
+
+def conmon_slice(conmon_cgroup: str, cgroups_path: str) -> str:
+    """The slice a container's conmon goes in: the configured one, or its pod's."""
+    if conmon_cgroup == POD:
+        return slice_of(cgroups_path)
+    return conmon_cgroup or DEFAULT_SYSTEMD_PARENT
+
+
+class ConmonScopes:
+    """conmon's placement, and the units a deleted container leaves, through systemd."""
+
+    def __init__(self, systemd: SystemdManager, conmon_cgroup: str = "") -> None:
+        self._systemd = systemd
+        self._conmon_cgroup = conmon_cgroup
+
+    async def place(self, container_id: str, cgroups_path: str, conmon_pid: int) -> None:
+        await self._systemd.start_scope(
+            conmon_unit(container_id),
+            conmon_slice(self._conmon_cgroup, cgroups_path),
+            conmon_pid,
+            f"cri-shim conmon of container {container_id}",
+        )
+
+    async def remove(self, container_id: str, cgroups_path: str) -> None:
+        """Stop the container's scope where its runtime left it."""
+        if not is_systemd_path(cgroups_path):
+            return
+        unit = scope_unit(cgroups_path)
+        try:
+            if await self._systemd.stop_unit(unit):
+                log.info("stopped %s, left by container %s's runtime", unit, container_id)
+        except Internal as err:
+            # The container itself is gone; an empty scope is systemd's to collect.
+            log.warning("could not stop %s of container %s: %s", unit, container_id, err)
+
+    async def close(self) -> None:
+        await self._systemd.close()

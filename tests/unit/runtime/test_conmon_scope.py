@@ -1,0 +1,85 @@
+"""conmon's placement under the systemd driver, through RuntimeBackend over the test
+doubles and a fake of systemd's bus: each conmon is moved into its own scope in the
+configured slice once it has made its container, a failed placement undoes the create,
+and a delete stops the container's scope where its runtime left it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from runtime_spec_inputs import STUB_DIR
+
+from cri_shim.errors import Internal
+from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.conmon_scope import ConmonScopes
+from cri_shim.runtime.host_limits import HostLimits
+from tests.fake_systemd import FakeSystemdBus, manager_on
+from tests.unit.runtime.test_runtime_backend import spec_for
+
+POD_SLICE = "kubepods-besteffort-pod1.slice"
+
+
+@pytest.fixture
+async def systemd_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+) -> AsyncIterator[tuple[RuntimeBackend, FakeSystemdBus]]:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    bus = FakeSystemdBus()
+    backend = RuntimeBackend(
+        "stub",
+        STUB_DIR / "fake-oci-runtime",
+        tmp_path / "runtime-root",
+        STUB_DIR / "conmon-stub",
+        tmp_path / "state",
+        cgroup_root=tmp_path / "cgroup",
+        host=host,
+        call_timeout=60,
+        create_timeout=60,  # bounds, not expectations: the doubles are slow under emulation
+        scopes=ConmonScopes(manager_on(bus), "pod"),
+    )
+    yield backend, bus
+    for leftover in (tmp_path / "state" / "containers").iterdir():
+        await backend.delete(leftover.name)
+
+
+async def create_in_slice(backend: RuntimeBackend, tmp_path: Path, cid: str) -> int:
+    spec = spec_for(tmp_path, "sleep 30")
+    spec["linux"]["cgroupsPath"] = f"{POD_SLICE}:cri-shim:{cid}"
+    return await backend.create(
+        cid, tmp_path / "bundles" / cid, spec, tmp_path / f"{cid}.log", False, False
+    )
+
+
+async def test_conmon_is_placed_in_a_scope_of_the_pods_slice(
+    systemd_backend: tuple[RuntimeBackend, FakeSystemdBus], tmp_path: Path
+) -> None:
+    backend, bus = systemd_backend
+    await create_in_slice(backend, tmp_path, "c1")
+    conmon_pid = int((tmp_path / "state" / "containers" / "c1" / "conmon.pid").read_text())
+    scope = bus.units["cri-shim-conmon-c1.scope"]
+    assert scope["Slice"] == POD_SLICE and scope["PIDs"] == [conmon_pid]
+
+
+async def test_delete_stops_the_container_scope_the_runtime_left(
+    systemd_backend: tuple[RuntimeBackend, FakeSystemdBus], tmp_path: Path
+) -> None:
+    backend, bus = systemd_backend
+    await create_in_slice(backend, tmp_path, "c1")
+    bus.units["cri-shim-c1.scope"] = {}  # as runc killed within its create leaves it
+    await backend.delete("c1")
+    assert "cri-shim-c1.scope" not in bus.units
+    assert ["cri-shim-c1.scope", "replace"] in [m.body for m in bus.calls if m.member == "StopUnit"]
+
+
+async def test_a_failed_placement_undoes_the_create(
+    systemd_backend: tuple[RuntimeBackend, FakeSystemdBus], tmp_path: Path
+) -> None:
+    backend, bus = systemd_backend
+    bus.job_result = "failed"
+    with pytest.raises(Internal, match=r"could not start cri-shim-conmon-c1\.scope"):
+        await create_in_slice(backend, tmp_path, "c1")
+    assert list((tmp_path / "state" / "containers").iterdir()) == []
