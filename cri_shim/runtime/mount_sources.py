@@ -94,7 +94,14 @@ def pin_bind_sources(
                 index = wanted.get((destination, entry.get("source")))
                 if index is not None:
                     field_name = f"mounts[{index}].host_path"
-                    point = _pin(entry["source"], str(index), field_name, pinned, userns_fd)
+                    point = _pin(
+                        entry["source"],
+                        str(index),
+                        field_name,
+                        pinned,
+                        userns_fd,
+                        bidirectional="rshared" in entry.get("options", ()),
+                    )
                 elif userns_fd is not None and destination not in image_volumes:
                     field_name = f"the pod's mount at {destination}"
                     point = _pin(entry["source"], f"pod-{number}", field_name, pinned, userns_fd)
@@ -112,7 +119,13 @@ def _is_image_volume(mount: api_pb2.Mount) -> bool:
 
 
 def _pin(
-    host_path: str, name: str, field_name: str, pinned: PinnedSources, userns_fd: int | None
+    host_path: str,
+    name: str,
+    field_name: str,
+    pinned: PinnedSources,
+    userns_fd: int | None,
+    *,
+    bidirectional: bool = False,
 ) -> Path:
     try:
         # O_PATH: no read permission needed and nothing is opened for I/O; symlinks are
@@ -140,6 +153,12 @@ def _pin(
             return point
         # MS_REC: what is mounted below the host path comes along, as `rbind` asks.
         mounts.mount(f"/proc/self/fd/{fd}", point, None, mounts.MS_BIND | mounts.MS_REC)
+        if not bidirectional:
+            # The copy of a shared host path (everything on a node whose `/` systemd made
+            # shared) is a peer of it: detaching the staging copy would unmount, on the
+            # host, the mounts below the host path. A slave still receives the host's
+            # mounts (HostToContainer) and sends nothing back.
+            mounts.mount(None, point, None, mounts.MS_SLAVE | mounts.MS_REC)
         return point
     finally:
         os.close(fd)

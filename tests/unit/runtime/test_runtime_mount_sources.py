@@ -80,3 +80,38 @@ def test_a_vanished_host_path_is_named(host: Path) -> None:
         pin_bind_sources(spec_for(requested), requested, host / "bundle" / "mounts")
     # The first pin was undone with the failure.
     assert [p for p in mounts.mount_points() if host in p.parents] == []
+
+
+@pytest.fixture
+def shared_host(tmp_path: Path) -> Iterator[Path]:
+    """`tmp_path` as on a node where systemd made `/` shared: a shared mount, holding a
+    mounted host path with a mount below it."""
+    mounts.mount(str(tmp_path), tmp_path, None, mounts.MS_BIND)
+    try:
+        mounts.mount(None, tmp_path, None, mounts.MS_SHARED)
+        source = tmp_path / "volume"
+        source.mkdir()
+        mounts.mount_tmpfs(source, size=1 << 20)
+        (source / "below").mkdir()
+        mounts.mount_tmpfs(source / "below", size=1 << 20)
+        yield tmp_path
+    finally:
+        mounts.unmount_below(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "propagation", [api_pb2.PROPAGATION_PRIVATE, api_pb2.PROPAGATION_HOST_TO_CONTAINER]
+)
+def test_releasing_a_shared_source_leaves_the_host_mounts(
+    shared_host: Path, propagation: int
+) -> None:
+    requested = [
+        api_pb2.Mount(
+            container_path="/data", host_path=str(shared_host / "volume"), propagation=propagation
+        )
+    ]
+    pinned = pin_bind_sources(spec_for(requested), requested, shared_host / "bundle" / "mounts")
+    pinned.release()
+    # Detaching the staging copy did not propagate back to the host path it copied.
+    assert mounts.is_mounted(shared_host / "volume" / "below")
+    assert mounts.is_mounted(shared_host / "volume")
