@@ -60,6 +60,11 @@ def cgroup_hierarchies() -> list[Path]:
     return found
 
 
+def cgroup_v2() -> bool:
+    """The unified hierarchy is mounted at /sys/fs/cgroup (a v2 host, not v1 or hybrid)."""
+    return Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
 def node_ip() -> str | None:
     """The address the host sends from on its default route (chosen by the kernel for a
     UDP socket connected to a documentation address: nothing is sent), or None on a host
@@ -135,7 +140,9 @@ class Kubelet:
             "--enforce-node-allocatable=pods",
             f"--cgroup-root={self.cgroup_root}",
             "--fail-swap-on=false",
-            "--fail-cgroupv1=false",
+            # On a cgroup v2 host kubelet is held to what production nodes are: it refuses
+            # to start on v1. This machine's v1 hybrid hierarchy needs the flag off.
+            f"--fail-cgroupv1={'true' if cgroup_v2() else 'false'}",
             f"--root-dir={self.root}",
             f"--cert-dir={self.root / 'pki'}",
             f"--hostname-override={self.node}",
