@@ -15,6 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
+# Under emulation a daemon takes 20-60 s to import, restore and serve (tests/harness.py).
+export CRI_SHIM_TEST_START_TIMEOUT=240
 
 echo "lane: $(uname -r), cgroup $(stat -fc %T /sys/fs/cgroup), $(systemctl --version | head -1)"
 failed=()
