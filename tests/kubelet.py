@@ -223,9 +223,10 @@ class Kubelet:
             path = hierarchy / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             # A new v1 cpuset has no CPUs and no memory nodes: nothing could run below it.
+            # (An empty one on v2 uses its parent's; the v2 root has none to copy.)
             for name in ("cpuset.cpus", "cpuset.mems"):
                 mine = path / name
-                if mine.exists() and not mine.read_text().strip():
+                if (hierarchy / name).exists() and mine.exists() and not mine.read_text().strip():
                     mine.write_text((hierarchy / name).read_text())
 
     def cgroups(self) -> list[Path]:
