@@ -65,6 +65,22 @@ def cgroup_v2() -> bool:
     return Path("/sys/fs/cgroup/cgroup.controllers").exists()
 
 
+def delegate_every_controller(hierarchy: Path) -> None:
+    """On cgroup v2, every controller the root has enabled for its children, as a node
+    running kubelet with the cgroupfs driver has it: kubelet refuses a `--cgroup-root`
+    without cpu, cpuset or hugetlb, which systemd enables at the root only for a unit that
+    asks (a boot with no Delegate= unit started leaves `io memory pids`)."""
+    subtree = hierarchy / "cgroup.subtree_control"
+    if not subtree.exists():
+        return
+    enabled = set(subtree.read_text().split())
+    missing = [
+        c for c in (hierarchy / "cgroup.controllers").read_text().split() if c not in enabled
+    ]
+    if missing:
+        subtree.write_text(" ".join(f"+{controller}" for controller in missing))
+
+
 def node_ip() -> str | None:
     """The address the host sends from on its default route (chosen by the kernel for a
     UDP socket connected to a documentation address: nothing is sent), or None on a host
@@ -220,6 +236,7 @@ class Kubelet:
     def make_cgroup_root(self) -> None:
         """kubelet refuses a `--cgroup-root` that does not exist in every hierarchy."""
         for hierarchy in cgroup_hierarchies():
+            delegate_every_controller(hierarchy)
             path = hierarchy / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             # A new v1 cpuset has no CPUs and no memory nodes: nothing could run below it.
