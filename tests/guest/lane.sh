@@ -17,6 +17,8 @@ cd "$(dirname "$0")/../.."
 export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
 # Under emulation a daemon takes 20-60 s to import, restore and serve (tests/harness.py).
 export CRI_SHIM_TEST_START_TIMEOUT=240
+# And a sandbox takes 10-20 s to make: the scenarios' waits are scaled (tests/waiting.py).
+export CRI_SHIM_TEST_TIME_SCALE=4
 
 echo "lane: $(uname -r), cgroup $(stat -fc %T /sys/fs/cgroup), $(systemctl --version | head -1)"
 failed=()
