@@ -48,16 +48,28 @@ def bind_exited_object(names: ObjectNames, object_id: str) -> None:
             return
 
 
-def notify_systemd(message: str) -> None:
-    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (Type=notify)."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.connect(address)
-        sock.sendall(message.encode())
+class SystemdNotifier:
+    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (Type=notify).
+
+    The address is taken out of the environment when the daemon starts, as
+    sd_notify(unset_environment=1) does: everything the daemon starts (runc, conmon, CNI
+    and NRI plugins) would otherwise inherit it, and runc reads a NOTIFY_SOCKET in its
+    environment as the container's own, binds a relay for it under its state directory
+    and holds `runc start` until the container says READY=1.
+    """
+
+    def __init__(self) -> None:
+        self.address = os.environ.pop("NOTIFY_SOCKET", None)
+
+    def notify(self, message: str) -> None:
+        if not self.address:
+            return
+        address = self.address
+        if address.startswith("@"):
+            address = "\0" + address[1:]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
 
 
 async def restore(graph: Graph) -> None:
@@ -98,6 +110,7 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._metrics: MetricsExporter | None = None
+        self.systemd = SystemdNotifier()
 
     async def start(self) -> None:
         # A worker thread busy in Python (checking a large request, walking a layer)
@@ -160,7 +173,7 @@ class Daemon:
         # passes, which hold the loop for as long as they walk the heap.
         gc.freeze()
         log.info("serving CRI on %s", self.config.listen)
-        notify_systemd("READY=1\nSTATUS=serving")
+        self.systemd.notify("READY=1\nSTATUS=serving")
 
     async def _bind(self) -> None:
         limits = self.config.requests
@@ -192,7 +205,7 @@ class Daemon:
         await self._stopping.wait()
 
     async def stop(self) -> None:
-        notify_systemd("STOPPING=1")
+        self.systemd.notify("STOPPING=1")
         if self.graph is not None:
             self.graph.sandboxes.events.close()
         if self._server is not None:

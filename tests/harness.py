@@ -31,6 +31,9 @@ from tests.waiting import wait_until as wait_until  # for the daemon tests
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_CNI_BIN = REPO / "tests" / "fixtures" / "cni"
 BUSYBOX_IMAGE = "docker.io/library/busybox:latest"
+# How long a started daemon may take to serve. An emulated guest (scripts/guest) imports
+# and restores several times slower than a host: its lane raises it.
+START_TIMEOUT = float(os.environ.get("CRI_SHIM_TEST_START_TIMEOUT", "30"))
 
 
 def import_command(config: Path, layout: Path, name: str | None = None) -> list[str]:
@@ -236,7 +239,7 @@ class Daemon:
                 data[key] = value
         self.config_path.write_text(tomli_w.dumps(data))
 
-    def start(self, wait: bool = True, timeout: float = 30.0) -> None:
+    def start(self, wait: bool = True, timeout: float = START_TIMEOUT) -> None:
         self.write_config()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         log = open(self.log_path, "ab")
@@ -259,7 +262,7 @@ class Daemon:
         if wait:
             self.wait_serving(timeout)
 
-    def wait_serving(self, timeout: float = 30.0) -> None:
+    def wait_serving(self, timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:

@@ -61,6 +61,27 @@ def cgroup_hierarchies() -> list[Path]:
     return found
 
 
+def cgroup_v2() -> bool:
+    """The unified hierarchy is mounted at /sys/fs/cgroup (a v2 host, not v1 or hybrid)."""
+    return Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
+def delegate_every_controller(hierarchy: Path) -> None:
+    """On cgroup v2, every controller the root has enabled for its children, as a node
+    running kubelet with the cgroupfs driver has it: kubelet refuses a `--cgroup-root`
+    without cpu, cpuset or hugetlb, which systemd enables at the root only for a unit that
+    asks (a boot with no Delegate= unit started leaves `io memory pids`)."""
+    subtree = hierarchy / "cgroup.subtree_control"
+    if not subtree.exists():
+        return
+    enabled = set(subtree.read_text().split())
+    missing = [
+        c for c in (hierarchy / "cgroup.controllers").read_text().split() if c not in enabled
+    ]
+    if missing:
+        subtree.write_text(" ".join(f"+{controller}" for controller in missing))
+
+
 def node_ip() -> str | None:
     """The address the host sends from on its default route (chosen by the kernel for a
     UDP socket connected to a documentation address: nothing is sent), or None on a host
@@ -136,7 +157,9 @@ class Kubelet:
             "--enforce-node-allocatable=pods",
             f"--cgroup-root={self.cgroup_root}",
             "--fail-swap-on=false",
-            "--fail-cgroupv1=false",
+            # On a cgroup v2 host kubelet is held to what production nodes are: it refuses
+            # to start on v1. This machine's v1 hybrid hierarchy needs the flag off.
+            f"--fail-cgroupv1={'true' if cgroup_v2() else 'false'}",
             f"--root-dir={self.root}",
             f"--cert-dir={self.root / 'pki'}",
             f"--hostname-override={self.node}",
@@ -214,12 +237,14 @@ class Kubelet:
     def make_cgroup_root(self) -> None:
         """kubelet refuses a `--cgroup-root` that does not exist in every hierarchy."""
         for hierarchy in cgroup_hierarchies():
+            delegate_every_controller(hierarchy)
             path = hierarchy / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             # A new v1 cpuset has no CPUs and no memory nodes: nothing could run below it.
+            # (An empty one on v2 uses its parent's; the v2 root has none to copy.)
             for name in ("cpuset.cpus", "cpuset.mems"):
                 mine = path / name
-                if mine.exists() and not mine.read_text().strip():
+                if (hierarchy / name).exists() and mine.exists() and not mine.read_text().strip():
                     mine.write_text((hierarchy / name).read_text())
 
     def cgroups(self) -> list[Path]:

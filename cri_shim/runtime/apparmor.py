@@ -150,7 +150,10 @@ class AppArmor:
         to leave it out. Blocking (it may run apparmor_parser): off the event loop."""
         if sc.HasField("apparmor"):
             kind = sc.apparmor.profile_type
-            name = sc.apparmor.localhost_ref if kind == api_pb2.SecurityProfile.Localhost else ""
+            # kubelet and critest name a localhost profile as the deprecated field did,
+            # `localhost/<name>`; the kernel lists it as `<name>` (containerd trims too).
+            ref = sc.apparmor.localhost_ref.removeprefix("localhost/")
+            name = ref if kind == api_pb2.SecurityProfile.Localhost else ""
             unconfined = kind == api_pb2.SecurityProfile.Unconfined
         else:  # the deprecated string field
             legacy = sc.apparmor_profile

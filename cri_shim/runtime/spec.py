@@ -264,8 +264,14 @@ def _linux(
     )
     devices, device_rules = container_devices(cfg, privileged=privileged, host_dev=host_dev)
     resources["devices"] = device_rules
+    namespaces = container_namespaces(cfg, sandbox, target_pid_ns_path)
+    if host.cgroup_v2 and not privileged:
+        # On cgroup v2, as containerd and CRI-O do: a cgroup namespace of the container's
+        # own, rooted at its cgroup, so that it sees `0::/` and a /sys/fs/cgroup of its
+        # own subtree, not the host's tree. A privileged container keeps the host's.
+        namespaces.append({"type": "cgroup"})
     linux: dict[str, Any] = {
-        "namespaces": container_namespaces(cfg, sandbox, target_pid_ns_path),
+        "namespaces": namespaces,
         "cgroupsPath": cgroups_path(sandbox.cgroup_parent, container_id, sandbox.cgroup_driver),
         "resources": resources,
         "devices": devices,

@@ -271,9 +271,9 @@ def test_the_unit_keeps_pods_running_across_restarts() -> None:
 # ---- scripts/install ----------------------------------------------------------------
 
 
-def run_install(prefix: Path) -> str:
+def run_install(prefix: Path, *args: str) -> str:
     result = subprocess.run(
-        [str(REPO / "scripts" / "install"), "--prefix", str(prefix)],
+        [str(REPO / "scripts" / "install"), "--prefix", str(prefix), *args],
         capture_output=True,
         text=True,
         timeout=280,
@@ -363,3 +363,15 @@ def test_an_idle_daemon_imports_only_what_serving_needs(make_daemon) -> None:  #
     assert "cri_shim.daemon" in imported  # the log does list the daemon's imports
     loaded = {name: why for name, why in _NOT_AT_IDLE.items() if name in imported}
     assert loaded == {}
+
+
+def test_install_with_an_existing_environment(tmp_path: Path) -> None:
+    """--venv: the unit runs the given environment's binary; no package is built."""
+    prefix = tmp_path / "node"
+    venv = REPO / ".venv"
+    out = run_install(prefix, "--venv", str(venv))
+    assert "using cri-shim" in out
+    assert not (prefix / "opt" / "cri-shim" / "venv").exists()
+    config = prefix / "etc" / "cri-shim" / "config.toml"
+    service = read_unit(prefix / "etc" / "systemd" / "system" / "cri-shim.service")["Service"]
+    assert service["ExecStart"] == f"{venv}/bin/cri-shim serve --config {config}"

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from tests import conformance
 from tests.conformance import EXPECTED, HANDLERS, KIT_SPECS, Report, Spec, judge
 
 MASKED = "[k8s.io] Security Context bucket runtime should support MaskedPaths"
@@ -133,3 +134,20 @@ def test_a_selected_run_holds_only_the_specs_run() -> None:
 
 def test_every_handler_names_a_runtime() -> None:
     assert all(handler.runtime.get("path") for handler in HANDLERS.values())
+
+
+@pytest.mark.parametrize(("kernel", "expected"), [((6, 1), True), ((6, 18), False)])
+def test_user_namespace_specs_skip_as_expected_only_without_idmapped_tmpfs(
+    monkeypatch: pytest.MonkeyPatch, kernel: tuple[int, int], expected: bool
+) -> None:
+    # Debian 12's 6.1: the daemon offers runc no user namespaces, and critest skips.
+    monkeypatch.setattr(conformance, "kernel_version", lambda: kernel)
+    names = [e.name for e in EXPECTED if "UserNamespaces" in e.name and e.applies()]
+    assert len(names) == (6 if expected else 0)
+    skipped = Spec(
+        "[k8s.io] Security Context UserNamespaces when Host idmap mount support is not "
+        "needed runtime should support NamespaceMode_NODE",
+        "skipped",
+        "no runtime handler found which supports user namespaces",
+    )
+    assert (verdict([skipped], whole_run=False).unexpected == []) == expected

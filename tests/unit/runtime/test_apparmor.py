@@ -108,6 +108,9 @@ def test_a_named_profile_needs_the_host_and_the_profile(tmp_path: Path) -> None:
         host.profile_for(context(Profile.Localhost, "other"))
     legacy = context(apparmor_profile="localhost/cri-default")
     assert host.profile_for(legacy) == "cri-default"
+    # The field's reference as kubelet and critest send it, prefixed like the legacy one.
+    prefixed = context(Profile.Localhost, "localhost/k8s-deny-write")
+    assert host.profile_for(prefixed) == "k8s-deny-write"
 
 
 def test_without_apparmor_only_a_named_profile_is_refused(tmp_path: Path) -> None:

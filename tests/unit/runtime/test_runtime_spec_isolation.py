@@ -233,6 +233,22 @@ def test_host_namespaces_are_left_out(spec_of: SpecOf) -> None:
     assert "hostname" not in spec
 
 
+@pytest.mark.parametrize(("cgroup_v2", "privileged"), [(False, False), (True, False), (True, True)])
+def test_a_cgroup_namespace_of_its_own_on_cgroup_v2(
+    spec_of: SpecOf, host: HostLimits, cgroup_v2: bool, privileged: bool
+) -> None:
+    cfg = container_config()
+    cfg.linux.security_context.privileged = privileged
+    sandbox = SandboxContext(pod_id="p", privileged=privileged)
+    spec = spec_of(
+        cfg, sandbox=sandbox, host=HostLimits(**{**host.__dict__, "cgroup_v2": cgroup_v2})
+    )
+    # Unprivileged on cgroup v2 only: a private namespace; v1 (and hybrid) and privileged
+    # containers see the host's cgroups, as under containerd.
+    assert ("cgroup" in _namespaces(spec)) == (cgroup_v2 and not privileged)
+    assert _namespaces(spec).get("cgroup", "absent") in (None, "absent")
+
+
 @pytest.mark.parametrize(
     ("mode", "pid_ns", "target", "expected"),
     [

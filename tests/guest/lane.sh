@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The guest lane: the daemon on the kind of node people run (systemd as PID 1, cgroup v2,
+# the cgroupfs driver). Run inside the guest, from the checkout, by `scripts/guest --lane`,
+# which builds critest's images on the host first.
+#
+#   unit      the daemon installed by scripts/install as its systemd unit (Type=notify,
+#             Delegate=yes): containers start, in a cgroup namespace of their own, with
+#             their limits and stats (tests/guest/test_unit.py)
+#   critest   the conformance gate under runc (tests/conformance.py)
+#   kubelet   the static-pod scenario, kubelet with --fail-cgroupv1=true
+#             (tests/scenarios/test_kubelet_static_pods.py)
+#
+# Each step runs whatever the previous ones did; the lane fails if any step failed.
+# GUEST_LANE_STEPS (default "unit critest kubelet") runs a subset.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
+# Under emulation a daemon takes 20-60 s to import, restore and serve (tests/harness.py).
+export CRI_SHIM_TEST_START_TIMEOUT=240
+# And a sandbox takes 10-20 s to make: the scenarios' waits are scaled (tests/waiting.py).
+export CRI_SHIM_TEST_TIME_SCALE=4
+
+echo "lane: $(uname -r), cgroup $(stat -fc %T /sys/fs/cgroup), $(systemctl --version | head -1)"
+failed=()
+step() {
+    local name=$1 started=$SECONDS status=0
+    shift
+    echo "lane: --- $name"
+    "$@" || status=$?
+    echo "lane: --- $name: exit $status in $((SECONDS - started)) s"
+    ((status == 0)) || failed+=("$name")
+}
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+for name in ${GUEST_LANE_STEPS:-unit critest kubelet}; do
+    case "$name" in
+        unit) step unit "${pytest[@]}" tests/guest ;;
+        critest) step critest .venv/bin/python -m tests.conformance ;;
+        kubelet) step kubelet "${pytest[@]}" tests/scenarios/test_kubelet_static_pods.py ;;
+        *) echo "lane: unknown step $name"; failed+=("$name") ;;
+    esac
+done
+if ((${#failed[@]})); then
+    echo "lane: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "lane: passed"
