@@ -130,11 +130,14 @@ def test_a_container_starts_in_a_cgroup_namespace_and_outlives_a_restart(
     assert inside.exit_code == 0, inside.stderr
     assert inside.stdout.decode().strip() == "0::/"
 
-    # Without a cgroup_parent its cgroup is the documented one (docs/guide.md), outside
-    # the unit's: systemd could not start the unit again while it had children with
-    # controllers. It has the limits.
+    # The installed daemon's default driver (`auto`) is systemd's on this host: without a
+    # cgroup_parent the container is a scope systemd made in system.slice, outside the
+    # unit's cgroup (systemd could not start the unit again while it had children with
+    # controllers). It has the limits.
     host_path = Path(f"/proc/{pid}").joinpath("cgroup").read_text().strip().split("::", 1)[1]
-    assert host_path == f"/cri-shim/{container_id}"
+    assert host_path == f"/system.slice/cri-shim-{container_id}.scope"
+    driver = runtime.RuntimeConfig(api_pb2.RuntimeConfigRequest(), timeout=RPC_TIMEOUT)
+    assert driver.linux.cgroup_driver == api_pb2.SYSTEMD  # what kubelet's driver follows
     group = CGROUP_ROOT / host_path.lstrip("/")
     assert not group.is_relative_to(unit_cgroup())
     assert (group / "memory.max").read_text().strip() == str(64 << 20)
