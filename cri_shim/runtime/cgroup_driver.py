@@ -86,6 +86,14 @@ def expand_slice(name: str) -> str:
     return path
 
 
+def parent_slice(cgroup_parent: str) -> str:
+    """The slice a systemd-driver `cgroup_parent` names: kubelet sends the slice expanded
+    into its path (`/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice`),
+    critest `/test.slice`, others the bare name; as containerd and CRI-O do, the last
+    component is the slice."""
+    return cgroup_parent.rstrip("/").rsplit("/", 1)[-1]
+
+
 def is_systemd_path(cgroups_path: str) -> bool:
     """Whether an OCI cgroupsPath is systemd's `slice:prefix:name`."""
     return cgroups_path.count(":") == 2 and "/" not in cgroups_path
@@ -143,8 +151,7 @@ class CgroupDriver:
         """Refuse a parent of the other driver's form, naming both sides."""
         if not cgroup_parent:
             return
-        slice_form = cgroup_parent.endswith(".slice") and "/" not in cgroup_parent
-        if self.systemd and not slice_form:
+        if self.systemd and not parent_slice(cgroup_parent).endswith(".slice"):
             raise InvalidArgument(
                 f"{field}: {cgroup_parent!r} is a cgroupfs path, but this runtime's cgroup "
                 'driver is systemd (cgroup_manager = "systemd"): run kubelet with '
@@ -152,7 +159,7 @@ class CgroupDriver:
             )
         if self.systemd:
             try:
-                expand_slice(cgroup_parent)
+                expand_slice(parent_slice(cgroup_parent))
             except ValueError as err:
                 raise InvalidArgument(f"{field}: {err}") from None
         elif not cgroup_parent.startswith("/") or cgroup_parent.endswith(".slice"):
@@ -167,7 +174,8 @@ class CgroupDriver:
         """The OCI cgroupsPath of a container in a pod with this `cgroup_parent`."""
         self.check_parent(cgroup_parent)
         if self.systemd:
-            return f"{cgroup_parent or DEFAULT_SYSTEMD_PARENT}:{SCOPE_PREFIX}:{container_id}"
+            parent = parent_slice(cgroup_parent) or DEFAULT_SYSTEMD_PARENT
+            return f"{parent}:{SCOPE_PREFIX}:{container_id}"
         if not cgroup_parent:
             return f"/cri-shim/{container_id}"
         return f"{cgroup_parent.rstrip('/')}/cri-shim-{container_id}"

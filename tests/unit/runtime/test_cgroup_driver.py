@@ -63,6 +63,24 @@ def test_systemd_gives_slice_prefix_name_and_resolves_it_to_the_scope() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("parent", "slice_name"),
+    [
+        # kubelet sends the slice expanded into its path; critest sends /test.slice.
+        (
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice",
+            "kubepods-besteffort-pod1.slice",
+        ),
+        ("/test.slice", "test.slice"),
+        ("test.slice", "test.slice"),
+    ],
+)
+def test_systemd_takes_the_slice_a_parent_path_ends_in(parent: str, slice_name: str) -> None:
+    path = SYSTEMD_DRIVER.cgroups_path(parent, "c1")
+    assert path == f"{slice_name}:cri-shim:c1"
+    assert cgroup_dir(path) == f"{expand_slice(slice_name)}/cri-shim-c1.scope"
+
+
 def test_systemd_without_a_parent_uses_system_slice() -> None:
     path = SYSTEMD_DRIVER.cgroups_path("", "c1")
     assert path == "system.slice:cri-shim:c1"
@@ -83,7 +101,9 @@ def test_the_drivers_options_and_answers() -> None:
     assert CGROUPFS_DRIVER.cri_driver == api_pb2.CGROUPFS
 
 
-@pytest.mark.parametrize("parent", ["/kubepods/besteffort/pod1", "/kubepods.slice", "kubepods"])
+@pytest.mark.parametrize(
+    "parent", ["/kubepods/besteffort/pod1", "/kubepods.slice/pod1", "kubepods"]
+)
 def test_systemd_refuses_a_cgroupfs_parent_naming_both_sides(parent: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         SYSTEMD_DRIVER.cgroups_path(parent, "c1")
