@@ -65,11 +65,15 @@ def spec_of(rootfs: Path, host: HostLimits) -> Callable[..., dict[str, Any]]:
     return build
 
 
-@pytest.fixture
-async def stub_backend(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+async def backend_over_doubles(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    host: HostLimits,
+    timeout: float = 10,
+    **options: Any,
 ) -> AsyncIterator[RuntimeBackend]:
-    """A RuntimeBackend over the test doubles. Whatever a test leaves is deleted after it."""
+    """A RuntimeBackend over the test doubles, with `options` for its constructor.
+    Whatever a test leaves is deleted after it."""
     # The doubles are `#!/usr/bin/env python3` scripts; this interpreter starts fastest.
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     backend = RuntimeBackend(
@@ -80,9 +84,19 @@ async def stub_backend(
         tmp_path / "state",
         cgroup_root=tmp_path / "cgroup",
         host=host,
-        call_timeout=10,
-        create_timeout=10,
+        call_timeout=timeout,
+        create_timeout=timeout,
+        **options,
     )
     yield backend
     for leftover in (tmp_path / "state" / "containers").iterdir():
         await backend.delete(leftover.name)
+
+
+@pytest.fixture
+async def stub_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+) -> AsyncIterator[RuntimeBackend]:
+    """A RuntimeBackend over the test doubles."""
+    async for backend in backend_over_doubles(tmp_path, monkeypatch, host):
+        yield backend

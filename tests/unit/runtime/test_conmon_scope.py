@@ -5,19 +5,17 @@ and a delete stops the container's scope where its runtime left it."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from runtime_spec_inputs import STUB_DIR
 
 from cri_shim.errors import Internal
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.host_limits import HostLimits
 from tests.fake_systemd import FakeSystemdBus, manager_on
+from tests.unit.runtime.conftest import backend_over_doubles
 from tests.unit.runtime.test_runtime_backend import spec_for
 
 POD_SLICE = "kubepods-besteffort-pod1.slice"
@@ -27,23 +25,11 @@ POD_SLICE = "kubepods-besteffort-pod1.slice"
 async def systemd_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
 ) -> AsyncIterator[tuple[RuntimeBackend, FakeSystemdBus]]:
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     bus = FakeSystemdBus()
-    backend = RuntimeBackend(
-        "stub",
-        STUB_DIR / "fake-oci-runtime",
-        tmp_path / "runtime-root",
-        STUB_DIR / "conmon-stub",
-        tmp_path / "state",
-        cgroup_root=tmp_path / "cgroup",
-        host=host,
-        call_timeout=60,
-        create_timeout=60,  # bounds, not expectations: the doubles are slow under emulation
-        scopes=ConmonScopes(manager_on(bus), "pod"),
-    )
-    yield backend, bus
-    for leftover in (tmp_path / "state" / "containers").iterdir():
-        await backend.delete(leftover.name)
+    # Longer bounds, not expectations: the doubles are slow under emulation.
+    scopes = ConmonScopes(manager_on(bus), "pod")
+    async for backend in backend_over_doubles(tmp_path, monkeypatch, host, 60, scopes=scopes):
+        yield backend, bus
 
 
 async def create_in_slice(backend: RuntimeBackend, tmp_path: Path, cid: str) -> int:
