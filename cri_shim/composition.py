@@ -36,9 +36,9 @@ from cri_shim.nri.actions import register_inert
 from cri_shim.runtime.cgroup_driver import driver_named, resolve_cgroup_manager, systemd_booted
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.conmon_scope import ConmonScopes
-from cri_shim.runtime.gvisor import SandboxForwarding
 from cri_shim.runtime.monitors import MonitorWatch
 from cri_shim.runtime.oci import CallObserver
+from cri_shim.runtime.sandbox_forwarding import SandboxForwarding
 from cri_shim.server.events import EventRenderer
 from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.views import ImageView, ObjectNames, RuntimeView
@@ -214,7 +214,7 @@ def _lifecycle(
         max_subscribers=config.events.max_subscribers,
         max_backlog_bytes=config.events.max_backlog_bytes,
     )
-    pause = SandboxContainers(journal, backends, config.runtime.handlers)
+    pause = SandboxContainers(journal, backends)
 
     # NRI plugins and the container lifecycle call each other (a creation asks the
     # plugins; a plugin updates a container), so these two find the other side when they
@@ -312,6 +312,7 @@ def build_backends(
             runtime_args=(*driver.runtime_args, *handler.runtime_args),
             monitors=monitors,
             scopes=scopes,
+            pod_sandbox=handler.pod_sandbox,
         )
     return backends
 

@@ -25,7 +25,6 @@ from cri_shim.host.process import set_child_subreaper
 from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
-from cri_shim.runtime.features import handler_features
 from cri_shim.runtime.orphans import OrphanReaper
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
@@ -127,7 +126,7 @@ class Daemon:
         # What each runtime handler supports, probed once off the event loop (Status and
         # CreateContainer read it from then on).
         await asyncio.to_thread(
-            lambda: [handler_features(b.runtime_path) for b in graph.containers.backends.values()]
+            lambda: [b.kind.features() for b in graph.containers.backends.values()]
         )
         # The CNI configuration read now: a network that cannot be used (a broken file, a
         # subnet the host routes elsewhere) is logged at start, not at the first Status.

@@ -39,25 +39,15 @@ class CreationConfig:
     cleanup_timeout: float = 120.0
 
 
-# Runtimes that run a pod as one sandbox its containers join (gVisor, Kata Containers):
-# such a pod needs a sandbox container of its own, created first and removed last.
-SANDBOXED_RUNTIMES = frozenset({"runsc", "kata-runtime", "containerd-shim-kata-v2"})
-
-
 @dataclass
 class RuntimeHandler:
     path: Path = Path("runc")
     root: Path | None = None
-    # None: decided by the binary's name (SANDBOXED_RUNTIMES).
+    # Whether pods get a sandbox container their containers join, created first and
+    # removed last. None: the handler's kind decides (gVisor and Kata: runtime/kinds/).
     pod_sandbox: bool | None = None
     # Global options given to every call of the runtime, before the command.
     runtime_args: list[str] = field(default_factory=list)
-
-    @property
-    def needs_pod_sandbox(self) -> bool:
-        if self.pod_sandbox is not None:
-            return self.pod_sandbox
-        return self.path.name in SANDBOXED_RUNTIMES
 
 
 @dataclass

@@ -54,7 +54,8 @@ class ContainerExec:
             control_fifo=container.bundle_dir / "ctl",
             running=container.state == RUNNING,
             exec_options=tuple(backend.exec_options(container.id)),
-            sandboxed=backend.sandboxed,
+            inside=backend.kind.inside,
+            tty_options=backend.kind.tty_options,
         )
 
 

@@ -19,7 +19,8 @@ joined. The pause container is journaled (`pause_delete`) before it is created, 
 StopPodSandbox removes it after the pod's containers have stopped.
 
 The same container is the pod's sandbox under a handler that runs a pod as one sandbox
-(gVisor's `runsc`, Kata: `[runtime.handlers.NAME] pod_sandbox`): marked
+(gVisor's `runsc`, Kata: the handler's kind, or `[runtime.handlers.NAME] pod_sandbox`),
+which adds to its spec what the kind needs (runtime/kinds/): marked
 `io.kubernetes.cri.container-type: sandbox`, it is what the runtime starts the sandbox
 with, and each container of the pod (marked `container`, with the pod's ID as
 `io.kubernetes.cri.sandbox-id`) joins it. Such a pod always has one, whether or not it
@@ -34,18 +35,14 @@ import logging
 import os
 import platform
 import struct
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.config.model import RuntimeHandler
 from cri_shim.errors import CriError, FailedPrecondition, InvalidArgument
 from cri_shim.faults import fault_point
 from cri_shim.runtime.conmon import RuntimeBackend
-from cri_shim.runtime.features import handler_features
-from cri_shim.runtime.gvisor import relay_mount
-from cri_shim.runtime.sandbox_cgroups import record_overhead
+from cri_shim.runtime.kinds.base import CONTAINER_TYPE, SANDBOX_ID
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import SandboxRecord
@@ -95,8 +92,6 @@ _PAUSE_X86_64 = bytes.fromhex(
     "0240010000000000"
 )
 _LOAD_ADDRESS = 0x400000
-# gVisor's check for the host's network namespace, which newer kernels fool.
-_NETSTACK_REFUSED = "cannot run with network enabled in root network namespace"
 
 
 def pause_program(machine: str | None = None) -> bytes:
@@ -167,18 +162,15 @@ class SandboxContainers:
         self,
         journal: Journal,
         backends: dict[str, RuntimeBackend],
-        handlers: Mapping[str, RuntimeHandler] | None = None,
     ) -> None:
         self._journal = journal
         self._backends = backends
-        self._pod_sandbox_handlers = frozenset(
-            name for name, handler in (handlers or {}).items() if handler.needs_pod_sandbox
-        )
         journal.register(PAUSE_ACTION, self._undo)
 
     def is_pod_sandbox(self, handler: str) -> bool:
         """Whether pods of `handler` get a sandbox container their containers join."""
-        return handler in self._pod_sandbox_handlers
+        backend = self._backends.get(handler)
+        return backend is not None and backend.pod_sandbox
 
     def runs_pause(self, sandbox: SandboxRecord) -> bool:
         """Whether the pod has a pause container (its PID 1, or its sandbox container)."""
@@ -212,15 +204,12 @@ class SandboxContainers:
             rootfs,
             container_id=sandbox_id,
         )
-        if self.is_pod_sandbox(handler) and handler_features(backend.runtime_path).kind == "gvisor":
-            relay_mount(spec, rootfs)  # port-forward's way into the sandbox
-            # What the sandbox itself may use on top of its containers (RuntimeClass
-            # overhead): part of the pod's total its cgroup gets (runtime/sandbox_cgroups.py).
-            record_overhead(spec, config.linux.overhead)
+        if self.is_pod_sandbox(handler):
+            backend.kind.prepare_pod_sandbox(spec, rootfs, config)
         # The sandbox's own ID: runsc and Kata make the sandbox of a `sandbox` container,
         # and join the pod's containers to the one whose ID they carry.
-        spec["annotations"]["io.kubernetes.cri.container-type"] = "sandbox"
-        spec["annotations"]["io.kubernetes.cri.sandbox-id"] = sandbox_id
+        spec["annotations"][CONTAINER_TYPE] = "sandbox"
+        spec["annotations"][SANDBOX_ID] = sandbox_id
         # Journaled before runc (or runsc) is asked: a crash in `create` leaves a
         # container that only this entry knows of.
         self._journal.record(sandbox_id, PAUSE_ACTION, handler=handler, id=sandbox_id)
@@ -232,15 +221,10 @@ class SandboxContainers:
         try:
             await backend.start(sandbox_id)
         except CriError as err:
-            if _NETSTACK_REFUSED not in str(err):
+            explained = backend.kind.start_refused(handler, err)
+            if explained is None:
                 raise
-            raise FailedPrecondition(
-                f"runtime handler {handler!r} could not start the pod's sandbox: {err} (runsc "
-                "releases before August 2024 mistake every network namespace for the host's "
-                "on Linux 6.11 and newer: install a newer runsc, or set "
-                f'[runtime.handlers.{handler}] runtime_args = ["--network=host"], which '
-                "gives the pod the kernel's network stack in its own namespace)"
-            ) from None
+            raise explained from None
         fault_point("sandbox:pod-sandbox-started")
         if self.is_pod_sandbox(handler):
             log.info("sandbox %s: sandbox container started (pid %d)", sandbox_id, pid)
@@ -254,7 +238,7 @@ class SandboxContainers:
         if not shares_pid_namespace(sandbox.config):
             return context
         backend = self._backend(sandbox.runtime_handler)
-        if handler_features(backend.runtime_path).kind == "gvisor":
+        if backend.kind.pid_namespace_of_sandbox:
             # runsc puts a container whose spec names no PID namespace in the sandbox's
             # own, where the sandbox container (this program) is PID 1; a path would
             # make it a namespace of the containers alone.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cri_shim.errors import FailedPrecondition
 from cri_shim.runtime.conmon import RuntimeBackend
-from cri_shim.runtime.features import HandlerFeatures, handler_features
+from cri_shim.runtime.features import HandlerFeatures
 from cri_shim.state.records import ContainerRecord
 from cri_shim.state.sandboxes import SandboxRepository
 
@@ -34,4 +34,4 @@ class RuntimeHandlers:
 
     def features_of(self, handler: str) -> HandlerFeatures:
         """What a runtime handler supports (probed once, then remembered)."""
-        return handler_features(self.backend(handler).runtime_path)
+        return self.backend(handler).kind.features()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import errno
 import json
 import logging
@@ -51,20 +50,9 @@ from cri_shim.host import spawn
 from cri_shim.runtime.cgroup_driver import cgroup_dir, is_systemd_path
 from cri_shim.runtime.cgroup_layout import CgroupLayout, cgroup_layout
 from cri_shim.runtime.conmon_scope import ConmonScopes
-from cri_shim.runtime.features import handler_features
-from cri_shim.runtime.gvisor import (
-    CONTAINER_TYPE,
-    SANDBOX_ID,
-    STDIO_ENV,
-    conmon_runtime,
-    drop_unknown_capabilities,
-    exec_user_args,
-    joining_waiter,
-    remove_locks,
-    sandboxes_of,
-    wake_waiter,
-)
 from cri_shim.runtime.host_limits import HostLimits, current_host_limits
+from cri_shim.runtime.kinds.base import CONTAINER_TYPE, SANDBOX_ID, HandlerKind
+from cri_shim.runtime.kinds.probe import kind_of
 from cri_shim.runtime.monitors import MonitorWatch, ProcessRef, alive, process_stat
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
 from cri_shim.runtime.resources import linux_resources
@@ -139,6 +127,8 @@ class RuntimeBackend:
         observe_call: CallObserver | None = None,
         monitors: MonitorWatch | None = None,
         scopes: ConmonScopes | None = None,
+        kind: HandlerKind | None = None,
+        pod_sandbox: bool | None = None,
     ) -> None:
         self.handler_name = handler_name
         # The systemd cgroup driver's: conmon's scope, and the units a delete may leave.
@@ -146,6 +136,11 @@ class RuntimeBackend:
         # None: conmon is not watched (tests of the runtime layer that need no watch).
         self._monitors = monitors
         self.runtime_path = _executable(runtime_path, "runtime")
+        # What differs with the runtime (runtime/kinds/): probed once per binary if not given.
+        self.kind = kind or kind_of(self.runtime_path)
+        # Whether pods get a sandbox container their containers join: the configuration's
+        # `pod_sandbox`, else the kind's.
+        self.pod_sandbox = self.kind.pod_sandbox if pod_sandbox is None else pod_sandbox
         self.conmon_path = _executable(conmon_path, "conmon")
         self.state_dir = state_dir
         self.cgroup_root = cgroup_root
@@ -166,13 +161,11 @@ class RuntimeBackend:
             observe_call=observe_call,
         )
         self.oci.log_dir.mkdir(parents=True, exist_ok=True)
-        # gVisor: one lock per pod sandbox over each read-sum-write of the pod's total,
-        # taken when first needed and dropped when the sandbox container is deleted.
+        # Limits on the pod's cgroup: one lock per pod sandbox over each read-sum-write of
+        # the pod's total, taken when first needed and dropped when the sandbox is deleted.
         self._pod_locks: dict[str, asyncio.Lock] = {}
-        # What conmon runs: gVisor's containers need a process it can wait for.
-        self.conmon_runtime = self.runtime_path
-        if handler_features(self.runtime_path).kind == "gvisor":
-            self.conmon_runtime = conmon_runtime(self.runtime_path, state_dir, handler_name)
+        # What conmon runs (gVisor's containers need a process it can wait for).
+        self.conmon_runtime = self.kind.conmon_runtime(state_dir, handler_name)
 
     @property
     def exits_dir(self) -> Path:
@@ -211,7 +204,7 @@ class RuntimeBackend:
             pid = await self._create(
                 container_id, cdir, bundle, spec, log_path, tty, stdin, stdin_once
             )
-            if self.sandboxed:
+            if self.kind.limits_on_pod_cgroup:
                 # The pod's sandbox grows by what the container may use.
                 sandbox_id = (spec.get("annotations") or {}).get(SANDBOX_ID, "")
                 await self._in_pod(sandbox_id, self._resize_sandbox, spec)
@@ -361,10 +354,7 @@ class RuntimeBackend:
         tty: bool,
     ) -> _Meta:
         """Write config.json and meta.json (small local files: not worth a thread)."""
-        config = dict(spec)  # the caller's spec is left as it was
-        if self.conmon_runtime != self.runtime_path:
-            config = copy.deepcopy(config)
-            drop_unknown_capabilities(config)
+        config = self.kind.prepare_spec(dict(spec))  # the caller's spec is left as it was
         # The tty flag is conmon's and the spec's at once; one source so they cannot differ.
         config["process"] = {**config.get("process", {}), "terminal": tty}
         bundle.mkdir(parents=True, exist_ok=True)
@@ -381,34 +371,17 @@ class RuntimeBackend:
         return meta
 
     @property
-    def sandboxed(self) -> bool:
-        """Whether the containers' processes live in the runtime's own kernel (gVisor),
-        not the host's: reached by the runtime, never by a host signal or cgroup."""
-        return self.conmon_runtime != self.runtime_path
-
-    @property
     def mounts_at_start(self) -> bool:
         """Whether the runtime makes a container's mounts when it starts it rather than
-        when it creates it (gVisor: the container's gofer is started then), so that the
-        bind-mount sources staged for it must stay until its bundle goes."""
-        return self.conmon_runtime != self.runtime_path
-
-    def _joining_waiter(self, container_id: str) -> int:
-        """The waiter conmon waits for, of a gVisor container joining a sandbox; else 0."""
-        if self.conmon_runtime == self.runtime_path:
-            return 0  # not gVisor: no file to read
-        meta = self._read_meta(container_id)
-        if meta is None:
-            return 0
-        return joining_waiter(Path(meta.bundle))
+        when it creates it, so that the bind-mount sources staged for it must stay until
+        its bundle goes."""
+        return self.kind.mounts_at_start
 
     async def start(self, container_id: str) -> None:
-        waiter = self._joining_waiter(container_id)
-        if waiter:
-            # gVisor: the container takes the stdio of `runsc start` (runtime/gvisor.py).
-            await self.oci.start(
-                container_id, program=self.conmon_runtime, env={STDIO_ENV: str(waiter)}
-            )
+        meta = self._read_meta(container_id)
+        env = self.kind.start_env(Path(meta.bundle)) if meta is not None else {}
+        if env:
+            await self.oci.start(container_id, program=self.conmon_runtime, env=env)
         else:
             await self.oci.start(container_id)
 
@@ -454,13 +427,11 @@ class RuntimeBackend:
                 # removal, or its own end): stopped, which is what was asked.
                 log.info("%s exited before it was signalled: %s", container_id, err)
                 return False
-            # runsc cannot signal a container that joins a sandbox before it is started;
-            # nothing runs yet, so ending its waiter is its exit (runtime/gvisor.py).
-            waiter = self._joining_waiter(container_id)
-            if not waiter or "in state created" not in str(err):
+            # Some runtimes cannot signal a container before it is started (runsc, of
+            # one joining a sandbox): the kind ends it otherwise, or the error stands.
+            meta = self._read_meta(container_id)
+            if meta is None or not self.kind.end_unstarted(Path(meta.bundle), err):
                 raise
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(waiter, signal.SIGKILL)
         except FailedPrecondition:
             # "container not running": it exited after our check; conmon records it.
             await self._wait_monitor(container_id, KILL_GRACE)
@@ -508,15 +479,9 @@ class RuntimeBackend:
 
     async def _delete_from_runtime(self, container_id: str, meta: _Meta | None) -> None:
         """`<runtime> delete --force` (killing it if it still runs); a missing container
-        is fine. What the runtime leaves is removed here too: runsc's lock files, and the
-        container's empty cgroups (see remove_cgroups)."""
-        gvisor = self.conmon_runtime != self.runtime_path
-        sandboxes = sandboxes_of(self.oci.root, container_id) if gvisor else set()
-        await self.oci.delete(container_id, force=True)
-        if gvisor:
-            remove_locks(self.oci.root, container_id, sandboxes)
-            if meta is not None:
-                wake_waiter(Path(meta.bundle))  # one of a never-started container ends
+        is fine. What the runtime leaves is removed here too: what the kind knows of (runsc's
+        lock files), and the container's empty cgroups (see remove_cgroups)."""
+        await self.kind.delete(self.oci, container_id, Path(meta.bundle) if meta else None)
         if meta is not None:
             if self._scopes is not None:
                 await self._scopes.remove(container_id, meta.cgroups_path)
@@ -741,7 +706,7 @@ class RuntimeBackend:
                 timeout,
                 env,
                 options=self.exec_options(container_id),
-                sandboxed=self.conmon_runtime != self.runtime_path,
+                inside=self.kind.inside,
             )
             span.set_attribute("process.exit.code", result.exit_code)
             return result
@@ -750,9 +715,7 @@ class RuntimeBackend:
         """Options of `<runtime> exec` that make the process the container's (runsc's
         exec needs the user spelled out)."""
         meta = self._read_meta(container_id)
-        if meta is None or self.conmon_runtime == self.runtime_path:
-            return []
-        return exec_user_args(Path(meta.bundle))
+        return self.kind.exec_options(Path(meta.bundle)) if meta is not None else []
 
     async def reopen_log(self, container_id: str) -> None:
         """Ask conmon to reopen the log file (kubelet renamed it to rotate), and return
@@ -794,10 +757,10 @@ class RuntimeBackend:
             oci_resources = dict(resources)
         if not oci_resources:
             return
-        if self.sandboxed:
-            # runsc has no `update`: the host cgroups, where gVisor's limits apply.
+        if self.kind.limits_on_pod_cgroup:
+            # No `update` in the runtime (runsc): the host cgroups, where its limits apply.
             sandbox_id = await asyncio.to_thread(self._sandbox_of, container_id)
-            await self._in_pod(sandbox_id, self._update_sandboxed, container_id, oci_resources)
+            await self._in_pod(sandbox_id, self._update_on_pod_cgroup, container_id, oci_resources)
             return
         await self.oci.update(container_id, oci_resources)
 
@@ -820,15 +783,16 @@ class RuntimeBackend:
                 raise
 
     def _sandbox_of(self, container_id: str) -> str:
-        """The pod sandbox of a gVisor container ("" where its spec cannot be read)."""
+        """The pod sandbox a container joins ("" where its spec cannot be read)."""
         meta = self._read_meta(container_id)
         spec = read_spec(Path(meta.bundle)) if meta is not None else None
         return str(((spec or {}).get("annotations") or {}).get(SANDBOX_ID) or "")
 
-    def _update_sandboxed(self, container_id: str, update: Mapping[str, Any]) -> None:
-        """A gVisor container's new limits (runtime/sandbox_cgroups.py): the pod's new
-        total on the sandbox's cgroup first (where the kernel may refuse a lower memory
-        limit), then the container's own cgroup, then its spec, the record of both."""
+    def _update_on_pod_cgroup(self, container_id: str, update: Mapping[str, Any]) -> None:
+        """New limits of a container whose limits are on its pod's cgroup
+        (runtime/sandbox_cgroups.py): the pod's new total on the sandbox's cgroup first
+        (where the kernel may refuse a lower memory limit), then the container's own cgroup,
+        then its spec, the record of both."""
         meta = self._read_meta(container_id)
         spec = read_spec(Path(meta.bundle)) if meta is not None else None
         if meta is None or spec is None:
@@ -852,7 +816,7 @@ class RuntimeBackend:
     def _resize_sandbox(
         self, spec: Mapping[str, Any], changed: Mapping[str, Mapping[str, Any]] | None = None
     ) -> None:
-        """Give the sandbox a gVisor container joins the total of the limits of its
+        """Give the sandbox a container joins the total of the limits of its
         containers (`changed` overrides what their specs say)."""
         annotations = spec.get("annotations") or {}
         if annotations.get(CONTAINER_TYPE) != "container":

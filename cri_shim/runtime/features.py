@@ -2,13 +2,9 @@
 request that a handler would silently get wrong.
 
 An OCI runtime says what it supports through `<runtime> features` (runc >= 1.1; crun
-1.8 has no such command, and is then assumed to support nothing optional). gVisor's
-`runsc` has none either; it is known by its `--version` and given what gVisor can do: its
-own kernel (the Sentry) runs the pod, so the host's PID, IPC and network namespaces are
-not the host's inside it, a privileged container gets no host devices or capabilities,
-and it maps no user namespace (its resource updates: runtime/sandbox_cgroups.py). Kata
-Containers (a VM per pod) is known by its binary's name and has no host namespaces
-either. kubelet trusts what Status advertises: a handler that advertises recursive
+1.8 has no such command, and is then assumed to support nothing optional). A handler's
+kind (runtime/kinds/) gives the features of runtimes that have no such command (gVisor,
+Kata). kubelet trusts what Status advertises: a handler that advertises recursive
 read-only mounts and then mounts a volume writable underneath breaks a security promise,
 so a feature is advertised only when the runtime lists it and the kernel can do it.
 """
@@ -26,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.config.model import SANDBOXED_RUNTIMES
 from cri_shim.errors import InvalidArgument
 from cri_shim.host.idmap import UserNamespaceMappings
 from cri_shim.runtime.userns import IDMAP_KERNEL
@@ -49,8 +44,8 @@ class HandlerFeatures:
     host_namespaces: bool = True
     # A privileged container gets the host's devices and every capability.
     privileged: bool = True
-    # What the runtime is, for messages and Status: "oci", "gvisor" or "kata".
-    kind: str = "oci"
+    # What runs the pod, for messages: "runtime", "gVisor kernel", "Kata VM".
+    engine: str = "runtime"
 
 
 def kernel_version(release: str | None = None) -> tuple[int, int]:
@@ -76,12 +71,7 @@ def features_from_json(text: str, kernel: tuple[int, int]) -> HandlerFeatures:
     )
 
 
-GVISOR = HandlerFeatures(host_namespaces=False, privileged=False, kind="gvisor")
-KATA = HandlerFeatures(host_namespaces=False, kind="kata")
-KATA_RUNTIMES = SANDBOXED_RUNTIMES - {"runsc"}
-
-
-def _ask(runtime_path: Path, argument: str) -> subprocess.CompletedProcess[str]:
+def ask_runtime(runtime_path: Path, argument: str) -> subprocess.CompletedProcess[str]:
     """`<runtime> <argument>`, within the probe's budget."""
     return subprocess.run(
         [str(runtime_path), argument],
@@ -92,26 +82,11 @@ def _ask(runtime_path: Path, argument: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _sandboxed_features(runtime_path: Path) -> HandlerFeatures | None:
-    """gVisor or Kata, which `features` does not tell; None for any other runtime."""
-    if runtime_path.name in KATA_RUNTIMES:
-        return KATA
-    try:
-        result = _ask(runtime_path, "--version")
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return GVISOR if result.stdout.startswith("runsc version") else None
-
-
 @functools.cache
-def handler_features(runtime_path: Path) -> HandlerFeatures:
-    """Probed once per runtime binary (a few milliseconds), then remembered."""
-    sandboxed = _sandboxed_features(runtime_path)
-    if sandboxed is not None:
-        log.info("runtime %s: %s", runtime_path, sandboxed)
-        return sandboxed
+def probe_features(runtime_path: Path) -> HandlerFeatures:
+    """`<runtime> features`, asked once per runtime binary (a few milliseconds)."""
     try:
-        result = _ask(runtime_path, "features")
+        result = ask_runtime(runtime_path, "features")
     except (OSError, subprocess.TimeoutExpired) as err:
         log.warning("%s features: %s; assuming no optional features", runtime_path, err)
         return HandlerFeatures()
@@ -160,17 +135,14 @@ def require_pod_features(
                 raise InvalidArgument(
                     f"linux.security_context.namespace_options.{field}: NODE (the host's "
                     f"namespace) is not supported by runtime handler {handler!r}, whose "
-                    f"{_KIND_NAMES[features.kind]} runs the pod in namespaces of its own"
+                    f"{features.engine} runs the pod in namespaces of its own"
                 )
     if security.privileged and not features.privileged:
         raise InvalidArgument(
             "linux.security_context.privileged: privileged pods are not supported by runtime "
-            f"handler {handler!r} ({_KIND_NAMES[features.kind]} gives no host devices or "
+            f"handler {handler!r} ({features.engine} gives no host devices or "
             "capabilities)"
         )
-
-
-_KIND_NAMES = {"oci": "runtime", "gvisor": "gVisor kernel", "kata": "Kata VM"}
 
 
 def require_features(
@@ -181,7 +153,7 @@ def require_features(
     if config.linux.security_context.privileged and not features.privileged:
         raise InvalidArgument(
             "linux.security_context.privileged: privileged containers are not supported by "
-            f"runtime handler {handler!r} ({_KIND_NAMES[features.kind]} gives no host devices "
+            f"runtime handler {handler!r} ({features.engine} gives no host devices "
             "or capabilities)"
         )
     for index, mount in enumerate(config.mounts):

@@ -35,14 +35,12 @@ import os
 import shlex
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cri_shim.config.model import RuntimeConfig, RuntimeHandler
 from cri_shim.errors import FailedPrecondition
-from cri_shim.runtime.features import handler_features
-from cri_shim.state.records import SandboxRecord
+from cri_shim.runtime.kinds.base import CONTAINER_TYPE
 
 SCRIPT_NAME = "runsc-under-conmon"
 
@@ -165,9 +163,6 @@ def remove_locks(root: Path, container_id: str, sandboxes: set[str]) -> None:
 
 
 STDIO_ENV = "CRI_SHIM_STDIO_OF"
-# How runsc tells a pod's sandbox container from the containers that join it, and which.
-CONTAINER_TYPE = "io.kubernetes.cri.container-type"
-SANDBOX_ID = "io.kubernetes.cri.sandbox-id"
 
 
 def joining_waiter(bundle: Path) -> int:
@@ -327,12 +322,12 @@ def relay_argv(
     ]
 
 
-def require_port_forward(handler: str, runtime_args: Sequence[str], kind: str) -> None:
+def require_port_forward(handler: str, runtime_args: Sequence[str]) -> None:
     """Port-forward dials the pod's loopback from the node's side of its network
     namespace. gVisor's own network stack (netstack, runsc's default) answers inside the
     sandbox, where no such connection arrives; with `--network=host` gVisor uses the
     kernel's stack in the pod's namespace, which the dial reaches."""
-    if kind != "gvisor" or relay_program() is not None:
+    if relay_program() is not None:
         return
     args = list(runtime_args)
     pairs = itertools.pairwise(args)
@@ -371,35 +366,3 @@ def drop_unknown_capabilities(spec: dict[str, Any]) -> None:
     capabilities = (spec.get("process") or {}).get("capabilities") or {}
     for kind, names in capabilities.items():
         capabilities[kind] = [n for n in names if n not in _UNKNOWN_TO_OLD_RUNSC]
-
-
-class SandboxForwarding:
-    """Port-forward into pods of gVisor handlers: the relay command, or a refusal naming
-    the handler where there is no way in. Other handlers' pods are dialled directly."""
-
-    def __init__(self, backends: Mapping[str, Any], runtime: RuntimeConfig) -> None:
-        self._backends = backends  # RuntimeBackend by handler name
-        self._runtime = runtime
-
-    def _gvisor(self, sandbox: SandboxRecord) -> tuple[str, Any, RuntimeHandler] | None:
-        name = sandbox.runtime_handler or self._runtime.default_handler
-        backend, handler = self._backends.get(name), self._runtime.handlers.get(name)
-        if backend is None or handler is None:
-            return None
-        if handler_features(backend.runtime_path).kind != "gvisor":
-            return None
-        return name, backend, handler
-
-    def check(self, sandbox: SandboxRecord) -> None:
-        found = self._gvisor(sandbox)
-        if found is not None:
-            require_port_forward(found[0], found[2].runtime_args, "gvisor")
-
-    def relay(self, sandbox: SandboxRecord, port: int) -> list[str] | None:
-        found = self._gvisor(sandbox)
-        if found is None or relay_program() is None:
-            return None
-        _, backend, handler = found
-        return relay_argv(
-            backend.runtime_path, backend.oci.root, handler.runtime_args, sandbox.id, port
-        )

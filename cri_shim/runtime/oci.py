@@ -25,7 +25,7 @@ from typing import Any
 from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.host import spawn
-from cri_shim.runtime.gvisor import kill_process_tree
+from cri_shim.runtime.kinds.base import KillInside
 
 log = logging.getLogger(__name__)
 
@@ -193,19 +193,19 @@ class OciRuntime:
         env: Mapping[str, str] | None = None,
         *,
         options: Sequence[str] = (),
-        sandboxed: bool = False,
+        inside: KillInside | None = None,
     ) -> ExecResult:
         """Run `cmd` in the container and collect its output. On timeout the process and
         its group are killed and the call returns at once with `timed_out=True`.
         timeout None or 0 means no limit. `options` go to `exec` before the ID.
-        `sandboxed`: the command runs inside the runtime's own kernel (gVisor), where
-        no host signal reaches it: it is killed through the runtime, by its pid there."""
+        `inside`: the command runs inside the runtime's own kernel (gVisor), where no host
+        signal reaches it: it is killed with this, through the runtime, by its pid there."""
         if not cmd:
             raise FailedPrecondition("exec: no command given")
         log_name = self._new_log_file("exec")
         pid_file = Path(log_name).with_suffix(".pid")
         inner_pid_file = Path(log_name).with_suffix(".inner-pid")
-        if sandboxed:
+        if inside is not None:
             options = ["--internal-pid-file", str(inner_pid_file), *options]
         env_args = [f"--env={key}={value}" for key, value in (env or {}).items()]
         args = [
@@ -228,7 +228,7 @@ class OciRuntime:
                 drain=EXEC_OUTPUT_DRAIN,
                 kill=_exec_killer(
                     pid_file,
-                    self._inner_killer(container_id, inner_pid_file) if sandboxed else None,
+                    self._inner_killer(container_id, inner_pid_file, inside) if inside else None,
                 ),
             )
             stdout, stderr, timed_out = done.stdout, done.stderr, done.timed_out
@@ -250,16 +250,18 @@ class OciRuntime:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
 
-    def _inner_killer(self, container_id: str, inner_pid_file: Path) -> Callable[[], None]:
+    def _inner_killer(
+        self, container_id: str, inner_pid_file: Path, inside: KillInside
+    ) -> Callable[[], None]:
         """Kills an exec'd process and its descendants by their pids inside the runtime's
-        kernel (runtime/gvisor.py); run on the spawn thread that waits for the exec."""
+        kernel (`inside`, given by the kind); run on the spawn thread that waits for the exec."""
 
         def kill() -> None:
             inner = _read_pid(inner_pid_file)
             if inner <= 0:
                 return
-            runsc = [str(self.path), "--root", str(self.root), *self.extra_args]
-            kill_process_tree(runsc, container_id, inner, self.call_timeout)
+            runtime = [str(self.path), "--root", str(self.root), *self.extra_args]
+            inside(runtime, container_id, inner, self.call_timeout)
 
         return kill
 

@@ -44,7 +44,7 @@ from typing import TypeVar
 from cri_shim.errors import FailedPrecondition, Internal
 from cri_shim.host.namespaces import netns_entered
 from cri_shim.host.process import set_child_subreaper
-from cri_shim.runtime.gvisor import kill_process_tree
+from cri_shim.runtime.kinds.base import KillInside
 from cri_shim.streaming.chunks import ChunkQueue
 from cri_shim.streaming.terminal import EOT, PtyMaster
 
@@ -75,8 +75,11 @@ class ContainerEndpoint:
     running: bool
     # Options of `exec` before the container's ID (runsc's: the container's user).
     exec_options: tuple[str, ...] = ()
-    # The command runs in the runtime's own kernel (gVisor's runsc), not as a host process.
-    sandboxed: bool = False
+    # How the command is killed where it runs in the runtime's own kernel (gVisor's runsc),
+    # not as a host process; None for a host process.
+    inside: KillInside | None = None
+    # What `exec --detach` with a console socket needs for a terminal (runc's `--tty`).
+    tty_options: tuple[str, ...] = ("--tty",)
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]
@@ -192,7 +195,11 @@ class RuncExecProcess:
         pid_file = scratch / "pid"
         argv = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root), "exec"]
         argv += ["--pid-file", str(pid_file), *endpoint.exec_options]
-        inside = _InsideKiller(endpoint, container_id, scratch) if endpoint.sandboxed else None
+        inside = (
+            _InsideKiller(endpoint, endpoint.inside, container_id, scratch)
+            if endpoint.inside is not None
+            else None
+        )
         if inside is not None:
             argv += ["--internal-pid-file", str(inside.pid_file)]
         try:
@@ -204,8 +211,7 @@ class RuncExecProcess:
                     stderr=asyncio.subprocess.PIPE,
                 )  # fmt: skip
                 return cls(process, pid_file, scratch, inside=inside)
-            # runsc's console socket is its terminal option; runc needs both.
-            argv += ["--detach", *(() if endpoint.sandboxed else ("--tty",))]
+            argv += ["--detach", *endpoint.tty_options]
             return await cls._start_tty(argv, container_id, cmd, pid_file, scratch, inside)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -363,9 +369,12 @@ class _InsideKiller:
     by their pids there (runtime/gvisor.py): a SIGKILL to the host's `runsc exec` would
     leave them running in the sandbox."""
 
-    def __init__(self, endpoint: ContainerEndpoint, container_id: str, scratch: Path) -> None:
+    def __init__(
+        self, endpoint: ContainerEndpoint, kill: KillInside, container_id: str, scratch: Path
+    ) -> None:
         self.pid_file = scratch / "inner-pid"
-        self._runsc = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root)]
+        self._kill = kill
+        self._runtime = [str(endpoint.runtime_path), "--root", str(endpoint.runtime_root)]
         self._container_id = container_id
 
     async def kill(self) -> None:
@@ -373,9 +382,7 @@ class _InsideKiller:
             pid = _read_pid(self.pid_file)
         except (OSError, ValueError):
             return  # not started in the sandbox yet: killing `runsc exec` stops the start
-        await asyncio.to_thread(
-            kill_process_tree, self._runsc, self._container_id, pid, KILL_TIMEOUT
-        )
+        await asyncio.to_thread(self._kill, self._runtime, self._container_id, pid, KILL_TIMEOUT)
 
 
 def _read_pid(path: Path) -> int:

@@ -12,7 +12,6 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, InvalidArgument
 from cri_shim.runtime import gvisor
 from cri_shim.runtime.features import (
-    GVISOR,
     HandlerFeatures,
     require_features,
     require_pod_features,
@@ -22,8 +21,9 @@ from cri_shim.runtime.gvisor import (
     joining_waiter,
     process_tree,
     relay_argv,
-    require_port_forward,
 )
+from cri_shim.runtime.kinds.base import HandlerKind
+from cri_shim.runtime.kinds.gvisor import GVISOR, GVisorKind
 
 
 def test_the_script_is_valid_shell_and_names_its_runsc(tmp_path: Path) -> None:
@@ -62,10 +62,10 @@ def test_port_forward_without_the_relay_needs_the_kernels_network_stack(
 ) -> None:
     monkeypatch.setattr(gvisor, "RELAY_PROGRAM", tmp_path / "no-busybox")
     with pytest.raises(FailedPrecondition, match="'gv'"):
-        require_port_forward("gv", [], "gvisor")
-    require_port_forward("gv", ["--network=host"], "gvisor")
-    require_port_forward("gv", ["--network", "host"], "gvisor")
-    require_port_forward("runc", [], "oci")
+        GVisorKind(Path("runsc")).check_port_forward("gv", [])
+    GVisorKind(Path("runsc")).check_port_forward("gv", ["--network=host"])
+    GVisorKind(Path("runsc")).check_port_forward("gv", ["--network", "host"])
+    HandlerKind(Path("runc")).check_port_forward("runc", [])
 
 
 def _pod(**options: int) -> api_pb2.PodSandboxConfig:
