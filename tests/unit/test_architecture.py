@@ -457,3 +457,91 @@ def test_the_edge_calls_no_domain_reader_on_the_event_loop() -> None:
                     if (module, name) not in EDGE_MAY_CALL_ON_THE_LOOP:
                         wrong.append(f"{module}:{node.lineno}: {name}() on the event loop")
     assert wrong == []
+
+
+# A runtime's names, as a branch on what the runtime is would spell them.
+RUNTIME_NAME = re.compile(r"^(runc|crun|youki|runsc|gvisor|kata.*|containerd-shim-kata.*)$", re.I)
+KINDS = "cri_shim.runtime.kinds"
+
+
+def _runtime_names_in(node: ast.AST) -> bool:
+    """A string constant naming a runtime, alone or in a literal set, tuple or list."""
+    elements = node.elts if isinstance(node, ast.Set | ast.Tuple | ast.List) else [node]
+    return any(
+        isinstance(e, ast.Constant) and isinstance(e.value, str) and RUNTIME_NAME.match(e.value)
+        for e in elements
+    )
+
+
+def _is_a_paths_name(node: ast.AST) -> bool:
+    """`<...path>.name`: a file's name."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "name"
+        and re.search(r"path\b", ast.unparse(node.value)) is not None
+    )
+
+
+def name_branches(tree: ast.AST, module: str) -> list[str]:
+    """Comparisons that decide by what a runtime is called, or where it lives: against a
+    runtime's name, on a runtime binary's file name (a path's name compared with
+    anything that says runtime), or conmon's runtime against the
+    runtime's path (a kind told by a wrapper script)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            text = ast.unparse(node)
+            if (
+                any(_runtime_names_in(side) for side in sides)
+                or (
+                    any(_is_a_paths_name(side) for side in sides)
+                    and re.search("runtime", text, re.I) is not None
+                )
+                or ("conmon_runtime" in text and "runtime_path" in text)
+            ):
+                found.append(f"{module}:{node.lineno}: {text}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and any(_runtime_names_in(arg) for arg in node.args)
+        ):
+            found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_outside_the_kinds_branches_on_a_runtimes_name_or_path() -> None:
+    """What differs with the runtime is its handler kind's (runtime/kinds/): a branch on
+    a runtime's name elsewhere is a kind that a new runtime would not get."""
+    wrong = []
+    for module in sorted(modules()):
+        if within(module, KINDS) or any(within(module, g) for g in GENERATED):
+            continue
+        wrong += name_branches(tree_of(module), module)
+    assert wrong == []
+
+
+@pytest.mark.parametrize(
+    "branch",
+    [
+        'if backend.runtime_path.name == "runsc":\n    pass',
+        'if handler_features(backend.runtime_path).kind == "gvisor":\n    pass',
+        "if self.conmon_runtime != self.runtime_path:\n    pass",
+        "gvisor = self.conmon_runtime != self.runtime_path",
+        "sandboxed = self.path.name in SANDBOXED_RUNTIMES",
+        'kata = path.name in {"kata-runtime", "containerd-shim-kata-v2"}',
+        'gvisor = result.stdout.startswith("runsc")',
+    ],
+)
+def test_the_name_branch_finder_finds_one(branch: str) -> None:
+    """As it would be caught in lifecycle/pause.py."""
+    assert name_branches(ast.parse(branch), "cri_shim.lifecycle.pause") != []
+
+
+def test_the_name_branch_finder_lets_other_comparisons_be() -> None:
+    code = (
+        'if mode == "runtime" or handler.name == default or kind.pod_sandbox:\n    pass\n'
+        'if path.name in ("", ".", ".."):\n    pass'
+    )
+    assert name_branches(ast.parse(code), "cri_shim.lifecycle.pause") == []
