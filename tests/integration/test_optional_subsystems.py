@@ -1,6 +1,6 @@
 """Optional subsystems load on first use: a daemon started with the defaults serves
-without importing NRI, CDI or the OpenTelemetry exporter, and NRI's modules come with
-`[nri] enable`.
+without importing NRI, CDI, the gVisor and Kata handler kinds or the OpenTelemetry
+exporter, and NRI's modules come with `[nri] enable`.
 
 What the daemon has imported is read from inside it: a `sitecustomize` module, put on
 its PYTHONPATH, starts a thread that writes `sys.modules` to a file when asked.
@@ -41,12 +41,12 @@ OPTIONAL = (
     "cri_shim.nri.objects",
     "cri_shim.nri.adjust",
     "cri_shim.runtime.cdi",
+    "cri_shim.runtime.gvisor",
+    "cri_shim.runtime.kinds.gvisor",
+    "cri_shim.runtime.kinds.kata",
     "cri_shim.tracing.otel",
     "opentelemetry",
 )
-# Known exception: runtime/gvisor.py (about 30 KiB) is imported by runtime/conmon.py,
-# whose every backend asks it whether a handler is gVisor; it goes with the handler
-# kinds (one object per kind, chosen from the configuration).
 
 
 def loaded_modules(daemon: Daemon, probe: Path) -> set[str]:
