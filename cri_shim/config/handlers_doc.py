@@ -124,7 +124,7 @@ they cannot name a RuntimeClass).
 
 - **runc, crun**: a pod is its pinned namespaces and a directory; no process runs for it
   unless it shares its PID namespace (then the static pause program is its PID 1).
-- **gVisor (`runsc`), Kata** (`pod_sandbox`, on by default for those binaries): the pod
+- **gVisor (`runsc`), Kata** (`pod_sandbox`, on by default for those kinds): the pod
   is one sandbox. RunPodSandbox starts the pod's sandbox container (the static pause
   program, `io.kubernetes.cri.container-type: sandbox`) through the handler under conmon,
   in the pod's network namespace once CNI has set it up; the pod's containers join it

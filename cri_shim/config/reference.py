@@ -199,8 +199,8 @@ _COMPUTED_DEFAULTS = {
     'runtime, before the command (`runtime_args = ["--network=host"]` for gVisor on a '
     "kernel whose network namespaces show `/proc/sys/net/core/rmem_default`, Linux 6.11 and "
     "newer, where runsc releases before August 2024 refuse their own network stack)",
-    "runtime.handlers.NAME.pod_sandbox": "`true` where `path`'s file name is `runsc`, "
-    "`kata-runtime` or `containerd-shim-kata-v2`",
+    "runtime.handlers.NAME.pod_sandbox": "`true` where `path` is gVisor's (`runsc "
+    "--version`) or Kata's (`kata-runtime`, `containerd-shim-kata-v2`): the handler's kind",
 }
 
 
