@@ -28,6 +28,7 @@ from cri_shim.lifecycle.events import EventBus
 from cri_shim.lifecycle.pause import SandboxContainers
 from cri_shim.lifecycle.pod_resources import PodResources
 from cri_shim.lifecycle.sandboxes import Pods, SandboxLifecycle
+from cri_shim.lifecycle.statuses import EventMessages
 from cri_shim.loop_monitor import LoopMonitor
 from cri_shim.metrics import Metrics
 from cri_shim.network.cni import CniNetwork
@@ -39,7 +40,6 @@ from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.monitors import MonitorWatch
 from cri_shim.runtime.oci import CallObserver
 from cri_shim.runtime.sandbox_forwarding import SandboxForwarding
-from cri_shim.server.events import EventRenderer
 from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.views import ImageView, ObjectNames, RuntimeView
 from cri_shim.state.containers import ContainerRepository
@@ -210,7 +210,7 @@ def _lifecycle(
     # An event is rendered when it happens, and only for a subscriber: the pod's status
     # and its containers' as recorded at that moment.
     events = EventBus(
-        render=EventRenderer(pods.get, storage.container_rows.list_visible_in),
+        render=EventMessages(pods.get, storage.container_rows.list_visible_in),
         max_subscribers=config.events.max_subscribers,
         max_backlog_bytes=config.events.max_backlog_bytes,
     )

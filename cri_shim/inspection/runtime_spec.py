@@ -15,18 +15,3 @@ def runtime_spec_of(container: ContainerRecord) -> dict[str, Any] | None:
         return None
     spec: dict[str, Any] = json.loads(path.read_text())
     return spec
-
-
-def process_user_of(container: ContainerRecord) -> dict[str, Any] | None:
-    """The OCI spec's process.user: recorded in the row when the runtime made the
-    container; a container made before the daemon recorded it has it read from its
-    bundle. None when there is no spec (yet), or it cannot be read."""
-    try:
-        if container.process_user:
-            user = json.loads(container.process_user)
-        else:
-            spec = json.loads((container.bundle_dir / "config.json").read_text())
-            user = spec["process"]["user"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return user if isinstance(user, dict) else None

@@ -17,7 +17,7 @@ Events are rendered (pod sandbox status and container statuses, as the CRI messa
 them, serialized) once, when they happen, and only while someone is subscribed: every
 subscriber queues the same bytes, so a subscriber costs its place in the queue, not a
 copy (200 streams each serialized a 2.5 MiB event for itself on the event loop). The
-renderer is installed by the gRPC edge; this module knows nothing of protobuf.
+renderer is lifecycle/statuses.py's `EventMessages`; this module knows nothing of protobuf.
 """
 
 from __future__ import annotations

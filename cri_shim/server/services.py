@@ -1,4 +1,5 @@
-"""The two gRPC services. Each method is one line: the handler lives in its family's module."""
+"""The two gRPC services, one line per RPC: the handler lives in the module named after it
+(`RunPodSandbox` in server/run_pod_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,46 @@ import grpc
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.server import (
-    container,
-    events,
-    image,
-    metrics_cri,
-    runtime_info,
-    sandbox,
-    sandbox_resources,
-    stats,
-    streaming,
+    attach,
+    container_stats,
+    container_status,
+    create_container,
+    exec,
+    exec_sync,
+    get_container_events,
+    image_fs_info,
+    image_status,
+    list_container_stats,
+    list_containers,
+    list_images,
+    list_metric_descriptors,
+    list_pod_sandbox,
+    list_pod_sandbox_metrics,
+    list_pod_sandbox_stats,
+    pod_sandbox_stats,
+    pod_sandbox_status,
+    port_forward,
+    pull_image,
+    remove_container,
+    remove_image,
+    remove_pod_sandbox,
+    reopen_container_log,
+    run_pod_sandbox,
+    runtime_config,
+    start_container,
+    status,
+    stop_container,
+    stop_pod_sandbox,
+    stream_container_stats,
+    stream_containers,
+    stream_images,
+    stream_pod_sandbox_metrics,
+    stream_pod_sandbox_stats,
+    stream_pod_sandboxes,
+    update_container_resources,
+    update_pod_sandbox_resources,
+    update_runtime_config,
+    version,
 )
 from cri_shim.server.rpc import rpc, unimplemented
 from cri_shim.server.wire import deserializer
@@ -25,7 +57,8 @@ from cri_shim.server.wire import deserializer
 if TYPE_CHECKING:
     from cri_shim.server.views import ImageView, RuntimeView
 
-_PENDING = {
+# The RPCs answered UNIMPLEMENTED, with the feature each waits for.
+PENDING = {
     "CheckpointContainer": "checkpointing",
 }
 
@@ -35,40 +68,40 @@ class RuntimeService(api_pb2_grpc.RuntimeServiceServicer):
         # None until restore has finished; every call answers UNAVAILABLE until then.
         self.view: RuntimeView | None = None
 
-    Version = rpc(runtime_info.version)
-    Status = rpc(runtime_info.status)
-    RuntimeConfig = rpc(runtime_info.runtime_config)
-    UpdateRuntimeConfig = rpc(runtime_info.update_runtime_config)
-    RunPodSandbox = rpc(sandbox.run_pod_sandbox)
-    StopPodSandbox = rpc(sandbox.stop_pod_sandbox)
-    RemovePodSandbox = rpc(sandbox.remove_pod_sandbox)
-    PodSandboxStatus = rpc(sandbox.pod_sandbox_status)
-    ListPodSandbox = rpc(sandbox.list_pod_sandbox)
-    StreamPodSandboxes = rpc(sandbox.stream_pod_sandboxes)
-    CreateContainer = rpc(container.create_container)
-    StartContainer = rpc(container.start_container)
-    StopContainer = rpc(container.stop_container)
-    RemoveContainer = rpc(container.remove_container)
-    ListContainers = rpc(container.list_containers)
-    StreamContainers = rpc(container.stream_containers)
-    ContainerStatus = rpc(container.container_status)
-    ExecSync = rpc(container.exec_sync)
-    ReopenContainerLog = rpc(container.reopen_container_log)
-    UpdateContainerResources = rpc(container.update_container_resources)
-    Exec = rpc(streaming.exec_)
-    Attach = rpc(streaming.attach)
-    PortForward = rpc(streaming.port_forward)
-    ContainerStats = rpc(stats.container_stats)
-    ListContainerStats = rpc(stats.list_container_stats)
-    StreamContainerStats = rpc(stats.stream_container_stats)
-    PodSandboxStats = rpc(stats.pod_sandbox_stats)
-    ListPodSandboxStats = rpc(stats.list_pod_sandbox_stats)
-    StreamPodSandboxStats = rpc(stats.stream_pod_sandbox_stats)
-    GetContainerEvents = rpc(events.get_container_events)
-    UpdatePodSandboxResources = rpc(sandbox_resources.update_pod_sandbox_resources)
-    ListMetricDescriptors = rpc(metrics_cri.list_metric_descriptors)
-    ListPodSandboxMetrics = rpc(metrics_cri.list_pod_sandbox_metrics)
-    StreamPodSandboxMetrics = rpc(metrics_cri.stream_pod_sandbox_metrics)
+    Version = rpc(version.version)
+    Status = rpc(status.status)
+    RuntimeConfig = rpc(runtime_config.runtime_config)
+    UpdateRuntimeConfig = rpc(update_runtime_config.update_runtime_config)
+    RunPodSandbox = rpc(run_pod_sandbox.run_pod_sandbox)
+    StopPodSandbox = rpc(stop_pod_sandbox.stop_pod_sandbox)
+    RemovePodSandbox = rpc(remove_pod_sandbox.remove_pod_sandbox)
+    PodSandboxStatus = rpc(pod_sandbox_status.pod_sandbox_status)
+    ListPodSandbox = rpc(list_pod_sandbox.list_pod_sandbox)
+    StreamPodSandboxes = rpc(stream_pod_sandboxes.stream_pod_sandboxes)
+    CreateContainer = rpc(create_container.create_container)
+    StartContainer = rpc(start_container.start_container)
+    StopContainer = rpc(stop_container.stop_container)
+    RemoveContainer = rpc(remove_container.remove_container)
+    ListContainers = rpc(list_containers.list_containers)
+    StreamContainers = rpc(stream_containers.stream_containers)
+    ContainerStatus = rpc(container_status.container_status)
+    ExecSync = rpc(exec_sync.exec_sync)
+    ReopenContainerLog = rpc(reopen_container_log.reopen_container_log)
+    UpdateContainerResources = rpc(update_container_resources.update_container_resources)
+    Exec = rpc(exec.exec_)
+    Attach = rpc(attach.attach)
+    PortForward = rpc(port_forward.port_forward)
+    ContainerStats = rpc(container_stats.container_stats)
+    ListContainerStats = rpc(list_container_stats.list_container_stats)
+    StreamContainerStats = rpc(stream_container_stats.stream_container_stats)
+    PodSandboxStats = rpc(pod_sandbox_stats.pod_sandbox_stats)
+    ListPodSandboxStats = rpc(list_pod_sandbox_stats.list_pod_sandbox_stats)
+    StreamPodSandboxStats = rpc(stream_pod_sandbox_stats.stream_pod_sandbox_stats)
+    GetContainerEvents = rpc(get_container_events.get_container_events)
+    UpdatePodSandboxResources = rpc(update_pod_sandbox_resources.update_pod_sandbox_resources)
+    ListMetricDescriptors = rpc(list_metric_descriptors.list_metric_descriptors)
+    ListPodSandboxMetrics = rpc(list_pod_sandbox_metrics.list_pod_sandbox_metrics)
+    StreamPodSandboxMetrics = rpc(stream_pod_sandbox_metrics.stream_pod_sandbox_metrics)
 
 
 class ImageService(api_pb2_grpc.ImageServiceServicer):
@@ -76,12 +109,12 @@ class ImageService(api_pb2_grpc.ImageServiceServicer):
         # None until restore has finished, as RuntimeService's.
         self.view: ImageView | None = None
 
-    ListImages = rpc(image.list_images)
-    StreamImages = rpc(image.stream_images)
-    ImageStatus = rpc(image.image_status)
-    PullImage = rpc(image.pull_image)
-    RemoveImage = rpc(image.remove_image)
-    ImageFsInfo = rpc(image.image_fs_info)
+    ListImages = rpc(list_images.list_images)
+    StreamImages = rpc(stream_images.stream_images)
+    ImageStatus = rpc(image_status.image_status)
+    PullImage = rpc(pull_image.pull_image)
+    RemoveImage = rpc(remove_image.remove_image)
+    ImageFsInfo = rpc(image_fs_info.image_fs_info)
 
 
 def _fill_unimplemented() -> None:
@@ -89,7 +122,7 @@ def _fill_unimplemented() -> None:
         methods = api_pb2.DESCRIPTOR.services_by_name[service].methods_by_name
         for name in methods:
             if name not in cls.__dict__:
-                feature = _PENDING.get(name, name)
+                feature = PENDING.get(name, name)
                 setattr(cls, name, unimplemented(name, f"{feature} support is not built yet"))
 
 
@@ -98,7 +131,7 @@ _fill_unimplemented()
 
 def _serializer(message_class: Any) -> Callable[[Any], bytes]:
     """Replies as protobuf serializes them; a reply already serialized (an event sent to
-    every subscriber, server/events.py) goes as it is."""
+    every subscriber, lifecycle/statuses.py) goes as it is."""
     serialize = message_class.SerializeToString
 
     def serialized(reply: Any) -> bytes:

@@ -23,8 +23,12 @@ from hypothesis.stateful import (
 )
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.server.container import to_container, to_status
-from cri_shim.server.sandbox import to_pod_sandbox, to_pod_sandbox_status
+from cri_shim.lifecycle.statuses import (
+    to_container,
+    to_pod_sandbox,
+    to_pod_sandbox_status,
+    to_status,
+)
 from cri_shim.state.records import ContainerRecord, SandboxRecord
 from tests.harness import Daemon, import_image, pod_config
 from tests.integration.cri_testkit import container_config, remove_pod

@@ -14,7 +14,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.composition import build_backends, build_graph
 from cri_shim.config import Config, ConfigError, config_from_dict
 from cri_shim.runtime.cgroup_driver import systemd_booted
-from cri_shim.server.runtime_info import runtime_config
+from cri_shim.server.runtime_config import runtime_config
 
 
 def config_in(tmp_path: Path, **keys: Any) -> Config:

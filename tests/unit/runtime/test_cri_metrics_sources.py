@@ -6,7 +6,7 @@ from pathlib import Path
 
 from cri_shim.network.netdev import parse_net_dev
 from cri_shim.runtime.cgroup_layout import cgroup_layout
-from cri_shim.server.metrics_cri import metric_descriptors
+from cri_shim.server.metrics_messages import metric_descriptors
 
 # Real /proc/net/dev lines, with the runs of spaces squeezed (the parser splits on any).
 NET_DEV = (

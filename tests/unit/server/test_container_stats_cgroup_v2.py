@@ -12,7 +12,7 @@ from cri_shim.config import Config
 from cri_shim.inspection.usage import ContainerUsage
 from cri_shim.runtime.cgroup_layout import cgroup_layout
 from cri_shim.runtime.stats import LayerUsage
-from cri_shim.server.stats import _container_stats
+from cri_shim.server.stats_messages import container_stats_message
 from cri_shim.state.records import ContainerRecord
 
 PRESSURE = (
@@ -36,7 +36,7 @@ def record() -> ContainerRecord:
 def stats_of(root: Path, *, v2: bool) -> api_pb2.ContainerStats:
     cgroup = cgroup_layout(root, v2=v2).stats("/g")
     usage = ContainerUsage(record(), cgroup, None, LayerUsage(0, 0), 1)
-    return _container_stats(cast(Any, View()), usage)
+    return container_stats_message(cast(Any, View()), usage)
 
 
 def write(path: Path, text: str) -> None:

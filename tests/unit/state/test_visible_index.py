@@ -13,8 +13,12 @@ from typing import Any
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.server.container import to_container, to_status
-from cri_shim.server.sandbox import to_pod_sandbox, to_pod_sandbox_status
+from cri_shim.lifecycle.statuses import (
+    to_container,
+    to_pod_sandbox,
+    to_pod_sandbox_status,
+    to_status,
+)
 from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.db import Database
 from cri_shim.state.sandboxes import SandboxRepository

@@ -1,4 +1,4 @@
-"""UpdatePodSandboxResources (in-place pod resize: the pod's total and its overhead);
+"""UpdatePodSandboxResources (in-place pod resize: the pod's total and its overhead):
 lifecycle/pod_resources.py checks, records and tells NRI plugins."""
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
-"""Version, Status and RuntimeConfig: what the runtime is and whether it is ready."""
+"""Status: whether the runtime and its network are ready, and its handlers' features."""
 
 from __future__ import annotations
 
 import json
-import logging
 from typing import TYPE_CHECKING
 
 import grpc
 
-from cri_shim import __version__
 from cri_shim.api.v1 import api_pb2
 
 if TYPE_CHECKING:
     from cri_shim.server.views import HandlerFeatures, RuntimeView
-
-log = logging.getLogger("cri_shim.server")
-
-RUNTIME_NAME = "cri-shim"
-KUBE_API_VERSION = "0.1.0"
-
-
-async def version(
-    view: RuntimeView, request: api_pb2.VersionRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.VersionResponse:
-    return api_pb2.VersionResponse(
-        version=KUBE_API_VERSION,
-        runtime_name=RUNTIME_NAME,
-        runtime_version=__version__,
-        runtime_api_version="v1",
-    )
 
 
 async def status(
@@ -91,27 +73,3 @@ def _features(features: HandlerFeatures) -> api_pb2.RuntimeHandlerFeatures:
         recursive_read_only_mounts=features.recursive_read_only_mounts,
         user_namespaces=features.user_namespaces,
     )
-
-
-async def runtime_config(
-    view: RuntimeView, request: api_pb2.RuntimeConfigRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.RuntimeConfigResponse:
-    # kubelet (KubeletCgroupDriverFromCRI) takes its driver from this answer: the one the
-    # daemon resolved at its start (config.cgroup_manager, `auto` no longer).
-    driver = api_pb2.SYSTEMD if view.config.cgroup_manager == "systemd" else api_pb2.CGROUPFS
-    return api_pb2.RuntimeConfigResponse(
-        linux=api_pb2.LinuxRuntimeConfiguration(cgroup_driver=driver)
-    )
-
-
-async def update_runtime_config(
-    view: RuntimeView,
-    request: api_pb2.UpdateRuntimeConfigRequest,
-    context: grpc.aio.ServicerContext,
-) -> api_pb2.UpdateRuntimeConfigResponse:
-    # kubelet sends the node's pod CIDR at start. Addressing belongs to the CNI
-    # configuration (as with CRI-O and containerd's default), so it is only recorded.
-    cidr = request.runtime_config.network_config.pod_cidr
-    if cidr:
-        log.info("kubelet reports pod CIDR %s (addressing stays with the CNI configuration)", cidr)
-    return api_pb2.UpdateRuntimeConfigResponse()

@@ -1,21 +1,17 @@
-"""ContainerStats, PodSandboxStats and their List and Stream RPCs: the usage the
-inspection package reads (inspection/usage.py), as the CRI's messages."""
+"""The CRI messages of the usage that inspection/usage.py reads: a container's and a pod's
+stats, shared by the stats RPCs."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import grpc
-
 from cri_shim.api.v1 import api_pb2
-from cri_shim.server import listing
-from cri_shim.server.listing import selected
 
 if TYPE_CHECKING:
     from cri_shim.inspection.host import PressureStall
     from cri_shim.inspection.usage import ContainerUsage, PodNetwork, PodUsage
     from cri_shim.server.views import RuntimeView
+
 
 # The interface kubelet reports as the pod's network (its summary API's `network.name`).
 DEFAULT_INTERFACE = "eth0"
@@ -25,7 +21,7 @@ def _u64(value: int | None) -> api_pb2.UInt64Value | None:
     return api_pb2.UInt64Value(value=value) if value is not None else None
 
 
-def _container_stats(view: RuntimeView, usage: ContainerUsage) -> api_pb2.ContainerStats:
+def container_stats_message(view: RuntimeView, usage: ContainerUsage) -> api_pb2.ContainerStats:
     container = usage.record
     attributes = api_pb2.ContainerAttributes(
         id=container.id,
@@ -95,51 +91,7 @@ def _psi(stall: PressureStall | None) -> api_pb2.PsiStats | None:
     )
 
 
-async def container_stats(
-    view: RuntimeView, request: api_pb2.ContainerStatsRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.ContainerStatsResponse:
-    usage = await view.usage.container(request.container_id)
-    return api_pb2.ContainerStatsResponse(stats=_container_stats(view, usage))
-
-
-async def container_stats_listed(
-    view: RuntimeView, f: api_pb2.ContainerStatsFilter
-) -> AsyncIterator[api_pb2.ContainerStats]:
-    """The stats of the containers `f` selects: ListContainerStats and
-    StreamContainerStats."""
-    containers = view.containers.list(sandbox_id=f.pod_sandbox_id or None)
-    chosen = [c for c in containers if selected(f, c.id, c.config.labels)]
-    async for usage in view.usage.containers(chosen):
-        yield _container_stats(view, usage)
-
-
-async def list_container_stats(
-    view: RuntimeView,
-    request: api_pb2.ListContainerStatsRequest,
-    context: grpc.aio.ServicerContext,
-) -> api_pb2.ListContainerStatsResponse:
-    stats = await listing.collect(
-        container_stats_listed(view, request.filter),
-        "ListContainerStats",
-        "StreamContainerStats",
-        listing.reply_limit(view.config),
-    )
-    return api_pb2.ListContainerStatsResponse(stats=stats)
-
-
-async def stream_container_stats(
-    view: RuntimeView,
-    request: api_pb2.StreamContainerStatsRequest,
-    context: grpc.aio.ServicerContext,
-) -> None:
-    await listing.stream(
-        container_stats_listed(view, request.filter),
-        context,
-        lambda stats: api_pb2.StreamContainerStatsResponse(container_stats=[stats]),
-    )
-
-
-def _pod_stats(view: RuntimeView, usage: PodUsage) -> api_pb2.PodSandboxStats:
+def pod_stats_message(view: RuntimeView, usage: PodUsage) -> api_pb2.PodSandboxStats:
     sandbox = usage.record
     return api_pb2.PodSandboxStats(
         attributes=api_pb2.PodSandboxAttributes(
@@ -158,7 +110,7 @@ def _pod_stats(view: RuntimeView, usage: PodUsage) -> api_pb2.PodSandboxStats:
                 timestamp=usage.read_at, working_set_bytes=_u64(usage.memory_working_set_bytes)
             ),
             network=_network_usage(usage.network),
-            containers=[_container_stats(view, c) for c in usage.containers],
+            containers=[container_stats_message(view, c) for c in usage.containers],
         ),
     )
 
@@ -179,46 +131,4 @@ def _network_usage(network: PodNetwork | None) -> api_pb2.NetworkUsage | None:
     default = next((u for u in usage if u.name == DEFAULT_INTERFACE), usage[0])
     return api_pb2.NetworkUsage(
         timestamp=network.read_at, default_interface=default, interfaces=usage
-    )
-
-
-async def pod_sandbox_stats(
-    view: RuntimeView, request: api_pb2.PodSandboxStatsRequest, context: grpc.aio.ServicerContext
-) -> api_pb2.PodSandboxStatsResponse:
-    usage = await view.usage.pod(request.pod_sandbox_id)
-    return api_pb2.PodSandboxStatsResponse(stats=_pod_stats(view, usage))
-
-
-async def pod_sandbox_stats_listed(
-    view: RuntimeView, f: api_pb2.PodSandboxStatsFilter
-) -> AsyncIterator[api_pb2.PodSandboxStats]:
-    """The stats of the pods `f` selects: ListPodSandboxStats and StreamPodSandboxStats."""
-    chosen = [s for s in view.sandboxes.list() if selected(f, s.id, s.config.labels)]
-    async for usage in view.usage.pods(chosen):
-        yield _pod_stats(view, usage)
-
-
-async def list_pod_sandbox_stats(
-    view: RuntimeView,
-    request: api_pb2.ListPodSandboxStatsRequest,
-    context: grpc.aio.ServicerContext,
-) -> api_pb2.ListPodSandboxStatsResponse:
-    stats = await listing.collect(
-        pod_sandbox_stats_listed(view, request.filter),
-        "ListPodSandboxStats",
-        "StreamPodSandboxStats",
-        listing.reply_limit(view.config),
-    )
-    return api_pb2.ListPodSandboxStatsResponse(stats=stats)
-
-
-async def stream_pod_sandbox_stats(
-    view: RuntimeView,
-    request: api_pb2.StreamPodSandboxStatsRequest,
-    context: grpc.aio.ServicerContext,
-) -> None:
-    await listing.stream(
-        pod_sandbox_stats_listed(view, request.filter),
-        context,
-        lambda stats: api_pb2.StreamPodSandboxStatsResponse(pod_sandbox_stats=[stats]),
     )

@@ -1,5 +1,5 @@
-"""ListMetricDescriptors, ListPodSandboxMetrics and StreamPodSandboxMetrics: cAdvisor's
-container metrics over CRI.
+"""cAdvisor's container metrics over CRI, declared and rendered for ListMetricDescriptors,
+ListPodSandboxMetrics and StreamPodSandboxMetrics.
 
 kubelet (PodAndContainerStatsFromCRI) serves /metrics/cadvisor from these instead of
 running cAdvisor. Names, help texts and label names follow cAdvisor, so dashboards and
@@ -13,20 +13,16 @@ the pod (its network namespace), reported once per interface under the pod's own
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-import grpc
-
 from cri_shim.api.v1 import api_pb2
 from cri_shim.inspection.host import ContainerFigures, Filesystem, InterfaceCounters
-from cri_shim.server import listing
 
 if TYPE_CHECKING:
     from cri_shim.inspection.host import CgroupFigures, Device
     from cri_shim.inspection.usage import PodFigures
-    from cri_shim.server.views import RuntimeView
 
 LABELS = ("container", "id", "image", "name", "namespace", "pod")
 NETWORK_LABELS = (*LABELS, "interface")
@@ -425,47 +421,7 @@ def _samples(
     return [metric for spec in specs for metric in spec.samples(labels, source)]
 
 
-async def list_metric_descriptors(
-    view: RuntimeView,
-    request: api_pb2.ListMetricDescriptorsRequest,
-    context: grpc.aio.ServicerContext,
-) -> api_pb2.ListMetricDescriptorsResponse:
-    return api_pb2.ListMetricDescriptorsResponse(descriptors=metric_descriptors())
-
-
-def pod_sandbox_metrics_listed(view: RuntimeView) -> AsyncIterator[api_pb2.PodSandboxMetrics]:
-    """Each ready pod's metrics, read when it is its turn: ListPodSandboxMetrics and
-    StreamPodSandboxMetrics."""
-    return view.usage.pods_figures(_pod_metrics)
-
-
-async def list_pod_sandbox_metrics(
-    view: RuntimeView,
-    request: api_pb2.ListPodSandboxMetricsRequest,
-    context: grpc.aio.ServicerContext,
-) -> api_pb2.ListPodSandboxMetricsResponse:
-    pods = await listing.collect(
-        pod_sandbox_metrics_listed(view),
-        "ListPodSandboxMetrics",
-        "StreamPodSandboxMetrics",
-        listing.reply_limit(view.config),
-    )
-    return api_pb2.ListPodSandboxMetricsResponse(pod_metrics=pods)
-
-
-async def stream_pod_sandbox_metrics(
-    view: RuntimeView,
-    request: api_pb2.StreamPodSandboxMetricsRequest,
-    context: grpc.aio.ServicerContext,
-) -> None:
-    await listing.stream(
-        pod_sandbox_metrics_listed(view),
-        context,
-        lambda pod: api_pb2.StreamPodSandboxMetricsResponse(pod_sandbox_metrics=[pod]),
-    )
-
-
-def _pod_metrics(pod: PodFigures) -> api_pb2.PodSandboxMetrics:
+def pod_metrics_message(pod: PodFigures) -> api_pb2.PodSandboxMetrics:
     sandbox = pod.record
     meta = sandbox.config.metadata
     labels = {"namespace": meta.namespace, "pod": meta.name}

@@ -1,0 +1,36 @@
+"""ContainerStatus: a container's status as recorded (lifecycle/statuses.py); verbose adds its
+runtime spec, read in a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING
+
+import grpc
+
+from cri_shim.api.v1 import api_pb2
+from cri_shim.inspection.runtime_spec import runtime_spec_of
+from cri_shim.lifecycle.statuses import to_status
+
+if TYPE_CHECKING:
+    from cri_shim.server.views import RuntimeView
+
+
+async def container_status(
+    view: RuntimeView, request: api_pb2.ContainerStatusRequest, context: grpc.aio.ServicerContext
+) -> api_pb2.ContainerStatusResponse:
+    container = view.containers.get(request.container_id)
+    response = api_pb2.ContainerStatusResponse(status=to_status(container))
+    if request.verbose:
+        info = {
+            "id": container.id,
+            "name": container.name,
+            "sandboxID": container.sandbox_id,
+            "pid": container.pid,
+            "bundle": str(container.bundle_dir),
+            "rootfs": str(container.rootfs),
+            "runtimeSpec": await asyncio.to_thread(runtime_spec_of, container),
+        }
+        response.info["info"] = json.dumps(info, sort_keys=True)
+    return response
