@@ -1,6 +1,7 @@
 """What a pod's configuration means, whoever asks: whether it runs on the host's network,
-its hostname, and which sysctls its own namespaces let it set. The request checks at the
-gRPC edge, the sandbox's creation and the OCI spec builder apply the same rules from here.
+its hostname, and which sysctls its own namespaces let it set. The sandbox's creation
+(which refuses a pod's sysctls before it exists) and the OCI spec builder apply the same
+rules from here.
 """
 
 from __future__ import annotations
@@ -66,6 +67,24 @@ def namespaced_sysctls(
             raise InvalidArgument(f"sysctls: {raw_name} is not a namespaced sysctl")
         out[name] = value
     return out
+
+
+def check_pod_sysctls(
+    config: api_pb2.PodSandboxConfig, field: str = "PodSandboxConfig.linux.sysctls"
+) -> None:
+    """Only sysctls that the pod's own namespaces isolate (net.* only off the host
+    network, IPC ones only with a private IPC namespace): refused before the pod exists
+    rather than at its first container."""
+    hostnet = host_network(config)
+    try:
+        namespaced_sysctls(
+            config.linux.sysctls,
+            own_network=not hostnet,
+            own_ipc=config.linux.security_context.namespace_options.ipc != api_pb2.NODE,
+            own_uts=not hostnet,
+        )
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}: {str(exc).removeprefix('sysctls: ')}") from None
 
 
 def _normalize_sysctl(name: str) -> str:

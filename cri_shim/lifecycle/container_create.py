@@ -26,6 +26,7 @@ from cri_shim.host import mounts
 from cri_shim.images import overlay
 from cri_shim.images.store import ImageStore
 from cri_shim.lifecycle.container_images import image_config_view, image_names
+from cri_shim.lifecycle.container_rules import check_container
 from cri_shim.lifecycle.events import CONTAINER_CREATED, EventBus
 from cri_shim.lifecycle.image_volumes import mount_image_volumes, resolve_image_volumes
 from cri_shim.lifecycle.pause import SandboxContainers
@@ -110,6 +111,7 @@ class ContainerCreate:
             raise InvalidArgument("ContainerConfig.metadata.name must not be empty")
         if not config.image.image:
             raise InvalidArgument("ContainerConfig.image.image must not be empty")
+        await asyncio.to_thread(check_container, config)  # stats host paths, reads sysfs
         sandbox = self._pods.get_ready(sandbox_ref)
         image = self._images.get(config.image.image)
         if image is None:

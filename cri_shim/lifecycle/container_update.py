@@ -3,6 +3,7 @@ refuse it) or an NRI plugin's own update, applied through the runtime."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition
 from cri_shim.lifecycle.container_queries import VisibleContainers
 from cri_shim.lifecycle.pods import Pods
+from cri_shim.lifecycle.resource_rules import check_resources
 from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
 from cri_shim.state.containers import EXITED
 
@@ -34,6 +36,9 @@ class ContainerUpdate:
         self, ref: str, resources: api_pb2.LinuxContainerResources | Mapping[str, Any]
     ) -> None:
         """A CRI update, or OCI LinuxResources (an NRI plugin's update)."""
+        if isinstance(resources, api_pb2.LinuxContainerResources):
+            field = "UpdateContainerResourcesRequest.linux"
+            await asyncio.to_thread(check_resources, resources, field)  # reads sysfs
         container = self._containers.get(ref)
         if container.state == EXITED:
             raise FailedPrecondition(f"container {container.id} has exited")

@@ -23,6 +23,7 @@ from google.protobuf import json_format
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.lifecycle.pods import require_ready
+from cri_shim.lifecycle.resource_rules import check_pod_resources
 from cri_shim.runtime.host_limits import current_host_limits
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.state.records import SandboxRecord
@@ -77,6 +78,9 @@ class PodResources:
         overhead: api_pb2.LinuxContainerResources | None,
         resources: api_pb2.LinuxContainerResources | None,
     ) -> None:
+        await asyncio.to_thread(
+            check_pod_resources, overhead, resources, "UpdatePodSandboxResourcesRequest"
+        )
         sandbox = self._sandbox_of(sandbox_ref)
         nri = self._nri if self._nri is not None and self._nri.enabled else None
         if nri is None:

@@ -28,9 +28,10 @@ from cri_shim.lifecycle.events import CONTAINER_CREATED, CONTAINER_STARTED, Even
 from cri_shim.lifecycle.pause import SandboxContainers, shares_pid_namespace
 from cri_shim.lifecycle.persisted_creation import persisted_coordinator
 from cri_shim.lifecycle.pods import PodContainers
+from cri_shim.lifecycle.resource_rules import check_pod_resources
 from cri_shim.network.cni import CniNetwork, PodNetworkRequest
 from cri_shim.network.netns import USERNS_DIR, NamespacePinner, PinnedNamespaces
-from cri_shim.pod_rules import host_network, pod_hostname
+from cri_shim.pod_rules import check_pod_sysctls, host_network, pod_hostname
 from cri_shim.runtime.cgroup_driver import driver_named
 from cri_shim.runtime.features import HandlerFeatures, require_pod_features
 from cri_shim.runtime.spec import SandboxContext
@@ -108,6 +109,11 @@ class SandboxRun:
         for field in ("name", "uid", "namespace"):
             if not getattr(meta, field):
                 raise InvalidArgument(f"PodSandboxConfig.metadata.{field} must not be empty")
+        check_pod_sysctls(config)
+        linux = config.linux
+        await asyncio.to_thread(
+            check_pod_resources, linux.overhead, linux.resources, "PodSandboxConfig.linux"
+        )
         handler = runtime_handler or self._config.runtime.default_handler
         if handler not in self._config.runtime.handlers:
             known = ", ".join(sorted(self._config.runtime.handlers))

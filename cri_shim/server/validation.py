@@ -10,15 +10,16 @@ Two layers:
 - Per RPC, the fields whose meaning the host depends on: paths that must stay where they
   belong (log directory and log path, mounts, working directory, cgroup parent), names the
   kernel or a file format takes literally (hostname, DNS, sysctls), and sizes (labels,
-  annotations). The checks that depend on live objects (a sandbox's log directory, which
-  symlinks it holds) stay with the domain code that resolves them; this module is pure
-  apart from the `stat` of a mount's host path.
+  annotations). This module is pure: the rules that depend on the host or on live
+  objects are the operation's that enforces them (sysctls a pod's namespaces isolate:
+  pod_rules.py; resources within the kernel's ranges and the CPUs online:
+  lifecycle/resource_rules.py; a mount's host path: lifecycle/container_rules.py; a
+  sandbox's log directory: lifecycle/container_create.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePosixPath
@@ -27,10 +28,8 @@ from typing import Any
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from cri_shim import cpusets
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
-from cri_shim.pod_rules import host_network, namespaced_sysctls
 
 # Kubernetes' own limit on the total size of an object's annotations (and we hold labels
 # to it too): both go into the state database and the OCI spec of every container.
@@ -229,9 +228,7 @@ def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
     if sc.HasField("run_as_group"):
         _ids([sc.run_as_group.value], f"{where}.linux.security_context.run_as_group")
     _ids(sc.supplemental_groups, f"{where}.linux.security_context.supplemental_groups")
-    _sysctls(config, host_network(config), f"{where}.linux.sysctls")
-    check_cpusets(linux.overhead, f"{where}.linux.overhead")
-    check_cpusets(linux.resources, f"{where}.linux.resources")
+    _sysctls(config, f"{where}.linux.sysctls")
 
 
 def _ip(value: str, field: str) -> None:
@@ -262,26 +259,14 @@ def _dns(dns: api_pb2.DNSConfig, field: str) -> None:
             )
 
 
-def _sysctls(config: api_pb2.PodSandboxConfig, hostnet: bool, field: str) -> None:
-    """Only sysctls that the pod's own namespaces isolate (net.* only off the host
-    network, IPC ones only with a private IPC namespace): the rules are the spec
-    builder's (pod_rules.py), applied here before the pod exists rather than at its first
-    container."""
+def _sysctls(config: api_pb2.PodSandboxConfig, field: str) -> None:
+    """Names and values a sysctl file takes; which of them the pod's namespaces isolate
+    is pod_rules.check_pod_sysctls', at the sandbox's creation."""
     for name, value in config.linux.sysctls.items():
         if len(name) > MAX_NAME or not _SYSCTL.match(name):
             raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl name")
         if "\n" in value or len(value) > MAX_PATH:
             raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl value")
-    options = config.linux.security_context.namespace_options
-    try:
-        namespaced_sysctls(
-            config.linux.sysctls,
-            own_network=not hostnet,
-            own_ipc=options.ipc != api_pb2.NODE,
-            own_uts=not hostnet,
-        )
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"{field}: {str(exc).removeprefix('sysctls: ')}") from None
 
 
 @_validates(
@@ -297,8 +282,6 @@ def _sandbox_id(request: Any) -> None:
 @_validates("UpdatePodSandboxResources")
 def _update_pod_resources(request: api_pb2.UpdatePodSandboxResourcesRequest) -> None:
     _sandbox_id(request)
-    check_cpusets(request.overhead, "UpdatePodSandboxResourcesRequest.overhead")
-    check_cpusets(request.resources, "UpdatePodSandboxResourcesRequest.resources")
 
 
 @_validates("PortForward")
@@ -383,22 +366,15 @@ def check_container_config(config: api_pb2.ContainerConfig) -> None:
     for name in ("masked_paths", "readonly_paths"):
         for index, path in enumerate(getattr(sc, name)):
             _absolute_path(path, f"{prefix}.{name}[{index}]", allow_empty=False)
-    check_resources(config.linux.resources, f"{where}.linux.resources")
+    _resource_fields(config.linux.resources, f"{where}.linux.resources")
 
 
 def _mount(mount: api_pb2.Mount, field: str) -> None:
     _absolute_path(mount.container_path, f"{field}.container_path", allow_empty=False)
     if mount.HasField("image") and mount.image.image:
         return  # an image volume: checked by lifecycle/image_volumes.py
+    # Whether it exists is lifecycle/container_rules.py's check.
     _absolute_path(mount.host_path, f"{field}.host_path", allow_empty=False)
-    # Symlinks are followed, as kubelet expects (a host path may itself be a link); the
-    # creation opens the path once more and mounts what it opened (runtime/mount_sources).
-    try:
-        os.stat(mount.host_path)
-    except FileNotFoundError:
-        raise InvalidArgument(f"{field}.host_path: {mount.host_path} does not exist") from None
-    except OSError as exc:
-        raise InvalidArgument(f"{field}.host_path: {mount.host_path}: {exc.strerror}") from None
 
 
 def _log_path(value: str, field: str) -> None:
@@ -418,44 +394,20 @@ def _log_path(value: str, field: str) -> None:
         raise InvalidArgument(f"{field}: {_short(value)} does not name a file")
 
 
-def check_resources(resources: api_pb2.LinuxContainerResources, field: str) -> None:
+def _resource_fields(resources: api_pb2.LinuxContainerResources, field: str) -> None:
     for name in ("cpu_period", "cpu_shares", "memory_limit_in_bytes"):
         if getattr(resources, name) < 0:
             raise InvalidArgument(f"{field}.{name}: must not be negative")
     for name in ("cpu_quota", "memory_swap_limit_in_bytes"):
         if getattr(resources, name) < -1:  # -1: unlimited
             raise InvalidArgument(f"{field}.{name}: must be -1 (unlimited) or more")
-    # The kernel's own ranges (CFS: period 1ms..1s, quota at least 1ms); runc would fail
-    # with "invalid argument" from a cgroup file, after the container was made.
-    if resources.cpu_period and not 1000 <= resources.cpu_period <= 1_000_000:
-        raise InvalidArgument(f"{field}.cpu_period: {resources.cpu_period} is not in 1000..1000000")
-    if resources.cpu_shares and not 2 <= resources.cpu_shares <= 262_144:
-        raise InvalidArgument(f"{field}.cpu_shares: {resources.cpu_shares} is not in 2..262144")
-    if resources.cpu_quota > 0 and resources.cpu_quota < 1000:
-        raise InvalidArgument(f"{field}.cpu_quota: {resources.cpu_quota} is below 1000 (1ms)")
-    swap, memory = resources.memory_swap_limit_in_bytes, resources.memory_limit_in_bytes
-    if swap > 0 and memory > 0 and swap < memory:
-        raise InvalidArgument(
-            f"{field}.memory_swap_limit_in_bytes: {swap} is below memory_limit_in_bytes "
-            f"{memory} (it limits memory and swap together)"
-        )
-    if not -1000 <= resources.oom_score_adj <= 1000:
-        oom = resources.oom_score_adj
-        raise InvalidArgument(f"{field}.oom_score_adj: {oom} is not in -1000..1000")
-    check_cpusets(resources, field)
+    # Their ranges and the CPUs online: lifecycle/resource_rules.py.
     for key, value in resources.unified.items():
         # Written as a file of the container's cgroup: a name, never a path.
         if not key or "/" in key or key.startswith(".") or len(key) > MAX_NAME:
             raise InvalidArgument(f"{field}.unified: {_short(key)} is not a cgroup file name")
         if "\n" in value or len(value) > MAX_PATH:
             raise InvalidArgument(f"{field}.unified[{_short(key)}]: not a cgroup value")
-
-
-def check_cpusets(resources: api_pb2.LinuxContainerResources, field: str) -> None:
-    """Checked against the CPUs and nodes online here, for every handler: the kernel
-    refuses others only when a cgroup is written, after the container was made."""
-    for name in ("cpuset_cpus", "cpuset_mems"):
-        cpusets.check(getattr(resources, name), f"{field}.{name}", nodes=name == "cpuset_mems")
 
 
 @_validates(
@@ -475,7 +427,7 @@ def _container_id(request: Any) -> None:
 @_validates("UpdateContainerResources")
 def _update_resources(request: api_pb2.UpdateContainerResourcesRequest) -> None:
     _container_id(request)
-    check_resources(request.linux, "UpdateContainerResourcesRequest.linux")
+    _resource_fields(request.linux, "UpdateContainerResourcesRequest.linux")
     _string_map(request.annotations, "UpdateContainerResourcesRequest.annotations")
 
 
