@@ -26,8 +26,6 @@ SERVER_MAY_IMPORT = (
     "cri_shim.errors",
     "cri_shim.logcontext",
     "cri_shim.tracing",
-    "cri_shim.pod_rules",
-    "cri_shim.cpusets",
     "cri_shim.images",
     "cri_shim.inspection",
     "cri_shim.lifecycle",
