@@ -1,9 +1,10 @@
 """The list RPCs and their streaming twins (KEP-5825) answer from one listing.
 
-Each family yields its items one at a time from a single function that applies the filter
-(`containers_listed`, `pod_sandboxes_listed`, ...). The unary RPC collects them into one
-reply and refuses, naming the streaming twin, a reply that would pass the message limit:
-otherwise gRPC fails it with a size error on the client that says nothing of what to do.
+The module of each unary list RPC yields its items one at a time from a single function
+that applies the filter (`list_containers.containers_listed`, ...), which its streaming
+twin imports. The unary RPC collects them into one reply and refuses, naming the
+streaming twin, a reply that would pass the message limit: otherwise gRPC fails it with
+a size error on the client that says nothing of what to do.
 The streaming RPC sends each item as it is made, one per message, and waits for the
 transport to take it before it makes the next: a slow reader holds at most an HTTP/2
 window of items, never the whole list. A reader that reads nothing would hold the stream

@@ -1,6 +1,6 @@
 """What the handlers may use: one narrow view per servicer, built by the composition root.
 
-Each view holds the domain objects its RPC families call, typed by the protocols below,
+Each view holds the domain objects its RPCs call, typed by the protocols below,
 which name only the calls the edge makes: no handler reaches the state database, the
 journal or the host, and a reader sees here all that the edge depends on.
 """
