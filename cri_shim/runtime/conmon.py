@@ -64,6 +64,7 @@ from cri_shim.runtime.sandbox_cgroups import (
     unappliable,
     write_cgroup,
 )
+from cri_shim.runtime.stop_signal import discarded_by_init, send_again_once_caught
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +401,7 @@ class RuntimeBackend:
         if timeout > 0:
             if not await self._signal(container_id, stop_signal, all_processes=False):
                 return
-            if await self._wait_monitor(container_id, timeout):
+            if await self._wait_stopping(container_id, timeout, stop_signal):
                 return
             log.info(
                 "%s did not stop within %gs after signal %d; killing it",
@@ -414,6 +415,38 @@ class RuntimeBackend:
             raise DeadlineExceeded(
                 f"container {container_id} did not exit within {KILL_GRACE:g}s of SIGKILL"
             )
+
+    async def _wait_stopping(self, container_id: str, timeout: float, sig: int) -> bool:
+        """_wait_monitor() after the stop signal; a signal the container's init discarded
+        (it had no handler yet) is sent again once it has one (runtime/stop_signal.py)."""
+        pid = self._init_pid(container_id)
+        if pid is None or not await asyncio.to_thread(discarded_by_init, pid, sig):
+            return await self._wait_monitor(container_id, timeout)
+        log.info(
+            "%s: its init had no handler for signal %d yet; sending it again once it has",
+            container_id,
+            sig,
+        )
+        again = asyncio.create_task(
+            send_again_once_caught(
+                pid, sig, lambda: self._signal(container_id, sig, all_processes=False)
+            )
+        )
+        try:
+            return await self._wait_monitor(container_id, timeout)
+        finally:
+            again.cancel()
+            await asyncio.gather(again, return_exceptions=True)
+
+    def _init_pid(self, container_id: str) -> int | None:
+        """The container's first process, from the pidfile the runtime wrote."""
+        meta = self._read_meta(container_id)
+        if meta is None:
+            return None
+        try:
+            return int((Path(meta.bundle) / "pidfile").read_text().strip())
+        except (OSError, ValueError):
+            return None
 
     async def _signal(self, container_id: str, sig: int, *, all_processes: bool) -> bool:
         """False when there is nothing left to signal."""

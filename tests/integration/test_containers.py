@@ -225,6 +225,30 @@ def test_stop_escalates_to_sigkill(
     )
 
 
+def test_a_stop_before_the_init_set_its_handler_reaches_the_handler(
+    daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
+) -> None:
+    """The shell is its PID namespace's init: a SIGTERM sent while it still sleeps, before
+    its trap exists, is discarded by the kernel. The runtime sends it again once the trap is
+    set, so the container ends by its handler (exit 0), not by SIGKILL (137) 20 s later."""
+    container_id = create(
+        daemon,
+        pod,
+        container_config(
+            "late-trap",
+            ["sleep 1; trap 'echo handled; exit 0' TERM; while true; do sleep 0.1; done"],
+        ),
+    )
+    start(daemon, container_id)
+    daemon.runtime().StopContainer(
+        api_pb2.StopContainerRequest(container_id=container_id, timeout=20), timeout=60
+    )
+    st = status(daemon, container_id)
+    assert st.state == api_pb2.CONTAINER_EXITED
+    assert st.exit_code == 0, st.reason
+    assert "handled" in log_lines(st.log_path)
+
+
 def test_memory_limit_reports_oomkilled(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig]
 ) -> None:
