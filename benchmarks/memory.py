@@ -3,6 +3,11 @@ each), and across many pod cycles (a leak test: RSS sampled every 100 cycles, af
 warm-up).
 
 Usage: sudo .venv/bin/python benchmarks/memory.py [--held 50,110] [--cycles 1000]
+                                                  [--as-installed]
+
+--as-installed runs the daemon as the installed unit does (`python -OO -X no_debug_ranges`,
+from bytecode compiled under those options, as scripts/install compiles it): the figures
+the issue's goals and the README's refer to.
 
 For the daemon it prints the proportional set size (PSS: shared pages divided among the
 processes that map them), the unique set size (USS: pages no other process maps), the
@@ -24,7 +29,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import bench_daemon, pod_with_container, rss_mib
+from common import (
+    BYTECODE,
+    INSTALLED_FLAGS,
+    bench_daemon,
+    compile_as_installed,
+    pod_with_container,
+    rss_mib,
+)
 from runtime_cost import children, comm
 
 from cri_shim.api.v1 import api_pb2
@@ -63,15 +75,6 @@ class Footprint:
             anonymous=fields["Anonymous"] / 1024,
             threads=threads,
         )
-
-
-# An installed daemon loads its modules' bytecode (pip writes it); one that compiles them at
-# every start, as under PYTHONDONTWRITEBYTECODE=1, keeps ~1.7 MiB more of the compiler's
-# leftovers on its heap. The bytecode is cached where git ignores it.
-BYTECODE_AS_INSTALLED = {
-    "PYTHONDONTWRITEBYTECODE": "",
-    "PYTHONPYCACHEPREFIX": str(Path(__file__).resolve().parent.parent / ".cache" / "pycache"),
-}
 
 
 def conmons(daemon_pid: int) -> list[int]:
@@ -129,12 +132,22 @@ def main() -> None:
         action="store_true",
         help="let the daemon compile its modules at start (as PYTHONDONTWRITEBYTECODE=1 does)",
     )
+    parser.add_argument(
+        "--as-installed",
+        action="store_true",
+        help=f"run the daemon as the installed unit does ({' '.join(INSTALLED_FLAGS)}, "
+        "from bytecode compiled so)",
+    )
     args = parser.parse_args()
-    env = {} if args.from_source else BYTECODE_AS_INSTALLED
+    env = {} if args.from_source else BYTECODE
     env = dict(env, **dict(item.split("=", 1) for item in args.env))
+    flags = INSTALLED_FLAGS if args.as_installed else []
+    if args.as_installed:
+        compile_as_installed()
     counts = [int(n) for n in args.held.split(",") if n]
     print("MiB; PSS and USS from /proc/PID/smaps_rollup")
-    with bench_daemon(slow_cni=False, env=env) as daemon, tempfile.TemporaryDirectory() as scratch:
+    daemon_run = bench_daemon(slow_cni=False, env=env, interpreter_flags=flags)
+    with daemon_run as daemon, tempfile.TemporaryDirectory() as scratch:
         assert daemon.proc is not None
         pid = daemon.proc.pid
         time.sleep(args.settle)

@@ -35,7 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.host.mounts import unmount_below
 from cri_shim.runtime.features import kernel_version
 from cri_shim.runtime.userns import IDMAP_KERNEL
-from tests.harness import REPO, Daemon, make_test_network, runtime_leaks
+from tests.harness import REPO, CniTestNetwork, Daemon, make_test_network, runtime_leaks
 from tests.registry import start_registry
 
 DEFAULT_KIT = REPO.parent / "shared" / "conformance"
@@ -576,15 +577,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conformance: no critest at {critest} (the kit is not beside this clone)")
         return 2
     handler_name = args.runtime_handler or DEFAULT_HANDLER
-    handler = HANDLERS[handler_name]
-    images = build_images(args.kit)
-    # Short paths: the daemon's socket path must stay under 108 bytes.
+    with critest_site(args.kit, handler_name) as (work, network, settings):
+        return run_critest(args, critest, handler_name, work, network, settings)
+
+
+@contextmanager
+def critest_site(
+    kit: Path, handler_name: str
+) -> Iterator[tuple[Path, CniTestNetwork, dict[str, object]]]:
+    """A work directory (its paths short: the daemon's socket path must stay under 108
+    bytes), the stand-in images served from a local registry, a CNI network, and the
+    daemon's settings: every registry critest names mirrored to that one, the handler."""
+    images = build_images(kit)
     work = Path(tempfile.mkdtemp(prefix="cs-conf-", dir="/tmp"))
     work.chmod(0o711)
-    registry = daemon = network = None
+    registry = network = None
     try:
         registry = start_registry(work / "registry")
-        _run([str(args.kit / "images" / "push.sh"), str(images), registry.host], work / "push.log")
+        _run([str(kit / "images" / "push.sh"), str(images), registry.host], work / "push.log")
         network = make_test_network(work, 0, slow=False)
         mirrors = {name: [registry.url] for name in MIRRORED}
         settings: dict[str, object] = {
@@ -592,9 +602,30 @@ def main(argv: list[str] | None = None) -> int:
             "images": {"insecure_registries": [registry.host], "mirrors": mirrors},
             "runtime": {
                 "default_handler": handler_name,
-                "handlers": {handler_name: handler.runtime},
+                "handlers": {handler_name: HANDLERS[handler_name].runtime},
             },
         }
+        yield work, network, settings
+    finally:
+        if registry is not None:
+            registry.stop()
+        if network is not None:
+            network.remove()
+        unmount_below(work)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_critest(
+    args: argparse.Namespace,
+    critest: Path,
+    handler_name: str,
+    work: Path,
+    network: CniTestNetwork,
+    settings: dict[str, object],
+) -> int:
+    handler = HANDLERS[handler_name]
+    daemon = None
+    try:
         nri_socket = work / "nri.sock"
         if args.nri:
             # critest's NRI specs connect their own plugin to this socket. NRI's budgets
@@ -665,12 +696,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if daemon is not None:
             daemon.stop()
-        if registry is not None:
-            registry.stop()
-        if network is not None:
-            network.remove()
-        unmount_below(work)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -195,6 +195,8 @@ class Daemon:
     # Run before the daemon's command line (which it must exec), e.g. to give the daemon a
     # mount namespace of its own.
     wrapper: list[str] = field(default_factory=list)
+    # Python's own options, before `-m`: the installed unit runs `-OO -X no_debug_ranges`.
+    interpreter_flags: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = None
 
@@ -247,6 +249,7 @@ class Daemon:
             [
                 *self.wrapper,
                 sys.executable,
+                *self.interpreter_flags,
                 "-m",
                 "cri_shim.cli",
                 "serve",
