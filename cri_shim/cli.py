@@ -12,9 +12,6 @@ from cri_shim.config import (
     Config,
     ConfigError,
     apply_overrides,
-    config_reference_markdown,
-    config_reference_toml,
-    config_to_toml,
     load_config,
 )
 from cri_shim.logsetup import setup_logging
@@ -86,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cri-shim {__version__} (CRI v1)")
         return 0
     if args.command == "config" and args.reference:
+        from cri_shim.config.reference import config_reference_markdown, config_reference_toml
+
         # The reference describes the code, not a file: no config is read for it.
         sys.stdout.write(config_reference_toml() if args.toml else config_reference_markdown())
         return 0
@@ -95,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "config":
+        from cri_shim.config.reference import config_to_toml
+
         sys.stdout.write(config_to_toml(cfg))
         return 0
     setup_logging(cfg.log_level, cfg.log_format)

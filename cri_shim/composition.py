@@ -49,13 +49,13 @@ from cri_shim.state.ledger import Ledger
 from cri_shim.state.records import SandboxRecord
 from cri_shim.state.sandboxes import SandboxRepository
 from cri_shim.streaming.on_demand import StreamingOnDemand
-from cri_shim.streaming.runc_backend import RuncStreamingBackend
 from cri_shim.tracing import NO_TRACER, Tracer
 
 if TYPE_CHECKING:
     from cri_shim.nri.adaptation import Snapshot, UpdateResources
     from cri_shim.nri.api import api_pb2 as nri_api
     from cri_shim.nri.hooks import NriHooks
+    from cri_shim.streaming.backend import StreamingBackend
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,7 @@ def build_graph(config: Config) -> Graph:
         config.streaming.address,
         config.streaming.tls_cert,
         config.streaming.tls_key,
-        RuncStreamingBackend(
-            containers.streaming_endpoint,
-            storage.pods.netns_of,
-            resolve_relay=lambda pod, port: forwarding.relay(storage.pods.get_ready(pod), port),
-        ),
+        lambda: _streaming_backend(containers, storage, forwarding),
     )
     limiter = RequestLimiter(config.requests, census.creations_in_flight)
     puller = PullerOnDemand(storage.images, config.images)
@@ -197,6 +193,20 @@ def _storage(config: Config, forwardable: Callable[[SandboxRecord], None]) -> _S
     )
     pods = Pods(SandboxRepository(db), forwardable)
     return _Storage(db, Journal(db), Ledger(db), pods, container_rows, images)
+
+
+def _streaming_backend(
+    containers: ContainerLifecycle, storage: _Storage, forwarding: SandboxForwarding
+) -> StreamingBackend:
+    """The backend that reaches containers for exec, attach and port-forward, loaded with
+    the first streaming request (StreamingOnDemand)."""
+    from cri_shim.streaming.runc_backend import RuncStreamingBackend
+
+    return RuncStreamingBackend(
+        containers.streaming_endpoint,
+        storage.pods.netns_of,
+        resolve_relay=lambda pod, port: forwarding.relay(storage.pods.get_ready(pod), port),
+    )
 
 
 def _lifecycle(

@@ -240,6 +240,31 @@ def _diff_ids(config_bytes: bytes, layer_count: int, subject: str) -> list[str]:
     return diff_ids
 
 
+class HostTrustOnFirstUse(ssl.SSLContext):
+    """The TLS context of `ssl.create_default_context()`: HTTPS verified against the host's
+    trust store (which operators manage) rather than a bundled one. The store is loaded
+    when the first TLS connection is made: its certificates cost some 1.6 MiB that a node
+    pulling only from plain-HTTP mirrors never needs."""
+
+    _loaded = False
+
+    def __new__(cls) -> HostTrustOnFirstUse:
+        return super().__new__(cls, ssl.PROTOCOL_TLS_CLIENT)
+
+    def _load_trust(self) -> None:
+        if not self._loaded:
+            self.load_default_certs(ssl.Purpose.SERVER_AUTH)
+            self._loaded = True
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        self._load_trust()
+        return super().wrap_bio(*args, **kwargs)
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        self._load_trust()
+        return super().wrap_socket(*args, **kwargs)
+
+
 class ImagePuller:
     """See the module docstring. One per daemon; `aclose()` cancels what is in flight."""
 
@@ -258,8 +283,7 @@ class ImagePuller:
         self.mirrors = {k: list(v) for k, v in (mirrors or {}).items()}
         self.platform = platform or host_platform()
         self.stats = PullStats()
-        # The host's trust store, which operators manage, rather than a bundled one.
-        verify: ssl.SSLContext | bool = ssl.create_default_context() if transport is None else True
+        verify: ssl.SSLContext | bool = HostTrustOnFirstUse() if transport is None else True
         self._http = httpx.AsyncClient(
             transport=transport,
             verify=verify,

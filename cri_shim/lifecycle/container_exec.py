@@ -10,7 +10,7 @@ from cri_shim.lifecycle.runtime_handlers import RuntimeHandlers
 from cri_shim.runtime.monitors import process_stat
 from cri_shim.runtime.oci import ExecResult
 from cri_shim.state.containers import RUNNING
-from cri_shim.streaming.runc_backend import ContainerEndpoint
+from cri_shim.streaming.backend import ContainerEndpoint
 
 
 class ContainerExec:

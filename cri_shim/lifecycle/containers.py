@@ -35,7 +35,7 @@ from cri_shim.runtime.oci import ExecResult
 from cri_shim.state.containers import ContainerRepository
 from cri_shim.state.journal import Journal
 from cri_shim.state.records import ContainerRecord
-from cri_shim.streaming.runc_backend import ContainerEndpoint
+from cri_shim.streaming.backend import ContainerEndpoint
 
 if TYPE_CHECKING:
     from cri_shim.nri.hooks import NriHooks

@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from google.protobuf import json_format
-
 from cri_shim.api.v1 import api_pb2
 from cri_shim.lifecycle.pods import require_ready
 from cri_shim.lifecycle.resource_rules import check_pod_resources
@@ -39,6 +37,10 @@ def record_pod_resources(
     overhead: api_pb2.LinuxContainerResources | None,
     resources: api_pb2.LinuxContainerResources | None,
 ) -> None:
+    # protobuf's JSON conversion (some 3.7 MiB with what it loads) only for the pods that
+    # are resized, not in every daemon.
+    from google.protobuf import json_format
+
     require_ready(sandbox)
     recorded: dict[str, Any] = {}
     for key, value in (("overhead", overhead), ("resources", resources)):

@@ -9,7 +9,30 @@ that refuses; the server reports them on the stream's error channel.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from cri_shim.runtime.kinds.base import KillInside
+
+
+@dataclass(frozen=True)
+class ContainerEndpoint:
+    """What the backend needs to reach one container."""
+
+    runtime_path: Path
+    runtime_root: Path
+    attach_socket: Path  # `attach` in the container's bundle (its path may be long)
+    control_fifo: Path  # the bundle's `ctl` FIFO
+    running: bool
+    # Options of `exec` before the container's ID (runsc's: the container's user).
+    exec_options: tuple[str, ...] = ()
+    # How the command is killed where it runs in the runtime's own kernel (gVisor's runsc),
+    # not as a host process; None for a host process.
+    inside: KillInside | None = None
+    # What `exec --detach` with a console socket needs for a terminal (runc's `--tty`).
+    tty_options: tuple[str, ...] = ("--tty",)
 
 
 class StdioSession(Protocol):

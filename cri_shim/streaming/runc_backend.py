@@ -37,7 +37,6 @@ import socket
 import tempfile
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -45,6 +44,7 @@ from cri_shim.errors import FailedPrecondition, Internal
 from cri_shim.host.namespaces import netns_entered
 from cri_shim.host.process import set_child_subreaper
 from cri_shim.runtime.kinds.base import KillInside
+from cri_shim.streaming.backend import ContainerEndpoint
 from cri_shim.streaming.chunks import ChunkQueue
 from cri_shim.streaming.terminal import EOT, PtyMaster
 
@@ -62,24 +62,6 @@ ATTACH_BUFFERED = 1024 * 1024
 CONMON_RESIZE = 1
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ContainerEndpoint:
-    """What the backend needs to reach one container."""
-
-    runtime_path: Path
-    runtime_root: Path
-    attach_socket: Path  # `attach` in the container's bundle (its path may be long)
-    control_fifo: Path  # the bundle's `ctl` FIFO
-    running: bool
-    # Options of `exec` before the container's ID (runsc's: the container's user).
-    exec_options: tuple[str, ...] = ()
-    # How the command is killed where it runs in the runtime's own kernel (gVisor's runsc),
-    # not as a host process; None for a host process.
-    inside: KillInside | None = None
-    # What `exec --detach` with a console socket needs for a terminal (runc's `--tty`).
-    tty_options: tuple[str, ...] = ("--tty",)
 
 
 ContainerResolver = Callable[[str], ContainerEndpoint | Awaitable[ContainerEndpoint]]

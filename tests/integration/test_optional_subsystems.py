@@ -1,6 +1,7 @@
 """Optional subsystems load on first use: a daemon started with the defaults serves
-without importing NRI, CDI, the gVisor and Kata handler kinds or the OpenTelemetry
-exporter, and NRI's modules come with `[nri] enable`.
+without importing NRI, CDI, the gVisor and Kata handler kinds, the OpenTelemetry exporter,
+the streaming server and its backend, the registry client, protobuf's JSON conversion or
+the configuration's reference, and NRI's modules come with `[nri] enable`.
 
 What the daemon has imported is read from inside it: a `sitecustomize` module, put on
 its PYTHONPATH, starts a thread that writes `sys.modules` to a file when asked.
@@ -46,6 +47,13 @@ OPTIONAL = (
     "cri_shim.runtime.kinds.kata",
     "cri_shim.tracing.otel",
     "opentelemetry",
+    "cri_shim.config.reference",
+    "tomli_w",
+    "cri_shim.streaming.server",
+    "cri_shim.streaming.runc_backend",
+    "cri_shim.images.pull",
+    "httpx",
+    "google.protobuf.json_format",
 )
 
 

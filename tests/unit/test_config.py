@@ -13,10 +13,10 @@ from cri_shim.config import (
     ConfigError,
     apply_overrides,
     config_from_dict,
-    config_to_toml,
     load_config,
     parse_duration,
 )
+from cri_shim.config.reference import config_to_toml
 
 
 def test_defaults_match_the_documented_contract() -> None:

@@ -12,10 +12,10 @@ from cri_shim.config import (
     Config,
     ConfigError,
     config_from_dict,
-    config_to_toml,
     format_size,
     parse_size,
 )
+from cri_shim.config.reference import config_to_toml
 from cri_shim.images.policy import UnpackPolicy
 
 

@@ -26,7 +26,8 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import NotFound
 from cri_shim.host.process import set_child_subreaper
-from cri_shim.streaming.runc_backend import ContainerEndpoint, RuncStreamingBackend
+from cri_shim.streaming.backend import ContainerEndpoint
+from cri_shim.streaming.runc_backend import RuncStreamingBackend
 from cri_shim.streaming.server import StreamingConfig, StreamingServer
 from tests.integration.streaming.clients import (
     PORTFORWARD,

@@ -4,6 +4,7 @@ verification, names. The real registry and daemon are in tests/integration/image
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from cri_shim.errors import NotFound, Unauthenticated, Unavailable
 from cri_shim.images.auth import Credentials
 from cri_shim.images.manifest import Platform, host_platform
-from cri_shim.images.pull import ImagePuller
+from cri_shim.images.pull import HostTrustOnFirstUse, ImagePuller
 from cri_shim.images.registry import ContentMismatch
 from cri_shim.images.store import ImageStore
 from tests.imagebuild import build_image
@@ -360,3 +361,13 @@ async def test_interrupted_pull_keeps_verified_blobs_and_resumes(
     assert record.id == image.image_id
     assert image.layers[0].digest not in registry.gets("blobs")
     assert slow in registry.gets("blobs")
+
+
+def test_the_host_trust_store_is_loaded_at_the_first_tls_connection() -> None:
+    context = HostTrustOnFirstUse()
+    default = ssl.create_default_context()
+    assert (context.verify_mode, context.check_hostname) == (ssl.CERT_REQUIRED, True)
+    assert (context.options, context.verify_flags) == (default.options, default.verify_flags)
+    assert context.cert_store_stats()["x509_ca"] == 0  # a plain-HTTP pull loads nothing
+    context.wrap_bio(ssl.MemoryBIO(), ssl.MemoryBIO(), server_hostname="registry.example")
+    assert context.cert_store_stats() == default.cert_store_stats()
