@@ -21,6 +21,7 @@ import grpc
 from cri_shim import logcontext
 from cri_shim.composition import Graph, build_graph
 from cri_shim.config import Config
+from cri_shim.host.heap import HeapTrimmer, limit_arenas
 from cri_shim.host.process import set_child_subreaper
 from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
@@ -140,6 +141,9 @@ class Daemon:
         # The WAL is copied into the database off the loop (state/db.py), not by a commit.
         checkpoints = graph.db.checkpoint_periodically()
         self._background.add(asyncio.create_task(checkpoints, name="db-checkpoint"))
+        # What malloc holds free after a burst (gRPC's and protobuf's buffers) goes back
+        # to the kernel rather than staying resident (host/heap.py).
+        self._background.add(asyncio.create_task(HeapTrimmer().run(), name="heap-trimmer"))
         if graph.census.loop_monitor is not None:
             monitor = graph.census.loop_monitor.run()
             self._background.add(asyncio.create_task(monitor, name="loop-monitor"))
@@ -248,6 +252,9 @@ def reload_network(daemon: Daemon) -> None:
 
 
 async def serve(config: Config) -> None:
+    # Before gRPC's threads start: each thread that finds the arenas busy would otherwise
+    # get one of its own, up to eight per core, each keeping its free memory.
+    limit_arenas()
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
