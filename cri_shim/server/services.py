@@ -1,5 +1,10 @@
 """The two gRPC services, one line per RPC: the handler lives in the module named after it
-(`RunPodSandbox` in server/run_pod_sandbox.py)."""
+(`RunPodSandbox` in server/run_pod_sandbox.py).
+
+The methods are registered from the proto's descriptor (add_to_server), so the generated
+servicer classes (api_pb2_grpc, a module the daemon would load for nothing else) are not
+their bases; a method the proto has and a class lacks answers UNIMPLEMENTED.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from cri_shim.api.v1 import api_pb2
 from cri_shim.server import (
     attach,
     container_stats,
@@ -63,7 +68,7 @@ PENDING = {
 }
 
 
-class RuntimeService(api_pb2_grpc.RuntimeServiceServicer):
+class RuntimeService:
     def __init__(self) -> None:
         # None until restore has finished; every call answers UNAVAILABLE until then.
         self.view: RuntimeView | None = None
@@ -104,7 +109,7 @@ class RuntimeService(api_pb2_grpc.RuntimeServiceServicer):
     StreamPodSandboxMetrics = rpc(stream_pod_sandbox_metrics.stream_pod_sandbox_metrics)
 
 
-class ImageService(api_pb2_grpc.ImageServiceServicer):
+class ImageService:
     def __init__(self) -> None:
         # None until restore has finished, as RuntimeService's.
         self.view: ImageView | None = None
