@@ -17,15 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cri_shim.api.v1 import api_pb2
 from tests.churn import IMAGE
-from tests.harness import REPO, Daemon, make_test_network, pod_config
+from tests.harness import INSTALLED_FLAGS, REPO, Daemon, make_test_network, pod_config
 
 # An installed daemon loads its modules' bytecode; one that compiles them at every start,
 # as under PYTHONDONTWRITEBYTECODE=1, keeps ~1.7 MiB more of the compiler's leftovers on
 # its heap. The benchmarks' bytecode is cached where git ignores it.
 BYTECODE = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(REPO / ".cache" / "pycache")}
-# The interpreter options of the installed unit (contrib/systemd/cri-shim.service):
-# docstrings dropped, code objects without their column tables.
-INSTALLED_FLAGS = ["-OO", "-X", "no_debug_ranges"]
 
 
 def compile_as_installed() -> None:

@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-from common import BYTECODE, INSTALLED_FLAGS, compile_as_installed
+from common import BYTECODE, compile_as_installed
 from memory import Footprint
 
 from tests.conformance import CACHE, DEFAULT_HANDLER, DEFAULT_KIT, critest_site, remove_leftovers
-from tests.harness import Daemon
+from tests.harness import INSTALLED_FLAGS, Daemon
 
 SETTLE = 2.0  # seconds before a sample, for the loop to finish what a reply left
 

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from common import (
     BYTECODE,
-    INSTALLED_FLAGS,
     bench_daemon,
     compile_as_installed,
     pod_with_container,
@@ -40,7 +39,7 @@ from common import (
 from runtime_cost import children, comm
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import Daemon, import_image
+from tests.harness import INSTALLED_FLAGS, Daemon, import_image
 from tests.imagebuild import cached_oci_layout
 
 

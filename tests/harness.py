@@ -182,6 +182,11 @@ def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNe
     return CniTestNetwork(config_dir, bridge, subnet, ipam_dir, control)
 
 
+# The interpreter options of the installed unit (contrib/systemd/cri-shim.service):
+# docstrings dropped, code objects without their column tables.
+INSTALLED_FLAGS = ["-OO", "-X", "no_debug_ranges"]
+
+
 @dataclass
 class Daemon:
     """One `cri-shim serve` process with its own socket, roots and config."""
@@ -195,7 +200,7 @@ class Daemon:
     # Run before the daemon's command line (which it must exec), e.g. to give the daemon a
     # mount namespace of its own.
     wrapper: list[str] = field(default_factory=list)
-    # Python's own options, before `-m`: the installed unit runs `-OO -X no_debug_ranges`.
+    # Python's own options, before `-m` (INSTALLED_FLAGS: as the installed unit runs it).
     interpreter_flags: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = None

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cri_shim.api.v1 import api_pb2
 from tests.harness import (
+    INSTALLED_FLAGS,
     REPO,
     CniTestNetwork,
     Daemon,
@@ -34,6 +35,8 @@ from tests.harness import (
 pytestmark = pytest.mark.integration
 
 UNIT = REPO / "contrib" / "systemd" / "cri-shim.service"
+# What the unit runs after its venv's python.
+INSTALLED_PYTHON = " ".join([*INSTALLED_FLAGS, "-m", "cri_shim.cli"])
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -247,8 +250,8 @@ def read_unit(path: Path) -> configparser.ConfigParser:
 def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify checks that ExecStart exists: point it at this checkout's binary.
     unit = tmp_path / "cri-shim.service"
-    binary = REPO / ".venv" / "bin" / "cri-shim"
-    unit.write_text(UNIT.read_text().replace("/opt/cri-shim/venv/bin/cri-shim", str(binary)))
+    binary = REPO / ".venv" / "bin" / "python"
+    unit.write_text(UNIT.read_text().replace("/opt/cri-shim/venv/bin/python", str(binary)))
     verify_unit(unit)
 
 
@@ -261,7 +264,7 @@ def test_the_unit_keeps_pods_running_across_restarts() -> None:
     assert service["LimitNOFILE"] == "1048576"
     assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert service["ExecStart"] == (
-        "/opt/cri-shim/venv/bin/cri-shim serve --config /etc/cri-shim/config.toml"
+        f"/opt/cri-shim/venv/bin/python {INSTALLED_PYTHON} serve --config /etc/cri-shim/config.toml"
     )
     # The daemon pins namespaces and mounts rootfs that the host must see.
     for isolating in ("PrivateMounts", "PrivateTmp", "ProtectSystem", "ProtectHome", "MountFlags"):
@@ -296,6 +299,8 @@ def test_install_into_a_temporary_prefix(tmp_path: Path) -> None:
         [venv / "bin" / "cri-shim", "version"], capture_output=True, text=True, check=True
     )
     assert version.stdout.startswith("cri-shim ")
+    # The bytecode the unit's interpreter options load, there before the first start.
+    assert list(venv.glob("lib/python3*/site-packages/cri_shim/__pycache__/daemon.*.opt-2.pyc"))
     config = prefix / "etc" / "cri-shim" / "config.toml"
     assert config.read_text() == (REPO / "contrib" / "config.toml").read_text()
     # The installed binary accepts the installed config.
@@ -309,7 +314,7 @@ def test_install_into_a_temporary_prefix(tmp_path: Path) -> None:
 
     unit = prefix / "etc" / "systemd" / "system" / "cri-shim.service"
     service = read_unit(unit)["Service"]
-    assert service["ExecStart"] == f"{venv}/bin/cri-shim serve --config {config}"
+    assert service["ExecStart"] == f"{venv}/bin/python {INSTALLED_PYTHON} serve --config {config}"
     assert service["KillMode"] == "process"
     if shutil.which("systemd-analyze"):
         verify_unit(unit)  # the installed unit, with its binary really there
@@ -374,4 +379,4 @@ def test_install_with_an_existing_environment(tmp_path: Path) -> None:
     assert not (prefix / "opt" / "cri-shim" / "venv").exists()
     config = prefix / "etc" / "cri-shim" / "config.toml"
     service = read_unit(prefix / "etc" / "systemd" / "system" / "cri-shim.service")["Service"]
-    assert service["ExecStart"] == f"{venv}/bin/cri-shim serve --config {config}"
+    assert service["ExecStart"] == f"{venv}/bin/python {INSTALLED_PYTHON} serve --config {config}"

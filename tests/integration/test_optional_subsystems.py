@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cri_shim.api.v1 import api_pb2
-from tests.harness import Daemon
+from tests.harness import INSTALLED_FLAGS, Daemon
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -67,21 +67,26 @@ def loaded_modules(daemon: Daemon, probe: Path) -> set[str]:
     return set((probe / "modules").read_text().split())
 
 
-def probed_daemon(short_tmp: Path, make_daemon: type, settings: dict[str, object]) -> Daemon:
+def probed_daemon(
+    short_tmp: Path, make_daemon: type, settings: dict[str, object], flags: list[str] | None = None
+) -> Daemon:
     probe = short_tmp / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(PROBE)
     daemon: Daemon = make_daemon(
-        settings=settings, env={"PYTHONPATH": str(probe), "CRI_SHIM_TEST_PROBE": str(probe)}
+        settings=settings,
+        env={"PYTHONPATH": str(probe), "CRI_SHIM_TEST_PROBE": str(probe)},
+        interpreter_flags=flags or [],
     )
     daemon.start()
     return daemon
 
 
+@pytest.mark.parametrize("flags", [[], INSTALLED_FLAGS], ids=["plain", "as installed"])
 def test_a_daemon_with_the_defaults_imports_no_optional_subsystem(
-    short_tmp: Path, make_daemon: type
+    short_tmp: Path, make_daemon: type, flags: list[str]
 ) -> None:
-    daemon = probed_daemon(short_tmp, make_daemon, {})
+    daemon = probed_daemon(short_tmp, make_daemon, {}, flags)
     modules = loaded_modules(daemon, short_tmp / "probe")
     assert "cri_shim.daemon" in modules  # the probe reads the daemon's own modules
     optional = [m for m in modules if any(m == o or m.startswith(f"{o}.") for o in OPTIONAL)]
