@@ -7,7 +7,7 @@ Usage: sudo .venv/bin/python benchmarks/memory.py [--held 50,110] [--cycles 1000
 
 --as-installed runs the daemon as the installed unit does (`python -OO -X no_debug_ranges`,
 from bytecode compiled under those options, as scripts/install compiles it): the figures
-the issue's goals and the README's refer to.
+the README gives.
 
 For the daemon it prints the proportional set size (PSS: shared pages divided among the
 processes that map them), the unique set size (USS: pages no other process maps), the
