@@ -2,10 +2,10 @@
 runtime (containerd's RSS after it: 49 MiB on 2026-12-02), so the figure compares.
 
 Usage: sudo flock /tmp/critest.lock .venv/bin/python benchmarks/critest_memory.py
-                                             [--from-source] [--kit DIR] [-- CRITEST-ARGS...]
+                                             [--plain] [--kit DIR] [-- CRITEST-ARGS...]
 
 The daemon runs as the installed unit runs it (`python -OO -X no_debug_ranges`, from
-bytecode compiled so) unless --from-source is given, with the conformance gate's set-up
+bytecode compiled so) unless --plain is given, with the conformance gate's set-up
 (tests/conformance.py: the stand-in images served from a local registry, every registry
 critest names mirrored to it, the runc handler). It prints the daemon's RSS, PSS and
 anonymous memory idle, after `critest -benchmark` (pod sandbox, container and image
@@ -70,9 +70,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--kit", type=Path, default=DEFAULT_KIT, help="the conformance kit")
     parser.add_argument(
-        "--from-source",
+        "--plain",
         action="store_true",
-        help="run the daemon with the interpreter's defaults, not as the installed unit",
+        help="run the daemon with the interpreter's default options, not the installed unit's",
     )
     parser.add_argument("--later", type=float, default=35.0, help="seconds before the last sample")
     parser.add_argument("critest_args", nargs="*", help="more critest arguments, after --")
@@ -81,7 +81,7 @@ def main() -> int:
     if not critest.exists():
         print(f"critest_memory: no critest at {critest}")
         return 2
-    flags = [] if args.from_source else INSTALLED_FLAGS
+    flags = [] if args.plain else INSTALLED_FLAGS
     if flags:
         compile_as_installed()
     with critest_site(args.kit, DEFAULT_HANDLER) as (work, network, settings):
