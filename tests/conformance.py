@@ -18,7 +18,7 @@ agree with the outcome. Pods or containers critest leaves behind fail the gate (
 removed), as does anything the daemon or the runtime still holds once they are gone.
 
     scripts/conformance [--runtime-handler NAME] [--focus REGEX] [--skip REGEX] [--kit DIR]
-                        [--no-nri] [-- CRITEST-ARGS...]
+                        [--no-nri] [--as-installed] [-- CRITEST-ARGS...]
 
 With --focus, --skip or critest arguments only the specs run are held to the table.
 """
@@ -45,7 +45,14 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.host.mounts import unmount_below
 from cri_shim.runtime.features import kernel_version
 from cri_shim.runtime.userns import IDMAP_KERNEL
-from tests.harness import REPO, CniTestNetwork, Daemon, make_test_network, runtime_leaks
+from tests.harness import (
+    INSTALLED_FLAGS,
+    REPO,
+    CniTestNetwork,
+    Daemon,
+    make_test_network,
+    runtime_leaks,
+)
 from tests.registry import start_registry
 
 DEFAULT_KIT = REPO.parent / "shared" / "conformance"
@@ -570,6 +577,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="leave [nri] off, and critest's NRI specs skipped",
     )
+    parser.add_argument(
+        "--as-installed",
+        action="store_true",
+        help="run the daemon with the installed unit's interpreter options "
+        f"({' '.join(INSTALLED_FLAGS)})",
+    )
     parser.add_argument("critest_args", nargs="*", help="more critest arguments, after --")
     args = parser.parse_args(argv)
     critest = args.kit / "bin" / "critest"
@@ -632,7 +645,8 @@ def run_critest(
             # are the defaults, as everywhere in this gate: only paths and the mirrors of
             # the test registry differ from what a user runs.
             settings["nri"] = {"enable": True, "socket_path": str(nri_socket)}
-        daemon = Daemon(work, network, settings=settings)
+        flags = INSTALLED_FLAGS if args.as_installed else []
+        daemon = Daemon(work, network, settings=settings, interpreter_flags=flags)
         daemon.start()
         endpoint = f"unix://{daemon.socket}"
         report_path = work / "report.json"
