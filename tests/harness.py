@@ -182,6 +182,22 @@ def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNe
     return CniTestNetwork(config_dir, bridge, subnet, ipam_dir, control)
 
 
+def socket_activation(fds: tuple[int, ...]) -> list[str]:
+    """A command prefix that passes `fds` as systemd does: from descriptor 3 on, with
+    LISTEN_PID naming the process that then execs the daemon (the shell itself)."""
+    if not fds:
+        return []
+    moves = " ".join(
+        f"{3 + index}<&{fd} {fd}<&-" for index, fd in enumerate(fds) if fd != 3 + index
+    )
+    names = ":".join("cri-shim.socket" for _ in fds)
+    script = (
+        f"export LISTEN_PID=$$ LISTEN_FDS={len(fds)} LISTEN_FDNAMES={names}; "
+        f'{"exec " + moves + "; " if moves else ""}exec "$@"'
+    )
+    return ["bash", "-c", script, "bash"]
+
+
 @dataclass
 class Daemon:
     """One `cri-shim serve` process with its own socket, roots and config."""
@@ -195,6 +211,10 @@ class Daemon:
     # Run before the daemon's command line (which it must exec), e.g. to give the daemon a
     # mount namespace of its own.
     wrapper: list[str] = field(default_factory=list)
+    # A listening socket handed to the daemon as systemd's socket activation does
+    # (descriptor 3, LISTEN_FDS=1, LISTEN_PID the daemon's): the test holds it, as
+    # systemd would, across the daemon's restarts.
+    pass_fds: tuple[int, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = None
 
@@ -246,6 +266,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [
                 *self.wrapper,
+                *socket_activation(self.pass_fds),
                 sys.executable,
                 "-m",
                 "cri_shim.cli",
@@ -257,6 +278,7 @@ class Daemon:
             stderr=log,
             env=env,
             cwd=REPO,
+            pass_fds=self.pass_fds,
         )
         log.close()
         if wait:
