@@ -233,8 +233,8 @@ class Daemon:
             # socket); the calls forwarded already are answered before gRPC's server
             # stops (which would cancel those it had not yet taken up).
             self._relay.drain()
-            if not await self._relay.answered(STOP_GRACE):
-                log.warning("stopping with calls not answered within %.0fs", STOP_GRACE)
+            if not await self._relay.answered(DRAIN_TIMEOUT):
+                log.warning("stopping with calls not answered within %.0fs", DRAIN_TIMEOUT)
         if self._server is not None:
             await self._server.stop(grace=STOP_GRACE)
         if self._relay is not None:
@@ -267,6 +267,10 @@ class Daemon:
 
 # How long a stopping daemon lets the calls in flight finish.
 STOP_GRACE = 5.0
+# Behind an activated socket, how long the calls forwarded before the stop get to be
+# answered, new ones going to the next daemon: a pod's creation under load takes seconds.
+# (Event streams end at once: stop() closes them first.) Within systemd's stop timeout.
+DRAIN_TIMEOUT = 30.0
 # How long a stopping daemon waits for its last spans to reach the collector.
 TRACE_FLUSH_TIMEOUT = 2.0
 

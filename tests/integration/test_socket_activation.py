@@ -4,21 +4,16 @@ gives it (tests/harness.py `pass_fds`), the test holding the socket as systemd d
 from __future__ import annotations
 
 import socket
-import threading
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from cri_shim.api.v1 import api_pb2
+from tests.call_loop import LoopingClient
 from tests.harness import Daemon, pod_config, wait_until
 
 pytestmark = pytest.mark.integration
-
-# Long enough for a restart: a call made while no daemon runs waits for the next one.
-CALL_TIMEOUT = 120
 
 
 @pytest.fixture
@@ -55,54 +50,12 @@ def test_calls_are_served_through_the_activated_socket(activated: Daemon) -> Non
     runtime.RemovePodSandbox(api_pb2.RemovePodSandboxRequest(pod_sandbox_id=pod), timeout=60)
 
 
-class LoopingClient:
-    """Clients calling Version and ListPodSandbox without a pause, counting the codes
-    they get back: what kubelet's sync loops look like to the runtime."""
-
-    def __init__(self, target: Path, clients: int = 4) -> None:
-        self.codes: Counter[str] = Counter()
-        self._target = f"unix://{target}"
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
-
-    def __enter__(self) -> LoopingClient:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join()
-
-    def _run(self) -> None:
-        with grpc.insecure_channel(self._target) as channel:
-            runtime = api_pb2_grpc.RuntimeServiceStub(channel)
-            calls = [
-                (runtime.Version, api_pb2.VersionRequest()),
-                (runtime.ListPodSandbox, api_pb2.ListPodSandboxRequest()),
-            ]
-            while not self._stop.is_set():
-                for call, request in calls:
-                    try:
-                        call(request, timeout=CALL_TIMEOUT)
-                        code = "OK"
-                    except grpc.RpcError as exc:
-                        code = exc.code().name
-                    with self._lock:
-                        self.codes[code] += 1
-
-    def wait_for_calls(self, more_than: int) -> None:
-        wait_until(lambda: self.codes["OK"] > more_than, timeout=60)
-
-
 def test_a_restart_loses_no_call(activated: Daemon) -> None:
     """SIGTERM, as `systemctl restart` sends: the calls made while no daemon runs wait
     in the socket's backlog, those on a stopping daemon's connections are answered or
     retried on the next one (server/http2_drain.py). Without the drain some come back
     CANCELLED; without the held socket, UNAVAILABLE (the test below)."""
-    with LoopingClient(activated.socket) as clients:
+    with LoopingClient(activated.socket, pods=True) as clients:
         for _ in range(3):
             clients.wait_for_calls(clients.codes["OK"] + 50)
             activated.stop()
