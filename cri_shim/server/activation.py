@@ -67,8 +67,11 @@ def activated_socket(
     with a message naming both sides: kubelet would otherwise wait on a socket nobody
     accepts on."""
     fds = passed_fds(os.environ if environ is None else environ, os.getpid())
-    if not fds:
-        return None
+    return choose_socket(expected, fds) if fds else None
+
+
+def choose_socket(expected: Path, fds: list[PassedFd]) -> socket.socket:
+    """The one of `fds` listening on `expected`; ConfigError naming them all if none is."""
     found = []
     for passed in fds:
         # Not inherited by what the daemon starts, as sd_listen_fds(3) leaves them.

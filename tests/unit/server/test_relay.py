@@ -1,0 +1,131 @@
+"""The relay from the activated socket to the gRPC server's private socket, with a fake
+upstream standing for gRPC's server: it records what reaches it and answers on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cri_shim.server.http2_drain import DATA, END_STREAM, GOAWAY, HEADERS, PREFACE
+from cri_shim.server.relay import SocketRelay
+
+
+def frame(kind: int, stream: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes((kind, flags))
+        + struct.pack(">I", stream)
+        + payload
+    )
+
+
+class FakeUpstream:
+    """Stands for the gRPC server behind the private socket."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.arrived = asyncio.Condition()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        async with self.arrived:
+            self.arrived.notify_all()
+        while data := await reader.read(65536):
+            async with self.arrived:
+                self.received += data
+                self.arrived.notify_all()
+        writer.close()
+
+    async def until(self, predicate) -> None:  # type: ignore[no-untyped-def]
+        async with self.arrived:
+            await self.arrived.wait_for(predicate)
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[tuple[socket.socket, FakeUpstream, SocketRelay]]:
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # systemd's copy
+    held.bind(str(tmp_path / "cri.sock"))
+    held.listen()
+    upstream = FakeUpstream()
+    server = await asyncio.start_unix_server(upstream.serve, path=str(tmp_path / "private"))
+    relay = SocketRelay(held.dup(), tmp_path / "private")  # the daemon's copy
+    yield held, upstream, relay
+    await relay.aclose()
+    server.close()
+    held.close()
+
+
+async def connect(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_unix_connection(str(path))
+
+
+async def test_connections_wait_in_the_backlog_until_the_relay_starts(
+    tmp_path: Path, setup: tuple[socket.socket, FakeUpstream, SocketRelay]
+) -> None:
+    _, upstream, relay = setup
+    # Made while the daemon restores its state: the kernel completes it, nobody accepts.
+    _, client = await connect(tmp_path / "cri.sock")
+    client.write(PREFACE)
+    await client.drain()
+    assert upstream.writers == [] and upstream.received == b""
+    await relay.start()
+    await upstream.until(lambda: bytes(upstream.received) == PREFACE)
+    client.close()
+
+
+async def test_the_drain_sends_goaway_and_holds_back_later_streams(
+    tmp_path: Path, setup: tuple[socket.socket, FakeUpstream, SocketRelay]
+) -> None:
+    _, upstream, relay = setup
+    await relay.start()
+    reader, client = await connect(tmp_path / "cri.sock")
+    first = PREFACE + frame(HEADERS, 1, b"call one", flags=0x4)
+    client.write(first)
+    await upstream.until(lambda: bytes(upstream.received) == first)
+
+    relay.drain()
+    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
+    assert goaway[3] == GOAWAY
+    assert struct.unpack(">I", goaway[9:13]) == (1,)  # stream 1 is served, later ones not
+    # A stream opened after the drain never reaches the server; stream 1's body does.
+    body = frame(DATA, 1, b"body of one", flags=END_STREAM)
+    client.write(frame(HEADERS, 3, b"call two", flags=0x4) + body)
+    await upstream.until(lambda: bytes(upstream.received).endswith(body))
+    assert bytes(upstream.received) == first + body
+
+    # The daemon stops its server only once stream 1 is answered.
+    answered = asyncio.create_task(relay.answered(timeout=300))
+    await asyncio.sleep(0)
+    assert not answered.done()
+    answer = frame(HEADERS, 1, b"trailers", flags=0x4 | END_STREAM)
+    upstream.writers[0].write(answer)
+    assert await answered
+    assert await reader.readexactly(len(answer)) == answer
+    client.close()
+
+
+async def test_after_the_drain_new_connections_wait_for_the_next_daemon(
+    tmp_path: Path, setup: tuple[socket.socket, FakeUpstream, SocketRelay]
+) -> None:
+    held, upstream, relay = setup
+    await relay.start()
+    _, early = await connect(tmp_path / "cri.sock")
+    await upstream.until(lambda: len(upstream.writers) == 1)
+    relay.drain()
+    # The socket is still listening (systemd's copy): the connection is queued, and the
+    # next daemon's relay takes it.
+    _, late = await connect(tmp_path / "cri.sock")
+    late.write(PREFACE)
+    await late.drain()
+    next_relay = SocketRelay(held.dup(), tmp_path / "private")
+    await next_relay.start()
+    await upstream.until(lambda: len(upstream.writers) == 2 and upstream.received == PREFACE)
+    await next_relay.aclose()
+    early.close()
+    late.close()
