@@ -27,9 +27,15 @@ NO_ERROR = 0x0
 STREAM_ID_MASK = 0x7FFFFFFF
 
 
+def frame(kind: int, stream: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    """One frame: its 9-byte header (length, type, flags, stream), then `payload`."""
+    header = struct.pack(">I", len(payload))[1:] + bytes((kind, flags))
+    return header + struct.pack(">I", stream & STREAM_ID_MASK) + payload
+
+
 def goaway_frame(last_stream_id: int, debug: bytes = b"") -> bytes:
     payload = struct.pack(">II", last_stream_id & STREAM_ID_MASK, NO_ERROR) + debug
-    return struct.pack(">I", len(payload))[1:] + bytes((GOAWAY, 0)) + b"\0\0\0\0" + payload
+    return frame(GOAWAY, 0, payload)
 
 
 class OpenStreams:

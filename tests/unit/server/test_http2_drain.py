@@ -18,20 +18,12 @@ from cri_shim.server.http2_drain import (
     ClientToServer,
     OpenStreams,
     ServerToClient,
+    frame,
     goaway_frame,
 )
 
 SETTINGS = 0x4
 WINDOW_UPDATE = 0x8
-
-
-def frame(kind: int, stream: int, payload: bytes = b"", flags: int = 0) -> bytes:
-    return (
-        struct.pack(">I", len(payload))[1:]
-        + bytes((kind, flags))
-        + struct.pack(">I", stream)
-        + payload
-    )
 
 
 def in_pieces(data: bytes, size: int) -> list[bytes]:

@@ -7,21 +7,13 @@ import asyncio
 import socket
 import struct
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from cri_shim.server.http2_drain import DATA, END_STREAM, GOAWAY, HEADERS, PREFACE
+from cri_shim.server.http2_drain import DATA, END_STREAM, GOAWAY, HEADERS, PREFACE, frame
 from cri_shim.server.relay import SocketRelay
-
-
-def frame(kind: int, stream: int, payload: bytes = b"", flags: int = 0) -> bytes:
-    return (
-        struct.pack(">I", len(payload))[1:]
-        + bytes((kind, flags))
-        + struct.pack(">I", stream)
-        + payload
-    )
 
 
 class FakeUpstream:
@@ -47,30 +39,38 @@ class FakeUpstream:
             await self.arrived.wait_for(predicate)
 
 
+@dataclass
+class Rig:
+    held: socket.socket  # the CRI socket, systemd's copy
+    upstream: FakeUpstream
+    relay: SocketRelay  # given the daemon's copy
+    directory: Path
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(str(self.directory / "cri.sock"))
+
+    def next_relay(self) -> SocketRelay:
+        return SocketRelay(self.held.dup(), self.directory / "private")
+
+
 @pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[tuple[socket.socket, FakeUpstream, SocketRelay]]:
-    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # systemd's copy
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     held.bind(str(tmp_path / "cri.sock"))
     held.listen()
     upstream = FakeUpstream()
     server = await asyncio.start_unix_server(upstream.serve, path=str(tmp_path / "private"))
-    relay = SocketRelay(held.dup(), tmp_path / "private")  # the daemon's copy
-    yield held, upstream, relay
-    await relay.aclose()
+    made = Rig(held, upstream, SocketRelay(held.dup(), tmp_path / "private"), tmp_path)
+    yield made
+    await made.relay.aclose()
     server.close()
     held.close()
 
 
-async def connect(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_unix_connection(str(path))
-
-
-async def test_connections_wait_in_the_backlog_until_the_relay_starts(
-    tmp_path: Path, setup: tuple[socket.socket, FakeUpstream, SocketRelay]
-) -> None:
-    _, upstream, relay = setup
+async def test_connections_wait_in_the_backlog_until_the_relay_starts(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
     # Made while the daemon restores its state: the kernel completes it, nobody accepts.
-    _, client = await connect(tmp_path / "cri.sock")
+    _, client = await rig.connect()
     client.write(PREFACE)
     await client.drain()
     assert upstream.writers == [] and upstream.received == b""
@@ -79,12 +79,10 @@ async def test_connections_wait_in_the_backlog_until_the_relay_starts(
     client.close()
 
 
-async def test_the_drain_sends_goaway_and_holds_back_later_streams(
-    tmp_path: Path, setup: tuple[socket.socket, FakeUpstream, SocketRelay]
-) -> None:
-    _, upstream, relay = setup
+async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
     await relay.start()
-    reader, client = await connect(tmp_path / "cri.sock")
+    reader, client = await rig.connect()
     first = PREFACE + frame(HEADERS, 1, b"call one", flags=0x4)
     client.write(first)
     await upstream.until(lambda: bytes(upstream.received) == first)
@@ -110,20 +108,18 @@ async def test_the_drain_sends_goaway_and_holds_back_later_streams(
     client.close()
 
 
-async def test_after_the_drain_new_connections_wait_for_the_next_daemon(
-    tmp_path: Path, setup: tuple[socket.socket, FakeUpstream, SocketRelay]
-) -> None:
-    held, upstream, relay = setup
+async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
     await relay.start()
-    _, early = await connect(tmp_path / "cri.sock")
+    _, early = await rig.connect()
     await upstream.until(lambda: len(upstream.writers) == 1)
     relay.drain()
     # The socket is still listening (systemd's copy): the connection is queued, and the
     # next daemon's relay takes it.
-    _, late = await connect(tmp_path / "cri.sock")
+    _, late = await rig.connect()
     late.write(PREFACE)
     await late.drain()
-    next_relay = SocketRelay(held.dup(), tmp_path / "private")
+    next_relay = rig.next_relay()
     await next_relay.start()
     await upstream.until(lambda: len(upstream.writers) == 2 and upstream.received == PREFACE)
     await next_relay.aclose()
