@@ -26,56 +26,101 @@ from cri_shim.server.http2_drain import (
 
 log = logging.getLogger("cri_shim.server.relay")
 
-READ_SIZE = 256 * 1024
 # How often a stopping daemon looks whether the last forwarded calls are answered.
 ANSWERED_POLL = 0.005
+
+
+class _End(asyncio.Protocol):
+    """One end of a relayed connection: what it receives is written, through `feed`, to
+    the other end, in the callback that received it (no task in between: a call pays
+    for the relay with two socket writes, not with trips through the event loop)."""
+
+    def __init__(
+        self,
+        feed: Callable[[bytes], bytes],
+        lost: Callable[[], None],
+        made: Callable[[], None] | None = None,
+    ) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.other: _End | None = None
+        self._feed = feed
+        self._lost = lost
+        self._made = made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self._made is not None:
+            self._made()
+
+    def data_received(self, data: bytes) -> None:
+        out = self._feed(data)
+        if out and self.other is not None and self.other.transport is not None:
+            self.other.transport.write(out)
+
+    def eof_received(self) -> bool:
+        # The client's half-close is passed on; the other direction stays open for the
+        # answers still to come.
+        if self.other is not None and self.other.transport is not None:
+            if self.other.transport.can_write_eof() and not self.other.transport.is_closing():
+                self.other.transport.write_eof()
+        return True
+
+    # Back-pressure: a full buffer towards one end stops reading from the other.
+    def pause_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.close()
+        self._lost()
 
 
 class RelayedConnection:
     """One client's connection and the daemon's connection it is joined to."""
 
-    def __init__(self, client: asyncio.StreamWriter, upstream: asyncio.StreamWriter) -> None:
-        self.client = client
-        self.upstream = upstream
+    def __init__(
+        self,
+        accepted: Callable[[RelayedConnection], None],
+        forget: Callable[[RelayedConnection], None],
+    ) -> None:
         self.streams = OpenStreams()
         self.inbound = ClientToServer(self.streams)
         self.outbound = ServerToClient(self.streams)
+        self.client = _End(self.inbound.feed, lambda: forget(self), lambda: accepted(self))
+        self.server = _End(self.outbound.feed, lambda: None)
+        self.client.other, self.server.other = self.server, self.client
 
-    async def run(self, client: asyncio.StreamReader, upstream: asyncio.StreamReader) -> None:
-        """Copy both ways until the daemon's side ends (it answers every stream it was
-        sent, then closes); the client's end half-closes the daemon's side."""
-        inbound = asyncio.create_task(self._copy(client, self.upstream, self.inbound.feed))
+    async def join(self, upstream: Path) -> None:
+        """Connect to the gRPC server, then let the client's bytes flow (its end does
+        not read until then)."""
+        loop = asyncio.get_running_loop()
         try:
-            await self._copy(upstream, self.client, self.outbound.feed)
-        finally:
-            inbound.cancel()
-            await asyncio.gather(inbound, return_exceptions=True)
-            for writer in (self.client, self.upstream):
-                writer.close()
+            await loop.create_unix_connection(lambda: self.server, str(upstream))
+        except OSError as exc:
+            log.warning("relay: cannot reach the gRPC server at %s: %s", upstream, exc)
+            self.close()
+            return
+        if self.client.transport is not None and not self.client.transport.is_closing():
+            self.client.transport.resume_reading()
 
     def drain(self) -> None:
         """Tell the client that no stream after the last one forwarded will be served
         here (GOAWAY), and hold back the ones it opens anyway."""
         last = self.inbound.drain()
         frame = self.outbound.insert(goaway_frame(last, b"cri-shim is restarting"))
-        if frame and not self.client.is_closing():
-            self.client.write(frame)
+        if frame and self.client.transport is not None and not self.client.transport.is_closing():
+            self.client.transport.write(frame)
 
-    @staticmethod
-    async def _copy(
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        feed: Callable[[bytes], bytes],
-    ) -> None:
-        try:
-            while data := await reader.read(READ_SIZE):
-                if out := feed(data):
-                    writer.write(out)
-                    await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (ConnectionError, OSError):
-            pass
+    def close(self) -> None:
+        for end in (self.client, self.server):
+            if end.transport is not None:
+                end.transport.close()
 
 
 class SocketRelay:
@@ -85,34 +130,28 @@ class SocketRelay:
         self._listening = listening
         self._upstream = upstream
         self._server: asyncio.Server | None = None
-        self._connections: dict[asyncio.Task[None], RelayedConnection | None] = {}
+        self._connections: set[RelayedConnection] = set()
+        self._joining: set[asyncio.Task[None]] = set()
         self._draining = False
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(
-            self._accepted, sock=self._listening, limit=READ_SIZE
-        )
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._accepted, sock=self._listening)
 
-    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections[task] = None
-        try:
-            try:
-                up_reader, up_writer = await asyncio.open_unix_connection(
-                    str(self._upstream), limit=READ_SIZE
-                )
-            except OSError as exc:
-                log.warning("relay: cannot reach the gRPC server at %s: %s", self._upstream, exc)
-                writer.close()
-                return
-            connection = RelayedConnection(writer, up_writer)
-            self._connections[task] = connection
-            if self._draining:  # accepted just before the drain
-                connection.drain()
-            await connection.run(reader, up_reader)
-        finally:
-            del self._connections[task]
+    def _accepted(self) -> asyncio.Protocol:
+        connection = RelayedConnection(self._join, self._connections.discard)
+        self._connections.add(connection)
+        if self._draining:  # accepted just before the drain
+            connection.drain()
+        return connection.client
+
+    def _join(self, connection: RelayedConnection) -> None:
+        """The client's end is made: it reads nothing until joined to the gRPC server."""
+        assert connection.client.transport is not None
+        connection.client.transport.pause_reading()
+        task = asyncio.create_task(connection.join(self._upstream))
+        self._joining.add(task)
+        task.add_done_callback(self._joining.discard)
 
     def drain(self) -> None:
         """Stop accepting (connections wait in the backlog for the next daemon: systemd
@@ -121,15 +160,14 @@ class SocketRelay:
         if self._server is not None:
             # Closes this process's descriptor only; the socket stays systemd's.
             self._server.close()
-        for connection in self._connections.values():
-            if connection is not None:
-                connection.drain()
+        for connection in self._connections:
+            connection.drain()
 
     async def answered(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until every stream forwarded before the
         drain has been answered; False if some were not by then."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while any(c is not None and c.streams.ids for c in self._connections.values()):
+        while any(connection.streams.ids for connection in self._connections):
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(ANSWERED_POLL)
@@ -138,8 +176,9 @@ class SocketRelay:
     async def aclose(self) -> None:
         """Once the gRPC server has stopped: end what is left."""
         self.drain()
-        tasks = list(self._connections)
-        for task in tasks:
+        for task in self._joining:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._joining, return_exceptions=True)
+        for connection in list(self._connections):
+            connection.close()
         self._server = None
