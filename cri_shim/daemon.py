@@ -205,18 +205,28 @@ class Daemon:
         )
         add_to_server(server, self.runtime_service, self.image_service)
         if self._activated is not None:
-            # Connections queued in the activated socket's backlog are taken from now on.
-            private = bind_private_socket(server, self.config.socket_path)
-            await server.start()
-            self._server = server
-            self._relay = SocketRelay(self._activated, private)
-            await self._relay.start()
+            await self._serve_activated(server, self._activated)
             return
         # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
         # the socket can run anything as root on the node.
         bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()
         self._server = server
+
+    async def _serve_activated(self, server: grpc.aio.Server, activated: socket.socket) -> None:
+        """gRPC on a private socket, the socket systemd passed relayed to it: the
+        connections queued in its backlog are taken from now on."""
+        if self.config.socket_group:
+            log.warning(
+                "socket_group %r does not apply to the socket systemd passed: its group "
+                "is the socket unit's SocketGroup= (systemctl edit cri-shim.socket)",
+                self.config.socket_group,
+            )
+        private = bind_private_socket(server, self.config.socket_path)
+        await server.start()
+        self._server = server
+        self._relay = SocketRelay(activated, private)
+        await self._relay.start()
 
     def request_stop(self) -> None:
         self._stopping.set()

@@ -87,3 +87,9 @@ def test_a_socket_on_another_path_stops_the_start(make_daemon, short_tmp: Path) 
         assert daemon.proc is not None
         assert daemon.proc.wait(timeout=60) == 2  # a configuration error: not restarted
     assert "other.sock" in daemon.log() and "cri-shim.sock" in daemon.log()
+
+
+def test_the_socket_group_is_the_socket_units(make_daemon, held_socket: socket.socket) -> None:  # type: ignore[no-untyped-def]
+    daemon: Daemon = make_daemon(pass_fds=(held_socket.fileno(),), settings={"socket_group": "0"})
+    daemon.start()
+    assert "socket_group '0' does not apply to the socket systemd passed" in daemon.log()
