@@ -43,6 +43,7 @@ class _End(asyncio.Protocol):
     ) -> None:
         self.transport: asyncio.Transport | None = None
         self.other: _End | None = None
+        self.ended = False  # this end was told the other ended (EOF): nothing more to send
         self._feed = feed
         self._lost = lost
         self._made = made
@@ -53,17 +54,22 @@ class _End(asyncio.Protocol):
         if self._made is not None:
             self._made()
 
+    def send(self, data: bytes) -> None:
+        if data and self.transport is not None and not (self.ended or self.transport.is_closing()):
+            self.transport.write(data)
+
     def data_received(self, data: bytes) -> None:
-        out = self._feed(data)
-        if out and self.other is not None and self.other.transport is not None:
-            self.other.transport.write(out)
+        if self.other is not None:
+            self.other.send(self._feed(data))
 
     def eof_received(self) -> bool:
-        # The client's half-close is passed on; the other direction stays open for the
-        # answers still to come.
-        if self.other is not None and self.other.transport is not None:
-            if self.other.transport.can_write_eof() and not self.other.transport.is_closing():
-                self.other.transport.write_eof()
+        # A half-close is passed on; the other direction stays open for the answers
+        # still to come.
+        other = self.other
+        if other is not None and other.transport is not None and not other.ended:
+            if other.transport.can_write_eof() and not other.transport.is_closing():
+                other.ended = True
+                other.transport.write_eof()
         return True
 
     # Back-pressure: a full buffer towards one end stops reading from the other.
@@ -113,9 +119,7 @@ class RelayedConnection:
         """Tell the client that no stream after the last one forwarded will be served
         here (GOAWAY), and hold back the ones it opens anyway."""
         last = self.inbound.drain()
-        frame = self.outbound.insert(goaway_frame(last, b"cri-shim is restarting"))
-        if frame and self.client.transport is not None and not self.client.transport.is_closing():
-            self.client.transport.write(frame)
+        self.client.send(self.outbound.insert(goaway_frame(last, b"cri-shim is restarting")))
 
     def close(self) -> None:
         for end in (self.client, self.server):

@@ -125,3 +125,18 @@ async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig
     await next_relay.aclose()
     early.close()
     late.close()
+
+
+async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig: Rig) -> None:
+    """The server closed its side (a client's channel closing); the client has its EOF
+    and the connection is not yet gone when the daemon stops: nothing is written after
+    the EOF (asyncio raises for it, which once failed the daemon's stop)."""
+    upstream, relay = rig.upstream, rig.relay
+    await relay.start()
+    reader, client = await rig.connect()
+    client.write(PREFACE)
+    await upstream.until(lambda: bytes(upstream.received) == PREFACE)
+    upstream.writers[0].write_eof()
+    assert await reader.read() == b""  # the server's EOF, passed on
+    relay.drain()
+    client.close()
