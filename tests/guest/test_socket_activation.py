@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,12 +46,22 @@ def units() -> Iterator[None]:
 
 
 def restarts_under_churn() -> Counter[str]:
-    """The codes a churning client got over RESTARTS restarts of the unit."""
+    """The codes a churning client got over RESTARTS restarts of the unit, and then a
+    stop; every daemon stopped cleanly."""
+    since = f"@{int(time.time())}"
     with LoopingClient(SOCKET, pods=True) as clients:
         clients.wait_for_calls(20)
         for _ in range(RESTARTS):
             systemctl("restart", "cri-shim")  # returns once the new daemon sent READY=1
             clients.wait_for_calls(clients.codes["OK"] + 20)
+    systemctl("stop", "cri-shim")
+    journal = subprocess.run(
+        ["journalctl", "-u", "cri-shim", "-o", "cat", "--no-pager", "--since", since],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Traceback" not in journal and "Failed with result" not in journal, journal[-4000:]
     return clients.codes
 
 
