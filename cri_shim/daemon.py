@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -27,9 +28,15 @@ from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.orphans import OrphanReaper
+from cri_shim.server.activation import activated_socket
 from cri_shim.server.listing import reply_limit
+from cri_shim.server.relay import SocketRelay
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
-from cri_shim.server.unix_socket import bind_unix_socket
+from cri_shim.server.unix_socket import (
+    bind_private_socket,
+    bind_unix_socket,
+    private_socket_dir,
+)
 from cri_shim.server.views import ObjectNames
 
 log = logging.getLogger("cri_shim.daemon")
@@ -111,6 +118,11 @@ class Daemon:
         self._background: set[asyncio.Task[None]] = set()
         self._metrics: MetricsExporter | None = None
         self.systemd = SystemdNotifier()
+        # The CRI socket systemd holds (cri-shim.socket), taken before the restore so that
+        # a socket that cannot be the configured one stops the start at once; accepted on
+        # only once the restore is done (_bind).
+        self._activated = activated_socket(config.socket_path)
+        self._relay: SocketRelay | None = None
 
     async def start(self) -> None:
         # A worker thread busy in Python (checking a large request, walking a layer)
@@ -195,11 +207,29 @@ class Daemon:
             + STREAM_HEADROOM,
         )
         add_to_server(server, self.runtime_service, self.image_service)
+        if self._activated is not None:
+            await self._serve_activated(server, self._activated)
+            return
         # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
         # the socket can run anything as root on the node.
         bind_unix_socket(server, self.config.socket_path, self.config.socket_group)
         await server.start()
         self._server = server
+
+    async def _serve_activated(self, server: grpc.aio.Server, activated: socket.socket) -> None:
+        """gRPC on a private socket, the socket systemd passed relayed to it: the
+        connections queued in its backlog are taken from now on."""
+        if self.config.socket_group:
+            log.warning(
+                "socket_group %r does not apply to the socket systemd passed: its group "
+                "is the socket unit's SocketGroup= (systemctl edit cri-shim.socket)",
+                self.config.socket_group,
+            )
+        private = bind_private_socket(server, self.config.socket_path)
+        await server.start()
+        self._server = server
+        self._relay = SocketRelay(activated, private)
+        await self._relay.start()
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -211,8 +241,19 @@ class Daemon:
         self.systemd.notify("STOPPING=1")
         if self.graph is not None:
             self.graph.sandboxes.events.close()
+        if self._relay is not None:
+            # New calls go to the next daemon (their connections wait in systemd's
+            # socket); the calls forwarded already are answered before gRPC's server
+            # stops (which would cancel those it had not yet taken up).
+            self._relay.drain()
+            if not await self._relay.answered(DRAIN_TIMEOUT):
+                log.warning("stopping with calls not answered within %.0fs", DRAIN_TIMEOUT)
         if self._server is not None:
-            await self._server.stop(grace=5)
+            await self._server.stop(grace=STOP_GRACE)
+        if self._relay is not None:
+            await self._relay.aclose()
+            shutil.rmtree(private_socket_dir(self.config.socket_path), ignore_errors=True)
+        elif self._server is not None:
             # gRPC removes the path it bound, which was renamed into place (unix_socket.py).
             self.config.socket_path.unlink(missing_ok=True)
         if self._metrics is not None:
@@ -237,6 +278,12 @@ class Daemon:
         log.info("stopped")
 
 
+# How long a stopping daemon lets the calls in flight finish.
+STOP_GRACE = 5.0
+# Behind an activated socket, how long the calls forwarded before the stop get to be
+# answered, new ones going to the next daemon: a pod's creation under load takes seconds.
+# (Event streams end at once: stop() closes them first.) Within systemd's stop timeout.
+DRAIN_TIMEOUT = 30.0
 # How long a stopping daemon waits for its last spans to reach the collector.
 TRACE_FLUSH_TIMEOUT = 2.0
 

@@ -187,6 +187,22 @@ def make_test_network(base: Path, index: int, *, slow: bool = True) -> CniTestNe
 INSTALLED_FLAGS = ["-OO", "-X", "no_debug_ranges"]
 
 
+def socket_activation(fds: tuple[int, ...]) -> list[str]:
+    """A command prefix that passes `fds` as systemd does: from descriptor 3 on, with
+    LISTEN_PID naming the process that then execs the daemon (the shell itself)."""
+    if not fds:
+        return []
+    moves = " ".join(
+        f"{3 + index}<&{fd} {fd}<&-" for index, fd in enumerate(fds) if fd != 3 + index
+    )
+    names = ":".join("cri-shim.socket" for _ in fds)
+    script = (
+        f"export LISTEN_PID=$$ LISTEN_FDS={len(fds)} LISTEN_FDNAMES={names}; "
+        f'{"exec " + moves + "; " if moves else ""}exec "$@"'
+    )
+    return ["bash", "-c", script, "bash"]
+
+
 @dataclass
 class Daemon:
     """One `cri-shim serve` process with its own socket, roots and config."""
@@ -202,6 +218,10 @@ class Daemon:
     wrapper: list[str] = field(default_factory=list)
     # Python's own options, before `-m` (INSTALLED_FLAGS: as the installed unit runs it).
     interpreter_flags: list[str] = field(default_factory=list)
+    # A listening socket handed to the daemon as systemd's socket activation does
+    # (descriptor 3, LISTEN_FDS=1, LISTEN_PID the daemon's): the test holds it, as
+    # systemd would, across the daemon's restarts.
+    pass_fds: tuple[int, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     _channel: grpc.Channel | None = None
 
@@ -253,6 +273,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [
                 *self.wrapper,
+                *socket_activation(self.pass_fds),
                 sys.executable,
                 *self.interpreter_flags,
                 "-m",
@@ -265,6 +286,7 @@ class Daemon:
             stderr=log,
             env=env,
             cwd=REPO,
+            pass_fds=self.pass_fds,
         )
         log.close()
         if wait:

@@ -67,10 +67,8 @@ def bind_unix_socket(server: grpc.aio.Server, path: Path, group: str = "") -> No
         raise ConfigError(f"listen: {path} exists and is not a socket")
     # Short names: the staged path must fit in a socket address (108 bytes) too.
     private = path.parent / f".bind-{os.getpid()}"
-    shutil.rmtree(private, ignore_errors=True)
-    private.mkdir(mode=0o700)
     try:
-        os.chmod(private, 0o700)  # whatever the umask
+        _make_private_dir(private)
         staged = private / "s"
         server.add_insecure_port(f"unix:{staged}")
         os.chmod(staged, SOCKET_MODE)
@@ -79,3 +77,30 @@ def bind_unix_socket(server: grpc.aio.Server, path: Path, group: str = "") -> No
         os.replace(staged, path)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def private_socket_dir(path: Path) -> Path:
+    """Where the gRPC server listens behind an activated socket: beside the CRI socket,
+    in a directory only root can enter (a short name: the path must fit in a socket
+    address)."""
+    return path.parent / f".grpc-{os.getpid()}"
+
+
+def bind_private_socket(server: grpc.aio.Server, path: Path) -> Path:
+    """Bind `server` to a socket only this daemon reaches, for the relay from the socket
+    systemd passed (server/relay.py): the CRI socket's mode and group are the socket
+    unit's, and the private one is never reachable by anyone else. Returns its path;
+    the caller removes `private_socket_dir(path)` when the server has stopped."""
+    prepare_socket_dir(path.parent)
+    private = private_socket_dir(path)
+    _make_private_dir(private)
+    staged = private / "s"
+    server.add_insecure_port(f"unix:{staged}")
+    return staged
+
+
+def _make_private_dir(directory: Path) -> None:
+    """A fresh 0700 directory (whatever the umask), a stale one from a pid reused gone."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(mode=0o700)
+    os.chmod(directory, 0o700)

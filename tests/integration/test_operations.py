@@ -37,6 +37,7 @@ pytestmark = pytest.mark.integration
 UNIT = REPO / "contrib" / "systemd" / "cri-shim.service"
 # What the unit runs after its venv's python.
 INSTALLED_PYTHON = " ".join([*INSTALLED_FLAGS, "-m", "cri_shim.cli"])
+SOCKET_UNIT = REPO / "contrib" / "systemd" / "cri-shim.socket"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -252,7 +253,20 @@ def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     unit = tmp_path / "cri-shim.service"
     binary = REPO / ".venv" / "bin" / "python"
     unit.write_text(UNIT.read_text().replace("/opt/cri-shim/venv/bin/python", str(binary)))
+    shutil.copy(SOCKET_UNIT, tmp_path)  # which the service requires
     verify_unit(unit)
+    verify_unit(tmp_path / SOCKET_UNIT.name)
+
+
+def test_the_socket_unit_hands_the_cri_socket_to_the_service() -> None:
+    socket_unit = read_unit(SOCKET_UNIT)
+    assert socket_unit["Socket"]["ListenStream"] == "/run/cri-shim/cri-shim.sock"  # `listen`
+    assert socket_unit["Socket"]["SocketMode"] == "0660"
+    assert socket_unit["Socket"]["Service"] == "cri-shim.service"
+    service = read_unit(UNIT)
+    assert service["Unit"]["Requires"] == "cri-shim.socket"
+    assert "cri-shim.socket" in service["Unit"]["After"].split()
+    assert service["Install"]["Also"] == "cri-shim.socket"
 
 
 def test_the_unit_keeps_pods_running_across_restarts() -> None:
@@ -378,5 +392,15 @@ def test_install_with_an_existing_environment(tmp_path: Path) -> None:
     assert "using cri-shim" in out
     assert not (prefix / "opt" / "cri-shim" / "venv").exists()
     config = prefix / "etc" / "cri-shim" / "config.toml"
-    service = read_unit(prefix / "etc" / "systemd" / "system" / "cri-shim.service")["Service"]
+    units = prefix / "etc" / "systemd" / "system"
+    service = read_unit(units / "cri-shim.service")["Service"]
     assert service["ExecStart"] == f"{venv}/bin/python {INSTALLED_PYTHON} serve --config {config}"
+    assert (units / "cri-shim.socket").read_text() == SOCKET_UNIT.read_text()
+
+    # Without socket activation: the service alone, which then binds the socket itself.
+    out = run_install(prefix, "--venv", str(venv), "--no-socket-activation")
+    assert "removed" in out and not (units / "cri-shim.socket").exists()
+    alone = read_unit(units / "cri-shim.service")
+    assert "Requires" not in alone["Unit"] and "Also" not in alone["Install"]
+    assert alone["Unit"]["After"] == "network-online.target local-fs.target"
+    verify_unit(units / "cri-shim.service")

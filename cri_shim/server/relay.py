@@ -1,0 +1,188 @@
+"""The relay from the socket systemd passed (server/activation.py) to the gRPC server's
+private socket (server/unix_socket.py `bind_private_socket`).
+
+grpcio cannot serve on a listening descriptor it did not bind, so the daemon relays:
+each connection accepted on the activated socket is joined to one of its own to the
+private socket, bytes copied both ways. Accepting starts only once the state is restored
+(DESIGN §3): until then, and while the daemon restarts, connections wait in the kernel's
+backlog of the socket systemd keeps open. On stop, each connection is drained
+(server/http2_drain.py) so that its client retries new calls on the next daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from cri_shim.server.http2_drain import (
+    ClientToServer,
+    OpenStreams,
+    ServerToClient,
+    goaway_frame,
+)
+
+log = logging.getLogger("cri_shim.server.relay")
+
+# How often a stopping daemon looks whether the last forwarded calls are answered.
+ANSWERED_POLL = 0.005
+
+
+class _End(asyncio.Protocol):
+    """One end of a relayed connection: what it receives is written, through `feed`, to
+    the other end, in the callback that received it (no task in between: a call pays
+    for the relay with two socket writes, not with trips through the event loop)."""
+
+    def __init__(
+        self,
+        feed: Callable[[bytes], bytes],
+        lost: Callable[[], None],
+        made: Callable[[], None] | None = None,
+    ) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.other: _End | None = None
+        self.ended = False  # this end was told the other ended (EOF): nothing more to send
+        self._feed = feed
+        self._lost = lost
+        self._made = made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self._made is not None:
+            self._made()
+
+    def send(self, data: bytes) -> None:
+        if data and self.transport is not None and not (self.ended or self.transport.is_closing()):
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.other is not None:
+            self.other.send(self._feed(data))
+
+    def eof_received(self) -> bool:
+        # A half-close is passed on; the other direction stays open for the answers
+        # still to come.
+        other = self.other
+        if other is not None and other.transport is not None and not other.ended:
+            if other.transport.can_write_eof() and not other.transport.is_closing():
+                other.ended = True
+                other.transport.write_eof()
+        return True
+
+    # Back-pressure: a full buffer towards one end stops reading from the other.
+    def pause_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.close()
+        self._lost()
+
+
+class RelayedConnection:
+    """One client's connection and the daemon's connection it is joined to."""
+
+    def __init__(
+        self,
+        accepted: Callable[[RelayedConnection], None],
+        forget: Callable[[RelayedConnection], None],
+    ) -> None:
+        self.streams = OpenStreams()
+        self.inbound = ClientToServer(self.streams)
+        self.outbound = ServerToClient(self.streams)
+        self.client = _End(self.inbound.feed, lambda: forget(self), lambda: accepted(self))
+        self.server = _End(self.outbound.feed, lambda: None)
+        self.client.other, self.server.other = self.server, self.client
+
+    async def join(self, upstream: Path) -> None:
+        """Connect to the gRPC server, then let the client's bytes flow (its end does
+        not read until then)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_unix_connection(lambda: self.server, str(upstream))
+        except OSError as exc:
+            log.warning("relay: cannot reach the gRPC server at %s: %s", upstream, exc)
+            self.close()
+            return
+        if self.client.transport is not None and not self.client.transport.is_closing():
+            self.client.transport.resume_reading()
+
+    def drain(self) -> None:
+        """Tell the client that no stream after the last one forwarded will be served
+        here (GOAWAY), and hold back the ones it opens anyway."""
+        last = self.inbound.drain()
+        self.client.send(self.outbound.insert(goaway_frame(last, b"cri-shim is restarting")))
+
+    def close(self) -> None:
+        for end in (self.client, self.server):
+            if end.transport is not None:
+                end.transport.close()
+
+
+class SocketRelay:
+    """Accepts on the activated socket once started; owns every relayed connection."""
+
+    def __init__(self, listening: socket.socket, upstream: Path) -> None:
+        self._listening = listening
+        self._upstream = upstream
+        self._server: asyncio.Server | None = None
+        self._connections: set[RelayedConnection] = set()
+        self._joining: set[asyncio.Task[None]] = set()
+        self._draining = False
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._accepted, sock=self._listening)
+
+    def _accepted(self) -> asyncio.Protocol:
+        connection = RelayedConnection(self._join, self._connections.discard)
+        self._connections.add(connection)
+        if self._draining:  # accepted just before the drain
+            connection.drain()
+        return connection.client
+
+    def _join(self, connection: RelayedConnection) -> None:
+        """The client's end is made: it reads nothing until joined to the gRPC server."""
+        assert connection.client.transport is not None
+        connection.client.transport.pause_reading()
+        task = asyncio.create_task(connection.join(self._upstream))
+        self._joining.add(task)
+        task.add_done_callback(self._joining.discard)
+
+    def drain(self) -> None:
+        """Stop accepting (connections wait in the backlog for the next daemon: systemd
+        keeps the socket open) and drain every relayed connection."""
+        self._draining = True
+        if self._server is not None:
+            # Closes this process's descriptor only; the socket stays systemd's.
+            self._server.close()
+        for connection in self._connections:
+            connection.drain()
+
+    async def answered(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every stream forwarded before the
+        drain has been answered; False if some were not by then."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while any(connection.streams.ids for connection in self._connections):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(ANSWERED_POLL)
+        return True
+
+    async def aclose(self) -> None:
+        """Once the gRPC server has stopped: end what is left."""
+        self.drain()
+        for task in self._joining:
+            task.cancel()
+        await asyncio.gather(*self._joining, return_exceptions=True)
+        for connection in list(self._connections):
+            connection.close()
+        self._server = None

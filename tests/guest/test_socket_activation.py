@@ -1,0 +1,82 @@
+"""`systemctl restart cri-shim` under churn, with the units scripts/install writes: with
+socket activation (the default: cri-shim.socket holds the CRI socket) no call fails;
+with `--no-socket-activation` the calls made while the daemon restarts fail UNAVAILABLE.
+
+Runs in the guest only (see tests/guest/test_unit.py); prints the status codes counted
+in each case (`scripts/guest -- .venv/bin/pytest -s tests/guest/test_socket_activation.py`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.call_loop import LoopingClient
+from tests.guest.test_unit import pytestmark as guest_only
+from tests.harness import REPO
+
+pytestmark = guest_only
+SOCKET = Path("/run/cri-shim/cri-shim.sock")
+RESTARTS = 3
+
+
+def systemctl(*args: str) -> None:
+    subprocess.run(["systemctl", *args], check=True, timeout=300)
+
+
+def install(*args: str) -> None:
+    subprocess.run(
+        [str(REPO / "scripts" / "install"), "--venv", str(REPO / ".venv"), *args],
+        check=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def units() -> Iterator[None]:
+    yield
+    subprocess.run(["systemctl", "stop", "cri-shim", "cri-shim.socket"], timeout=300, check=False)
+    subprocess.run(["journalctl", "-u", "cri-shim", "--no-pager", "-n", "30"], check=False)
+
+
+def restarts_under_churn() -> Counter[str]:
+    """The codes a churning client got over RESTARTS restarts of the unit, and then a
+    stop; every daemon stopped cleanly."""
+    since = f"@{int(time.time())}"
+    with LoopingClient(SOCKET, pods=True) as clients:
+        clients.wait_for_calls(20)
+        for _ in range(RESTARTS):
+            systemctl("restart", "cri-shim")  # returns once the new daemon sent READY=1
+            clients.wait_for_calls(clients.codes["OK"] + 20)
+    systemctl("stop", "cri-shim")
+    journal = subprocess.run(
+        ["journalctl", "-u", "cri-shim", "-o", "cat", "--no-pager", "--since", since],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Traceback" not in journal and "Failed with result" not in journal, journal[-4000:]
+    return clients.codes
+
+
+def test_restarts_lose_no_call_with_socket_activation(units: None) -> None:
+    install()
+    systemctl("start", "cri-shim")  # and cri-shim.socket, which it requires
+    codes = restarts_under_churn()
+    print(f"socket activation, {RESTARTS} restarts: {dict(codes)}", file=sys.stderr)
+    assert set(codes) == {"OK"}, codes
+
+
+def test_restarts_are_seen_without_socket_activation(units: None) -> None:
+    install("--no-socket-activation")
+    assert not Path("/etc/systemd/system/cri-shim.socket").exists()
+    systemctl("start", "cri-shim")
+    codes = restarts_under_churn()
+    print(f"no socket activation, {RESTARTS} restarts: {dict(codes)}", file=sys.stderr)
+    assert codes["UNAVAILABLE"] > 0, codes

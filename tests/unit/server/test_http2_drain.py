@@ -1,0 +1,116 @@
+"""The relay's HTTP/2 drain: frames passed whole each way, a GOAWAY put between two of
+the server's frames, streams opened after the drain held back, answered streams
+followed."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from cri_shim.server.http2_drain import (
+    DATA,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PREFACE,
+    RST_STREAM,
+    ClientToServer,
+    OpenStreams,
+    ServerToClient,
+    frame,
+    goaway_frame,
+)
+
+SETTINGS = 0x4
+WINDOW_UPDATE = 0x8
+
+
+def in_pieces(data: bytes, size: int) -> list[bytes]:
+    return [data[at : at + size] for at in range(0, len(data), size)]
+
+
+def fed(side: ClientToServer | ServerToClient, data: bytes, size: int) -> bytes:
+    return b"".join(side.feed(piece) for piece in in_pieces(data, size))
+
+
+CLIENT = (
+    PREFACE
+    + frame(SETTINGS, 0, b"\0\x03\0\0\0\x64")
+    + frame(HEADERS, 1, b"h" * 40, flags=0x4)
+    + frame(DATA, 1, b"d" * 70, flags=END_STREAM)
+    + frame(HEADERS, 3, b"h" * 12, flags=0x4)
+)
+
+
+@pytest.mark.parametrize("size", [1, 5, 9, 10, 64, 4096])
+def test_the_client_bytes_pass_whole_however_they_are_read(size: int) -> None:
+    streams = OpenStreams()
+    inbound = ClientToServer(streams)
+    assert fed(inbound, CLIENT, size) == CLIENT
+    assert inbound.last_stream_id == 3
+    assert streams.ids == {1, 3}
+
+
+def test_after_the_drain_new_streams_are_held_back() -> None:
+    streams = OpenStreams()
+    inbound = ClientToServer(streams)
+    inbound.feed(CLIENT)
+    assert inbound.drain() == 3
+    later = (
+        frame(HEADERS, 5, b"h" * 9, flags=0x4)
+        + frame(DATA, 3, b"still stream 3", flags=END_STREAM)
+        + frame(DATA, 5, b"body of 5", flags=END_STREAM)
+        + frame(WINDOW_UPDATE, 0, b"\0\0\x10\0")
+    )
+    # Stream 3's frames and the connection's go on; stream 5's never reach the server.
+    assert fed(inbound, later, 7) == (
+        frame(DATA, 3, b"still stream 3", flags=END_STREAM) + frame(WINDOW_UPDATE, 0, b"\0\0\x10\0")
+    )
+    assert inbound.last_stream_id == 3
+    assert streams.ids == {1, 3}
+
+
+def test_streams_end_with_the_servers_end_stream_or_a_reset() -> None:
+    streams = OpenStreams()
+    inbound, outbound = ClientToServer(streams), ServerToClient(streams)
+    inbound.feed(CLIENT + frame(HEADERS, 5, b"h", flags=0x4))
+    assert streams.ids == {1, 3, 5}
+    # Headers, then data, then trailers ending stream 1; stream 3 ends on its data.
+    answers = (
+        frame(HEADERS, 1, b"r" * 5, flags=0x4)
+        + frame(DATA, 1, b"x" * 30)
+        + frame(HEADERS, 1, b"t" * 4, flags=0x4 | END_STREAM)
+        + frame(DATA, 3, b"y", flags=END_STREAM)
+    )
+    assert fed(outbound, answers, 4) == answers
+    assert streams.ids == {5}
+    inbound.feed(frame(RST_STREAM, 5, b"\0\0\0\x08"))  # the client gave up on it
+    assert streams.ids == set()
+
+
+def test_the_goaway_goes_out_at_once_between_frames() -> None:
+    outbound = ServerToClient(OpenStreams())
+    outbound.feed(frame(SETTINGS, 0) + frame(DATA, 1, b"abc"))
+    goaway = goaway_frame(7)
+    assert outbound.insert(goaway) == goaway
+
+
+@pytest.mark.parametrize("cut", [2, 9, 12])  # in the header, at its end, in the payload
+def test_the_goaway_waits_for_the_end_of_a_frame_cut_by_a_read(cut: int) -> None:
+    outbound = ServerToClient(OpenStreams())
+    current = frame(DATA, 1, b"payload-of-stream-1")
+    after = frame(DATA, 1, b"next", flags=END_STREAM)
+    assert outbound.feed(current[:cut]) == current[:cut]
+    goaway = goaway_frame(1)
+    assert outbound.insert(goaway) == b""
+    assert outbound.feed(current[cut:] + after) == current[cut:] + goaway + after
+
+
+def test_a_goaway_names_the_last_stream_with_no_error() -> None:
+    data = goaway_frame(5, b"restarting")
+    length = int.from_bytes(data[:3], "big")
+    assert (data[3], data[4], data[5:9]) == (GOAWAY, 0, b"\0\0\0\0")
+    assert length == len(data) - 9 == 8 + len(b"restarting")
+    assert struct.unpack(">II", data[9:17]) == (5, 0)
+    assert data[17:] == b"restarting"

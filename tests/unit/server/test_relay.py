@@ -1,0 +1,142 @@
+"""The relay from the activated socket to the gRPC server's private socket, with a fake
+upstream standing for gRPC's server: it records what reaches it and answers on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cri_shim.server.http2_drain import DATA, END_STREAM, GOAWAY, HEADERS, PREFACE, frame
+from cri_shim.server.relay import SocketRelay
+
+
+class FakeUpstream:
+    """Stands for the gRPC server behind the private socket."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.arrived = asyncio.Condition()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        async with self.arrived:
+            self.arrived.notify_all()
+        while data := await reader.read(65536):
+            async with self.arrived:
+                self.received += data
+                self.arrived.notify_all()
+        writer.close()
+
+    async def until(self, predicate) -> None:  # type: ignore[no-untyped-def]
+        async with self.arrived:
+            await self.arrived.wait_for(predicate)
+
+
+@dataclass
+class Rig:
+    held: socket.socket  # the CRI socket, systemd's copy
+    upstream: FakeUpstream
+    relay: SocketRelay  # given the daemon's copy
+    directory: Path
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(str(self.directory / "cri.sock"))
+
+    def next_relay(self) -> SocketRelay:
+        return SocketRelay(self.held.dup(), self.directory / "private")
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    held.bind(str(tmp_path / "cri.sock"))
+    held.listen()
+    upstream = FakeUpstream()
+    server = await asyncio.start_unix_server(upstream.serve, path=str(tmp_path / "private"))
+    made = Rig(held, upstream, SocketRelay(held.dup(), tmp_path / "private"), tmp_path)
+    yield made
+    await made.relay.aclose()
+    server.close()
+    held.close()
+
+
+async def test_connections_wait_in_the_backlog_until_the_relay_starts(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
+    # Made while the daemon restores its state: the kernel completes it, nobody accepts.
+    _, client = await rig.connect()
+    client.write(PREFACE)
+    await client.drain()
+    assert upstream.writers == [] and upstream.received == b""
+    await relay.start()
+    await upstream.until(lambda: bytes(upstream.received) == PREFACE)
+    client.close()
+
+
+async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
+    await relay.start()
+    reader, client = await rig.connect()
+    first = PREFACE + frame(HEADERS, 1, b"call one", flags=0x4)
+    client.write(first)
+    await upstream.until(lambda: bytes(upstream.received) == first)
+
+    relay.drain()
+    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
+    assert goaway[3] == GOAWAY
+    assert struct.unpack(">I", goaway[9:13]) == (1,)  # stream 1 is served, later ones not
+    # A stream opened after the drain never reaches the server; stream 1's body does.
+    body = frame(DATA, 1, b"body of one", flags=END_STREAM)
+    client.write(frame(HEADERS, 3, b"call two", flags=0x4) + body)
+    await upstream.until(lambda: bytes(upstream.received).endswith(body))
+    assert bytes(upstream.received) == first + body
+
+    # The daemon stops its server only once stream 1 is answered.
+    answered = asyncio.create_task(relay.answered(timeout=300))
+    await asyncio.sleep(0)
+    assert not answered.done()
+    answer = frame(HEADERS, 1, b"trailers", flags=0x4 | END_STREAM)
+    upstream.writers[0].write(answer)
+    assert await answered
+    assert await reader.readexactly(len(answer)) == answer
+    client.close()
+
+
+async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
+    await relay.start()
+    _, early = await rig.connect()
+    await upstream.until(lambda: len(upstream.writers) == 1)
+    relay.drain()
+    # The socket is still listening (systemd's copy): the connection is queued, and the
+    # next daemon's relay takes it.
+    _, late = await rig.connect()
+    late.write(PREFACE)
+    await late.drain()
+    next_relay = rig.next_relay()
+    await next_relay.start()
+    await upstream.until(lambda: len(upstream.writers) == 2 and upstream.received == PREFACE)
+    await next_relay.aclose()
+    early.close()
+    late.close()
+
+
+async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig: Rig) -> None:
+    """The server closed its side (a client's channel closing); the client has its EOF
+    and the connection is not yet gone when the daemon stops: nothing is written after
+    the EOF (asyncio raises for it, which once failed the daemon's stop)."""
+    upstream, relay = rig.upstream, rig.relay
+    await relay.start()
+    reader, client = await rig.connect()
+    client.write(PREFACE)
+    await upstream.until(lambda: bytes(upstream.received) == PREFACE)
+    upstream.writers[0].write_eof()
+    assert await reader.read() == b""  # the server's EOF, passed on
+    relay.drain()
+    client.close()
