@@ -17,8 +17,8 @@ least the passes the table allows for; critest's exit code and its report's verd
 agree with the outcome. Pods or containers critest leaves behind fail the gate (they are
 removed), as does anything the daemon or the runtime still holds once they are gone.
 
-    scripts/conformance [--runtime-handler NAME] [--focus REGEX] [--skip REGEX] [--kit DIR]
-                        [--no-nri] [-- CRITEST-ARGS...]
+    scripts/conformance [--runtime-handler NAME] [--cgroup-manager DRIVER] [--focus REGEX]
+                        [--skip REGEX] [--kit DIR] [--no-nri] [-- CRITEST-ARGS...]
 
 With --focus, --skip or critest arguments only the specs run are held to the table.
 """
@@ -561,6 +561,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run critest's pods under this handler (configured in the daemon), held to "
         f"its expectations; without it, the daemon's default handler ({DEFAULT_HANDLER})",
     )
+    parser.add_argument(
+        "--cgroup-manager",
+        choices=("cgroupfs", "systemd"),
+        help="the daemon's cgroup driver (without it, the daemon's default: systemd's where "
+        "systemd runs the host)",
+    )
     parser.add_argument("--focus", action="append", default=[], help="run only matching specs")
     parser.add_argument("--skip", action="append", default=[], help="leave matching specs out")
     parser.add_argument(
@@ -595,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
                 "handlers": {handler_name: handler.runtime},
             },
         }
+        if args.cgroup_manager:
+            settings["cgroup_manager"] = args.cgroup_manager
         nri_socket = work / "nri.sock"
         if args.nri:
             # critest's NRI specs connect their own plugin to this socket. NRI's budgets
@@ -619,8 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         log = CACHE / "critest.log"
         print(
-            f"conformance: {' '.join(command[:1])} against {endpoint}, handler {handler_name} "
-            f"(log: {log})",
+            f"conformance: {' '.join(command[:1])} against {endpoint}, handler {handler_name}, "
+            f"cgroup driver {args.cgroup_manager or 'the default'} (log: {log})",
             flush=True,
         )
         started = time.monotonic()
