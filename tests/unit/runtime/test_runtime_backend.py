@@ -423,6 +423,26 @@ async def test_an_oom_kill_seen_on_cgroup_v2_outlives_the_cgroup(
     oom_watch.close()
 
 
+async def test_a_restart_watches_the_running_containers_for_oom_kills_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+) -> None:
+    group = tmp_path / "cgroup" / "cri-shim" / "c1"
+    group.mkdir(parents=True)
+    (group / "memory.events").write_text("oom 0\noom_kill 0\n")
+    v2 = dataclasses.replace(host, cgroup_v2=True)
+    before, after = OomWatch(), OomWatch()
+    async for backend in backend_over_doubles(tmp_path, monkeypatch, v2, oom_watch=before):
+        await create(backend, tmp_path, "exec sleep 30")
+        await backend.start("c1")
+        before.close()  # the daemon stops; the container runs on
+        async for restarted in backend_over_doubles(tmp_path, monkeypatch, v2, oom_watch=after):
+            await restarted.adopt(await restarted.states())
+            assert len(after) == 1
+            (group / "memory.events").write_text("oom 1\noom_kill 1\n")
+            assert restarted.oom_killed("c1")
+    after.close()
+
+
 async def test_tty_output_is_logged_as_stdout(stub_backend: RuntimeBackend, tmp_path: Path) -> None:
     await create(stub_backend, tmp_path, "[ -t 1 ] && echo on-a-tty", tty=True)
     assert (
