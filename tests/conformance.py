@@ -668,7 +668,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"conformance: FAILED: {problem}")
         if not problems:
             held = "every spec" if whole_run else "the specs run"
-            print(f"conformance: passed ({held} as expected, handler {handler_name})")
+            print(
+                f"conformance: passed ({held} as expected, handler {handler_name}, cgroup "
+                f"driver {args.cgroup_manager or 'the default'})"
+            )
         return 1 if problems else 0
     finally:
         if daemon is not None:

@@ -40,7 +40,7 @@ step() {
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 for name in ${GUEST_LANE_STEPS:-unit critest-systemd leftovers}; do
     case "$name" in
-        unit) step unit "${pytest[@]}" tests/guest ;;
+        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 tests/guest ;;
         critest-systemd | critest-cgroupfs)
             step "$name" .venv/bin/python -m tests.conformance --cgroup-manager "${name#critest-}" ;;
         kubelet) step kubelet "${pytest[@]}" tests/scenarios/test_kubelet_static_pods.py ;;

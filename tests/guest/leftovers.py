@@ -5,8 +5,11 @@ after the others, which stopped their daemons and removed their pods.
 
     python -m tests.guest.leftovers     prints what is left; exits 1 if anything is
 
-The daemon's own unit (cri-shim.service, and its socket) is installed, not left: it counts
-only while it still runs.
+What a daemon keeps for all its objects is not left by any of them, and stays: its own
+unit (cri-shim.service, and its socket) while it is stopped; the cgroupfs driver's default
+parent cgroup `/cri-shim` while it is empty (as system.slice stays for the systemd
+driver); and each namespace pin directory (`<run root>/netns`, …), which the daemon makes
+a mount point of its own, as `ip netns` does /run/netns. What is in them counts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ PREFIX = "cri-shim"
 # (tests/conformance.py's cs-conf-*, the harness's and guest tests' cs-*).
 MOUNT_ROOTS = ("/var/lib/cri-shim", "/run/cri-shim", "/tmp/cs-")
 DAEMON_UNITS = ("cri-shim.service", "cri-shim.socket")
+DEFAULT_PARENT = "/cri-shim"
+PIN_DIRECTORIES = ("netns", "utsns", "ipcns", "userns")  # network/netns.py
 
 
 def leftover_units(list_units: str) -> list[str]:
@@ -44,21 +49,28 @@ def leftover_units(list_units: str) -> list[str]:
 
 
 def leftover_cgroups(directories: Iterable[str]) -> list[str]:
-    """Cgroups (paths below the hierarchy's root) whose last component is the daemon's:
-    `cri-shim` (its default parent), `cri-shim-<id>` (cgroupfs), `cri-shim-*.scope`
-    (systemd), `cri-shim.service` (the daemon's own, there while it runs)."""
-    return sorted(path for path in directories if path.rsplit("/", 1)[-1].startswith(PREFIX))
+    """Cgroups (paths below the hierarchy's root) with a component of the daemon's:
+    `/cri-shim/<id>` (cgroupfs, no parent given), `cri-shim-<id>` (cgroupfs),
+    `cri-shim-*.scope` (systemd), `cri-shim.service` (the daemon's own, there while it
+    runs); not the default parent itself."""
+    return sorted(
+        path
+        for path in directories
+        if path != DEFAULT_PARENT and any(part.startswith(PREFIX) for part in path.split("/"))
+    )
 
 
 def leftover_mounts(mountinfo: str) -> list[str]:
     """Mount points of /proc/self/mountinfo under the daemon's roots or work directories,
-    or naming it."""
+    or naming it, but its namespace pin directories themselves."""
     found = []
     for line in mountinfo.splitlines():
         fields = line.split(" ")
         if len(fields) < 5:
             continue
         point = unescape_mountinfo(fields[4])
+        if point.rsplit("/", 1)[-1] in PIN_DIRECTORIES:
+            continue
         if point.startswith(MOUNT_ROOTS) or PREFIX in point:
             found.append(point)
     return found

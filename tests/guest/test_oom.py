@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.host.mounts import unmount_below
 from tests.harness import BUSYBOX_IMAGE, Daemon, import_image, pod_config, runtime_leaks
 from tests.imagebuild import cached_oci_layout
 from tests.waiting import wait_until
@@ -60,6 +61,7 @@ def daemon(request: pytest.FixtureRequest, busybox: Path) -> Iterator[Daemon]:
         assert runtime_leaks(daemon) == {}
     finally:
         daemon.stop()
+        unmount_below(base)  # the namespace pin directories, mount points of their own
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -36,22 +36,25 @@ def test_cgroups_named_after_the_daemon_are_left() -> None:
         "/system.slice",
         "/system.slice/cri-shim-0123abcd.scope",
         "/kubepods/besteffort/pod1/cri-shim-4567",
-        "/cri-shim",
+        "/cri-shim",  # the cgroupfs driver's default parent: stays, as a slice does
+        "/cri-shim/89ab",
         "/system.slice/ssh.service",
         "/user.slice/not-cri-shim-related",
     ]
     assert leftover_cgroups(paths) == [
-        "/cri-shim",
+        "/cri-shim/89ab",
         "/kubepods/besteffort/pod1/cri-shim-4567",
         "/system.slice/cri-shim-0123abcd.scope",
     ]
 
 
 def test_mounts_under_the_daemons_roots_and_work_directories_are_left() -> None:
+    """Not the pin directory, a mount point of the daemon's own; a pin in it is left."""
     mountinfo = "\n".join(
         [
             "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw",
-            "90 22 0:45 / /run/cri-shim/netns/pod1 rw shared:40 - nsfs nsfs rw",
+            "89 22 0:26 /cri-shim/netns /run/cri-shim/netns rw shared:39 - tmpfs tmpfs rw",
+            "90 89 0:4 net:[4026532] /run/cri-shim/netns/pod1 rw shared:40 - nsfs nsfs rw",
             "91 22 0:46 / /var/lib/cri-shim/containers/c1/rootfs rw - overlay overlay rw",
             "92 22 0:47 / /tmp/cs-conf-x1/root/shm rw - tmpfs shm rw",
             "93 22 0:48 / /srv/with\\040cri-shim rw - tmpfs tmpfs rw",
