@@ -39,6 +39,7 @@ from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.monitors import MonitorWatch
 from cri_shim.runtime.oci import CallObserver
+from cri_shim.runtime.oom_watch import OomWatch
 from cri_shim.runtime.sandbox_forwarding import SandboxForwarding
 from cri_shim.server.limits import RequestLimiter
 from cri_shim.server.views import ImageView, ObjectNames, RuntimeView
@@ -81,6 +82,8 @@ class Graph:
     tracer: Tracer
     # Every conmon, watched until its container is deleted (runtime/monitors.py).
     monitors: MonitorWatch
+    # Every container's memory.events on cgroup v2, for its OOM kills (runtime/oom_watch.py).
+    oom_watch: OomWatch
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def build_graph(config: Config) -> Graph:
     metrics = Metrics() if config.metrics.listen else None
     observe_call = metrics.observe_call if metrics is not None else None
     monitors = MonitorWatch()
-    backends = build_backends(config, observe_call, monitors)
+    oom_watch = OomWatch()
+    backends = build_backends(config, observe_call, monitors, oom_watch)
     # Port-forward into a gVisor pod: through its sandbox, or refused by name.
     forwarding = SandboxForwarding(backends, config.runtime)
     storage = _storage(config, forwarding.check)
@@ -155,6 +159,7 @@ def build_graph(config: Config) -> Graph:
         runtime_view=runtime_view,
         tracer=tracer,
         monitors=monitors,
+        oom_watch=oom_watch,
         image_view=ImageView(
             config=config,
             limiter=limiter,
@@ -306,6 +311,7 @@ def build_backends(
     config: Config,
     observe_call: CallObserver | None = None,
     monitors: MonitorWatch | None = None,
+    oom_watch: OomWatch | None = None,
 ) -> dict[str, RuntimeBackend]:
     backends = {}
     driver = driver_named(config.cgroup_manager)
@@ -321,6 +327,7 @@ def build_backends(
             observe_call=observe_call,
             runtime_args=(*driver.runtime_args, *handler.runtime_args),
             monitors=monitors,
+            oom_watch=oom_watch,
             scopes=scopes,
             pod_sandbox=handler.pod_sandbox,
         )

@@ -264,6 +264,7 @@ class Daemon:
         if self.graph is not None:
             # The next start adopts the conmons; a death being handled finishes first.
             await self.graph.monitors.aclose()
+            self.graph.oom_watch.close()
             if self.graph.nri is not None:
                 await self.graph.nri.close()
                 if self.graph.nri.adaptation is not None:

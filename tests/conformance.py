@@ -17,8 +17,9 @@ least the passes the table allows for; critest's exit code and its report's verd
 agree with the outcome. Pods or containers critest leaves behind fail the gate (they are
 removed), as does anything the daemon or the runtime still holds once they are gone.
 
-    scripts/conformance [--runtime-handler NAME] [--focus REGEX] [--skip REGEX] [--kit DIR]
-                        [--no-nri] [--as-installed] [-- CRITEST-ARGS...]
+    scripts/conformance [--runtime-handler NAME] [--cgroup-manager DRIVER] [--focus REGEX]
+                        [--skip REGEX] [--kit DIR] [--no-nri] [--as-installed]
+                        [-- CRITEST-ARGS...]
 
 With --focus, --skip or critest arguments only the specs run are held to the table.
 """
@@ -569,6 +570,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run critest's pods under this handler (configured in the daemon), held to "
         f"its expectations; without it, the daemon's default handler ({DEFAULT_HANDLER})",
     )
+    parser.add_argument(
+        "--cgroup-manager",
+        choices=("cgroupfs", "systemd"),
+        help="the daemon's cgroup driver (without it, the daemon's default: systemd's where "
+        "systemd runs the host)",
+    )
     parser.add_argument("--focus", action="append", default=[], help="run only matching specs")
     parser.add_argument("--skip", action="append", default=[], help="leave matching specs out")
     parser.add_argument(
@@ -639,6 +646,8 @@ def run_critest(
     handler = HANDLERS[handler_name]
     daemon = None
     try:
+        if args.cgroup_manager:
+            settings["cgroup_manager"] = args.cgroup_manager
         nri_socket = work / "nri.sock"
         if args.nri:
             # critest's NRI specs connect their own plugin to this socket. NRI's budgets
@@ -664,8 +673,8 @@ def run_critest(
         ]
         log = CACHE / "critest.log"
         print(
-            f"conformance: {' '.join(command[:1])} against {endpoint}, handler {handler_name} "
-            f"(log: {log})",
+            f"conformance: {' '.join(command[:1])} against {endpoint}, handler {handler_name}, "
+            f"cgroup driver {args.cgroup_manager or 'the default'} (log: {log})",
             flush=True,
         )
         started = time.monotonic()
@@ -705,7 +714,10 @@ def run_critest(
             print(f"conformance: FAILED: {problem}")
         if not problems:
             held = "every spec" if whole_run else "the specs run"
-            print(f"conformance: passed ({held} as expected, handler {handler_name})")
+            print(
+                f"conformance: passed ({held} as expected, handler {handler_name}, cgroup "
+                f"driver {args.cgroup_manager or 'the default'})"
+            )
         return 1 if problems else 0
     finally:
         if daemon is not None:

@@ -19,6 +19,7 @@ libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
 libc.inotify_init1.argtypes = [ctypes.c_int]
 libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
 libc.syscall.restype = ctypes.c_long
 
 

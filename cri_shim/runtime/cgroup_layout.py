@@ -49,6 +49,12 @@ class CgroupLayout(ABC):
     def oom_kills(self, group: str) -> int:
         """Processes of the cgroup the kernel's OOM killer killed (0 when it is gone)."""
 
+    def oom_events_file(self, group: str) -> Path | None:
+        """The file whose modification signals an OOM kill in the cgroup as it happens
+        (runtime/oom_watch.py), where the layout has one. v1 has none to watch: its count
+        stays readable (oom_kills) until the runtime deletes the cgroup."""
+        return None
+
     @abstractmethod
     def directories(self, group: str) -> list[Path]:
         """The cgroup's directory in every hierarchy (that exists or not)."""
@@ -146,8 +152,10 @@ class CgroupV2(CgroupLayout):
         )
 
     def oom_kills(self, group: str) -> int:
-        events = self.root / group.lstrip("/") / "memory.events"
-        return read_flat_keyed(events).get("oom_kill", 0)
+        return read_flat_keyed(self.oom_events_file(group)).get("oom_kill", 0)
+
+    def oom_events_file(self, group: str) -> Path:
+        return self.root / group.lstrip("/") / "memory.events"
 
     def directories(self, group: str) -> list[Path]:
         return [self.root / group.lstrip("/")]

@@ -12,6 +12,8 @@ file under `state_dir`, and nothing is kept in memory. Layout:
     state_dir/containers/<id>/conmon.log      conmon's own diagnostics
     state_dir/containers/<id>/persist/        conmon's persist dir (its `oom` marker)
     state_dir/containers/<id>/monitor-died    conmon died without recording an exit
+    state_dir/containers/<id>/oom-killed      the OOM killer killed a process of it
+                                              (cgroup v2: written by oom_watch.py)
 
 Each conmon is watched (monitors.py) from its container's creation, or from a restart,
 until its container is deleted. One that dies without writing the exit file leaves its
@@ -55,6 +57,7 @@ from cri_shim.runtime.kinds.base import CONTAINER_TYPE, SANDBOX_ID, HandlerKind
 from cri_shim.runtime.kinds.probe import kind_of
 from cri_shim.runtime.monitors import MonitorWatch, ProcessRef, alive, process_stat
 from cri_shim.runtime.oci import CallObserver, ExecResult, OciRuntime, runtime_error_message
+from cri_shim.runtime.oom_watch import OOM_MARKER, OomWatch
 from cri_shim.runtime.resources import linux_resources
 from cri_shim.runtime.sandbox_cgroups import (
     merged_resources,
@@ -130,12 +133,15 @@ class RuntimeBackend:
         scopes: ConmonScopes | None = None,
         kind: HandlerKind | None = None,
         pod_sandbox: bool | None = None,
+        oom_watch: OomWatch | None = None,
     ) -> None:
         self.handler_name = handler_name
         # The systemd cgroup driver's: conmon's scope, and the units a delete may leave.
         self._scopes = scopes
         # None: conmon is not watched (tests of the runtime layer that need no watch).
         self._monitors = monitors
+        # None: OOM kills are read from the cgroup when an exit is recorded, if it is there.
+        self._oom_watch = oom_watch
         self.runtime_path = _executable(runtime_path, "runtime")
         # What differs with the runtime (runtime/kinds/): probed once per binary if not given.
         self.kind = kind or kind_of(self.runtime_path)
@@ -540,6 +546,7 @@ class RuntimeBackend:
     # ---- the monitor ----------------------------------------------------------------
 
     def _watch(self, container_id: str) -> None:
+        self._watch_oom(container_id)
         conmon = self._conmon_ref(container_id)
         if self._monitors is None or conmon is None:
             return
@@ -549,7 +556,18 @@ class RuntimeBackend:
 
         self._monitors.watch((self.handler_name, container_id), conmon, exited)
 
+    def _watch_oom(self, container_id: str) -> None:
+        meta = self._read_meta(container_id)
+        if self._oom_watch is None or meta is None:
+            return
+        events = self.cgroup_layout.oom_events_file(cgroup_dir(meta.cgroups_path))
+        if events is not None:
+            marker = self._containers / container_id / OOM_MARKER
+            self._oom_watch.watch((self.handler_name, container_id), events, marker)
+
     async def _forget(self, container_id: str) -> None:
+        if self._oom_watch is not None:
+            self._oom_watch.forget((self.handler_name, container_id))
         if self._monitors is not None:
             await self._monitors.forget((self.handler_name, container_id))
 
@@ -696,8 +714,12 @@ class RuntimeBackend:
 
     def oom_killed(self, container_id: str) -> bool:
         """Whether the kernel's OOM killer killed a process of this container. Ask before
-        delete(): the evidence is the container's cgroup and conmon's persist dir."""
-        if (self._containers / container_id / "persist" / "oom").exists():
+        delete(): the evidence is the watch's marker, conmon's, and the container's cgroup
+        (under the systemd driver, gone once its last process is)."""
+        if self._oom_watch is not None:
+            self._oom_watch.drain()  # a kill queued before the exit was written
+        cdir = self._containers / container_id
+        if (cdir / OOM_MARKER).exists() or (cdir / "persist" / "oom").exists():
             return True
         meta = self._read_meta(container_id)
         if meta is None or not meta.cgroups_path:

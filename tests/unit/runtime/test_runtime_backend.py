@@ -7,8 +7,10 @@ logic: ordering, idempotency, cleanup on failure, timeouts, restart-safety.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -20,7 +22,10 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound
 from cri_shim.runtime.cgroup_layout import cgroup_layout
 from cri_shim.runtime.conmon import RuntimeBackend, remove_cgroups
+from cri_shim.runtime.host_limits import HostLimits
+from cri_shim.runtime.oom_watch import OomWatch
 from tests.crilog import Stream, join_partials, read_records
+from tests.unit.runtime.conftest import backend_over_doubles
 from tests.waiting import until
 
 
@@ -391,6 +396,51 @@ async def test_oom_killed_reads_conmons_marker(
     assert not stub_backend.oom_killed("c1")
     (tmp_path / "state" / "containers" / "c1" / "persist" / "oom").write_text("")
     assert stub_backend.oom_killed("c1")
+
+
+async def test_an_oom_kill_seen_on_cgroup_v2_outlives_the_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+) -> None:
+    """Under systemd's driver the container's scope goes with its last process: the kill
+    its memory.events counted is still reported, and the watch goes with the container."""
+    pod = tmp_path / "cgroup" / "cri-shim"
+    (pod / "c1").mkdir(parents=True)
+    (pod / "memory.events").write_text("oom 0\noom_kill 0\n")
+    (pod / "c1" / "memory.events").write_text("oom 0\noom_kill 0\n")
+    oom_watch = OomWatch()
+    v2 = dataclasses.replace(host, cgroup_v2=True)
+    async for backend in backend_over_doubles(tmp_path, monkeypatch, v2, oom_watch=oom_watch):
+        await create(backend, tmp_path, "true")
+        assert len(oom_watch) == 1
+        (pod / "c1" / "memory.events").write_text("oom 1\noom_kill 1\n")
+        (pod / "memory.events").write_text("oom 1\noom_kill 1\n")
+        shutil.rmtree(pod / "c1")
+        assert backend.oom_killed("c1")
+        await backend.delete("c1")
+        assert len(oom_watch) == 0
+        await create(backend, tmp_path, "true")  # its cgroup is not there: no watch
+        assert len(oom_watch) == 0 and not backend.oom_killed("c1")
+    oom_watch.close()
+
+
+async def test_a_restart_watches_the_running_containers_for_oom_kills_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: HostLimits
+) -> None:
+    group = tmp_path / "cgroup" / "cri-shim" / "c1"
+    group.mkdir(parents=True)
+    (group / "memory.events").write_text("oom 0\noom_kill 0\n")
+    v2 = dataclasses.replace(host, cgroup_v2=True)
+    before, after = OomWatch(), OomWatch()
+    async for backend in backend_over_doubles(tmp_path, monkeypatch, v2, oom_watch=before):
+        await create(backend, tmp_path, "exec sleep 30")
+        await backend.start("c1")
+        before.close()  # the daemon stops; the container runs on
+        async for restarted in backend_over_doubles(tmp_path, monkeypatch, v2, oom_watch=after):
+            await restarted.adopt(await restarted.states())
+            assert len(after) == 1
+            (group / "memory.events").write_text("oom 1\noom_kill 1\n")
+            assert restarted.oom_killed("c1")
+    after.close()
 
 
 async def test_tty_output_is_logged_as_stdout(stub_backend: RuntimeBackend, tmp_path: Path) -> None:
