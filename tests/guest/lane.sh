@@ -24,6 +24,10 @@ export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
 export CRI_SHIM_TEST_START_TIMEOUT=240
 # And a sandbox takes 10-20 s to make: the scenarios' waits are scaled (tests/waiting.py).
 export CRI_SHIM_TEST_TIME_SCALE=4
+# The guest has no python3 of its own: the checkout's environment is the one on PATH, for
+# the daemon's children that are Python scripts (the slow-cni test plugin's
+# `#!/usr/bin/env python3`).
+export PATH="$PWD/.venv/bin:$PATH"
 
 echo "lane: $(uname -r), cgroup $(stat -fc %T /sys/fs/cgroup), $(systemctl --version | head -1)"
 failed=()
