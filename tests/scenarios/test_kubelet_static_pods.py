@@ -130,9 +130,9 @@ def assert_pod_stats(daemon: Daemon, pod_name: str, writer: str, io: bool) -> No
     running container's (ListContainerStats, what `crictl stats` shows) and the pod's
     (ListPodSandboxStats, what kubelet's summary API asks for) have CPU time and memory,
     and its metrics (ListPodSandboxMetrics) the same and, for `writer`, which wrote with
-    fsync, the bytes written to the block device. `io`: the bytes written, and I/O
-    pressure where the kernel keeps it, are asserted (cgroup v2, where writeback is
-    accounted to the writer)."""
+    fsync, the bytes written to the block device. `io`: the bytes written, and each
+    container's I/O pressure where the kernel keeps it, are asserted (cgroup v2, where
+    writeback is accounted to the writer)."""
     pressure = io and Path("/proc/pressure/io").exists()
     runtime = daemon.runtime()
     (sandbox,) = sandboxes_of(daemon, pod_name)
@@ -151,6 +151,8 @@ def assert_pod_stats(daemon: Daemon, pod_name: str, writer: str, io: bool) -> No
     for figures in (*stats, pod):
         assert figures.cpu.usage_core_nano_seconds.value > 0, figures
         assert figures.memory.working_set_bytes.value > 0, figures
+    # I/O pressure is each container's (the pod's figures are its containers' sums).
+    for figures in stats:
         if pressure:
             assert figures.io.HasField("psi"), figures
     metrics = next(
