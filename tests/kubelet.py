@@ -12,6 +12,12 @@ root is a cgroup of the kubelet's own (`/<node>`), made before it starts and rem
 it stops: kubelet deletes, killing what runs in them, the pod cgroups under its
 `kubepods` that it does not know, so two kubelets on one machine must never share one.
 
+Its cgroup driver is the runtime's, as kubeadm's nodes have it: the one RuntimeConfig
+answers. With systemd's, each of those cgroups is a slice (the root `<node>.slice`, a
+pod `<node>-kubepods-besteffort-pod<uid>.slice` nested by systemd's dashes), and the
+root slice is started through systemd before kubelet, which refuses a root that is not
+there, and stopped after it.
+
 It is given `--node-ip`: the host's address on its default route. Without an API server,
 kubelet builds its node object afresh each time it needs one (every pod admission, every
 pod sync's mirror-pod check), and without a node IP each build resolves the node name
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -34,10 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 
-from cri_shim.api.v1 import api_pb2
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.host.mounts import unmount_below
+from cri_shim.runtime.cgroup_driver import expand_slice
 from tests.harness import REPO
 from tests.mountinfo import mount_points
 from tests.registry import free_port
@@ -82,6 +91,20 @@ def delegate_every_controller(hierarchy: Path) -> None:
         subtree.write_text(" ".join(f"+{controller}" for controller in missing))
 
 
+def runtime_cgroup_driver(endpoint: str) -> str:
+    """The cgroup driver the runtime at `endpoint` runs (its RuntimeConfig answer), which
+    kubelet must run too: `cgroupfs` or `systemd`."""
+    with grpc.insecure_channel(endpoint) as channel:
+        answer = api_pb2_grpc.RuntimeServiceStub(channel).RuntimeConfig(
+            api_pb2.RuntimeConfigRequest(), timeout=30
+        )
+    return "systemd" if answer.linux.cgroup_driver == api_pb2.SYSTEMD else "cgroupfs"
+
+
+def systemctl(*args: str) -> None:
+    subprocess.run(["systemctl", *args], check=True, capture_output=True, timeout=120)
+
+
 def node_ip() -> str | None:
     """The address the host sends from on its default route (chosen by the kernel for a
     UDP socket connected to a documentation address: nothing is sent), or None on a host
@@ -101,7 +124,8 @@ class Kubelet:
 
     It looks at its manifests every `file_check_frequency` and syncs every pod every
     `sync_frequency` (by default as ../shared/kubelet/README.md runs it); `extra_args`
-    go after its own flags."""
+    go after its own flags. Its `cgroup_driver` is the runtime's, asked at its first
+    start."""
 
     base: Path
     endpoint: str
@@ -109,6 +133,7 @@ class Kubelet:
     sync_frequency: str = "10s"
     file_check_frequency: str = "5s"
     extra_args: list[str] = field(default_factory=list)
+    cgroup_driver: str = ""
     proc: subprocess.Popen[bytes] | None = None
     read_only_port: int = 0
     starts: int = 0
@@ -136,6 +161,20 @@ class Kubelet:
         """`--cgroup-root`: this kubelet's `kubepods` and every pod cgroup are below it."""
         return f"/{self.node}"
 
+    @property
+    def systemd(self) -> bool:
+        return self.cgroup_driver == "systemd"
+
+    @property
+    def root_slice(self) -> str:
+        """The unit of `--cgroup-root` under systemd's driver."""
+        return f"{self.node}.slice"
+
+    @property
+    def top_cgroup(self) -> str:
+        """The cgroup of `--cgroup-root`, below each hierarchy's root."""
+        return expand_slice(self.root_slice) if self.systemd else self.cgroup_root
+
     def __post_init__(self) -> None:
         for path in (self.root, self.manifests):
             path.mkdir(parents=True, exist_ok=True)
@@ -152,7 +191,7 @@ class Kubelet:
             f"--pod-manifest-path={self.manifests}",
             f"--file-check-frequency={self.file_check_frequency}",
             f"--sync-frequency={self.sync_frequency}",
-            "--cgroup-driver=cgroupfs",
+            f"--cgroup-driver={self.cgroup_driver or 'cgroupfs'}",
             "--cgroups-per-qos=true",
             "--enforce-node-allocatable=pods",
             f"--cgroup-root={self.cgroup_root}",
@@ -178,6 +217,8 @@ class Kubelet:
         return [arg for arg in defaults if arg.partition("=")[0] not in given] + self.extra_args
 
     def start(self, timeout: float = 60) -> None:
+        if not self.cgroup_driver:
+            self.cgroup_driver = runtime_cgroup_driver(self.endpoint)
         self.make_cgroup_root()
         self.read_only_port = free_port()
         with self.log_path.open("ab") as log:
@@ -238,6 +279,11 @@ class Kubelet:
         """kubelet refuses a `--cgroup-root` that does not exist in every hierarchy."""
         for hierarchy in cgroup_hierarchies():
             delegate_every_controller(hierarchy)
+        if self.systemd:
+            # systemd makes the slice's cgroup, with the controllers its children use.
+            systemctl("start", self.root_slice)
+            return
+        for hierarchy in cgroup_hierarchies():
             path = hierarchy / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             # A new v1 cpuset has no CPUs and no memory nodes: nothing could run below it.
@@ -251,24 +297,49 @@ class Kubelet:
         """Every cgroup below this kubelet's root, deepest first."""
         found: list[Path] = []
         for hierarchy in cgroup_hierarchies():
-            top = hierarchy / self.cgroup_root.lstrip("/")
+            top = hierarchy / self.top_cgroup.lstrip("/")
             if top.is_dir():
                 found += [p for p in top.rglob("*") if p.is_dir()] + [top]
         return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
+    def pod_cgroup(self, pod: dict[str, Any]) -> str:
+        """The cgroup kubelet gives a pod of its view, below each hierarchy's root:
+        `<root>/kubepods/<qos>/pod<uid>` (guaranteed pods right under `kubepods`), or
+        under systemd's driver the slice of those names joined by dashes (the UID's
+        dashes escaped as underscores)."""
+        qos = pod["status"]["qosClass"]
+        classes = [] if qos == "Guaranteed" else [qos.lower()]
+        uid = pod["metadata"]["uid"]
+        if self.systemd:
+            names = [self.node, "kubepods", *classes, f"pod{uid.replace('-', '_')}"]
+            return expand_slice("-".join(names) + ".slice")
+        return "/".join([self.cgroup_root, "kubepods", *classes, f"pod{uid}"])
+
     def pod_cgroups(self) -> list[str]:
-        """The pod cgroups kubelet made, as `kubepods/<qos>/pod<uid>` (guaranteed pods sit
-        right under `kubepods`), from the first hierarchy."""
-        hierarchy = cgroup_hierarchies()[0] / self.cgroup_root.lstrip("/")
+        """The pod cgroups kubelet made, below the first hierarchy's root (as
+        `pod_cgroup` names them)."""
+        hierarchy = cgroup_hierarchies()[0]
+        pod = re.compile(r"(^|-)pod[0-9a-f_-]+(\.slice)?$")
         return sorted(
-            str(p.relative_to(hierarchy))
-            for p in hierarchy.rglob("pod*")
-            if p.is_dir() and p.parent.name in ("kubepods", "besteffort", "burstable")
+            f"/{p.relative_to(hierarchy)}"
+            for p in (hierarchy / self.top_cgroup.lstrip("/")).rglob("*pod*")
+            if p.is_dir() and pod.search(p.name)
         )
 
     def remove_cgroups(self) -> list[str]:
         """Remove this kubelet's cgroups once it has stopped; those that cannot be removed
-        (something still runs in them) are returned."""
+        (something still runs in them) are returned. Under systemd's driver the root slice
+        is stopped, which removes them all, once none has a process left (stopping it
+        would kill them)."""
+        if self.systemd:
+            busy = [
+                f"{path}: processes {' '.join(procs.split())}"
+                for path in self.cgroups()
+                if (procs := read_or_empty(path / "cgroup.procs").strip())
+            ]
+            if busy:
+                return busy
+            subprocess.run(["systemctl", "stop", self.root_slice], check=False, timeout=120)
         left: list[str] = []
         for path in self.cgroups():
             try:
@@ -328,6 +399,14 @@ class Kubelet:
             subprocess.run(["rm", "-rf", str(directory)], check=False)
         for link in CONTAINER_LOGS.glob(f"*-{self.node}_default_*"):
             link.unlink(missing_ok=True)
+
+
+def read_or_empty(path: Path) -> str:
+    """A file's text, or "" if it (or the cgroup holding it) has gone meanwhile."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def other_kubelets(mine: int | None) -> set[int]:

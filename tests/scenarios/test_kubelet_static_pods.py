@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,12 +30,17 @@ from tests.kubelet import (
     LOOP,
     POD_LOGS,
     Kubelet,
+    cgroup_v2,
     container_id,
     containers_of,
     remove_all_sandboxes,
     running_and_ready,
 )
 from tests.registry import RegistryServer, start_registry
+from tests.waiting import TIME_SCALE
+
+# 1 MiB written and synced to the disk below the pod's emptyDir.
+WRITE = "dd if=/dev/zero of=/data/written bs=64k count=16 conv=fsync 2>/dev/null"
 
 pytestmark = [
     pytest.mark.integration,
@@ -67,13 +73,19 @@ def runtime_containers(
     ]
 
 
-def process_cgroup(daemon: Daemon, container: str, controller: str) -> str:
-    """The cgroup of a running container's process in one hierarchy (cgroup v1)."""
+def process_cgroup(daemon: Daemon, container: str, controller: str) -> str | None:
+    """The cgroup of a running container's process in one hierarchy (the unified one on
+    cgroup v2), or None once that process has exited: kubelet may have restarted the
+    container since its view was read."""
     status = daemon.runtime().ContainerStatus(
         api_pb2.ContainerStatusRequest(container_id=container, verbose=True), timeout=10
     )
     pid = json.loads(status.info["info"])["pid"]
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for line in lines:
         _, controllers, path = line.split(":", 2)
         if controller in controllers.split(",") or (controllers == "" and path != "/"):
             return path
@@ -85,6 +97,82 @@ def memory_limit(cgroup: str) -> int:
     if v1.exists():
         return int(v1.read_text())
     return int((Path("/sys/fs/cgroup") / cgroup.lstrip("/") / "memory.max").read_text())
+
+
+def containers_in_pod_cgroups(kubelet: Kubelet, daemon: Daemon) -> dict[str, str] | None:
+    """Each running container's memory cgroup, by container ID, once each is where its
+    pod's QoS class puts it: in a cgroup of its own right below its pod's (under systemd's
+    driver the scope `cri-shim-<id>.scope` in the pod's slice), where kubelet's pod limits
+    and its node-allocatable bound apply. None while a container kubelet reported has
+    exited meanwhile (its view is read again)."""
+    pods = kubelet.pods()
+    found: dict[str, str] = {}
+    for name, qos in (("web", "Guaranteed"), ("shared", "BestEffort"), ("hostnet", "BestEffort")):
+        pod = pods[name]
+        assert pod["status"]["qosClass"] == qos
+        pod_cgroup = kubelet.pod_cgroup(pod)
+        assert pod_cgroup in kubelet.pod_cgroups()
+        for status in containers_of(pod).values():
+            container = container_id(status)
+            cgroup = process_cgroup(daemon, container, "memory")
+            if cgroup is None:
+                return None
+            if kubelet.systemd:
+                assert cgroup == f"{pod_cgroup}/cri-shim-{container}.scope", cgroup
+            else:
+                assert cgroup.startswith(f"{pod_cgroup}/"), cgroup
+            found[container] = cgroup
+    return found
+
+
+def assert_pod_stats(daemon: Daemon, pod_name: str, writer: str, io: bool) -> None:
+    """The runtime's stats of a pod, read from the cgroups of the driver it runs: each
+    running container's (ListContainerStats, what `crictl stats` shows) and the pod's
+    (ListPodSandboxStats, what kubelet's summary API asks for) have CPU time and memory,
+    and its metrics (ListPodSandboxMetrics) the same and, for `writer`, which wrote with
+    fsync, the bytes written to the block device. `io`: the bytes written, and each
+    container's I/O pressure where the kernel keeps it, are asserted (cgroup v2, where
+    writeback is accounted to the writer)."""
+    pressure = io and Path("/proc/pressure/io").exists()
+    runtime = daemon.runtime()
+    (sandbox,) = sandboxes_of(daemon, pod_name)
+    running = {c.id for c in runtime_containers(daemon, pod_name, api_pb2.CONTAINER_RUNNING)}
+    listed = runtime.ListContainerStats(
+        api_pb2.ListContainerStatsRequest(
+            filter=api_pb2.ContainerStatsFilter(pod_sandbox_id=sandbox.id)
+        ),
+        timeout=30,
+    ).stats
+    pod = runtime.PodSandboxStats(
+        api_pb2.PodSandboxStatsRequest(pod_sandbox_id=sandbox.id), timeout=30
+    ).stats.linux
+    stats = [s for s in listed if s.attributes.id in running]
+    assert {s.attributes.id for s in stats} == running
+    for figures in (*stats, pod):
+        assert figures.cpu.usage_core_nano_seconds.value > 0, figures
+        assert figures.memory.working_set_bytes.value > 0, figures
+    # I/O pressure is each container's (the pod's figures are its containers' sums).
+    for figures in stats:
+        if pressure:
+            assert figures.io.HasField("psi"), figures
+    metrics = next(
+        p
+        for p in runtime.ListPodSandboxMetrics(
+            api_pb2.ListPodSandboxMetricsRequest(), timeout=30
+        ).pod_metrics
+        if p.pod_sandbox_id == sandbox.id
+    )
+    by_container = {m.container_id: m.metrics for m in metrics.container_metrics}
+    assert running <= set(by_container)
+    for container in running:
+        values: dict[str, int] = {}
+        for metric in by_container[container]:
+            values[metric.name] = values.get(metric.name, 0) + metric.value.value
+        # Whole seconds (cAdvisor's unit): an idle loop has used less than one.
+        assert "container_cpu_usage_seconds_total" in values, values
+        assert values["container_memory_working_set_bytes"] > 0, values
+        if io and container == writer:
+            assert values.get("container_fs_writes_bytes_total", 0) > 0, values
 
 
 # ---- the scenario -----------------------------------------------------------------
@@ -134,6 +222,12 @@ def kubelet(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Kubelet
     )
     yield kubelet
     kubelet.cleanup()
+    # Where the run's logs are kept for a reader (the guest lane's, which end with it).
+    if keep := os.environ.get("CRI_SHIM_TEST_LOGS"):
+        kept = Path(keep) / f"{request.node.name}"
+        kept.mkdir(parents=True, exist_ok=True)
+        for log in short_tmp.glob("*.log"):
+            shutil.copy(log, kept / log.name)
 
 
 # kubelet relists every second (generic PLEG), or follows GetContainerEvents (evented).
@@ -154,8 +248,9 @@ def test_kubelet_runs_static_pods(
 
     def probe(command: str, **more: int) -> dict[str, Any]:
         # A generous timeout: on a loaded two-core machine an exec may take over a second.
+        # Scaled as the waits are: an emulated guest's exec takes several seconds.
         action = {"exec": {"command": ["sh", "-c", command]}}
-        return {**action, "periodSeconds": 1, "timeoutSeconds": 5, **more}
+        return {**action, "periodSeconds": 1, "timeoutSeconds": round(5 * TIME_SCALE), **more}
 
     data = [{"name": "data", "mountPath": "/data"}]
     # Limits equal to requests: a Guaranteed pod, whose cgroup kubelet puts right under
@@ -178,7 +273,8 @@ def test_kubelet_runs_static_pods(
             {
                 "name": "writer",
                 "image": image,
-                "command": ["sh", "-c", f"echo hello > /data/greeting; {LOOP}"],
+                # Written with fsync, the emptyDir's blocks reach the disk: I/O in stats.
+                "command": ["sh", "-c", f"echo hello > /data/greeting; {WRITE}; {LOOP}"],
                 "volumeMounts": data,
                 "livenessProbe": probe("test -f /data/greeting", failureThreshold=2),
                 "readinessProbe": probe("test -f /data/greeting"),
@@ -205,7 +301,8 @@ def test_kubelet_runs_static_pods(
     )
     # A container whose creation fails until its program appears in the shared emptyDir:
     # kubelet numbers each try after the log files it finds, so a failed creation must
-    # leave none (its first successful attempt is then still attempt 0).
+    # leave none (its first successful attempt is then still attempt 0). The maker writes
+    # the program once the test has seen a creation fail and says go.
     program = '#!/bin/sh\\ntrap "exit 0" TERM; while true; do sleep 1; done\\n'  # for printf
     kubelet.write_pod(
         "late",
@@ -216,7 +313,8 @@ def test_kubelet_runs_static_pods(
                 "command": [
                     "sh",
                     "-c",
-                    f"sleep 4; printf '{program}' > /data/.run; chmod +x /data/.run; "
+                    "trap 'exit 0' TERM; until [ -e /data/go ]; do sleep 1; done; "
+                    f"printf '{program}' > /data/.run; chmod +x /data/.run; "
                     f"mv /data/.run /data/run; {LOOP}",
                 ],
                 "volumeMounts": data,
@@ -252,20 +350,10 @@ def test_kubelet_runs_static_pods(
             container_id(s) for s in containers_of(pods[name]).values()
         )
         assert len(running) == count
-    # kubelet's cgroups per QoS class: each pod's containers run in the pod's cgroup,
-    # where kubelet's pod limits and its node-allocatable bound apply.
-    for name, qos in (("web", "Guaranteed"), ("shared", "BestEffort"), ("hostnet", "BestEffort")):
-        pod = pods[name]
-        assert pod["status"]["qosClass"] == qos
-        within = "" if qos == "Guaranteed" else f"{qos.lower()}/"
-        pod_cgroup = f"kubepods/{within}pod{pod['metadata']['uid']}"
-        assert pod_cgroup in kubelet.pod_cgroups()
-        for status in containers_of(pod).values():
-            memory_cgroup = process_cgroup(daemon, container_id(status), "memory")
-            assert memory_cgroup.startswith(f"{kubelet.cgroup_root}/{pod_cgroup}/"), memory_cgroup
+    cgroups = wait_until(lambda: containers_in_pod_cgroups(kubelet, daemon), timeout=30)
     # The container's own limit is applied in its cgroup below the pod's.
     (main,) = containers_of(pods["web"]).values()
-    assert memory_limit(process_cgroup(daemon, container_id(main), "memory")) == 64 << 20
+    assert memory_limit(cgroups[container_id(main)]) == 64 << 20
     (hostnet,) = sandboxes_of(daemon, f"hostnet-{kubelet.node}")
     sandbox_status = daemon.runtime().PodSandboxStatus(
         api_pb2.PodSandboxStatusRequest(pod_sandbox_id=hostnet.id), timeout=10
@@ -292,6 +380,13 @@ def test_kubelet_runs_static_pods(
     assert containers_of(kubelet.pods()["shared"])["reader"]["restartCount"] == 0
     timings.phase("liveness failure restarted the writer; ready again")
 
+    def creation_failures() -> list[str]:
+        log = kubelet.log(tail=None).splitlines()
+        return [line for line in log if "CreateContainerError" in line]
+
+    wait_until(creation_failures, timeout=60, interval=0.5)
+    data_dir = kubelet.root / "pods" / kubelet.pods()["late"]["metadata"]["uid"] / "volumes"
+    (data_dir / "kubernetes.io~empty-dir" / "data" / "go").touch()
     late = wait_until(lambda: running_and_ready(p := kubelet.pods().get("late")) and p, timeout=60)
     assert containers_of(late)["runner"]["restartCount"] == 0
     (runner,) = [
@@ -300,10 +395,7 @@ def test_kubelet_runs_static_pods(
     assert runner.metadata.attempt == 0
     logs = [p.name for p in POD_LOGS.glob(f"default_late-{kubelet.node}_*/runner/*")]
     assert logs == ["0.log"], logs
-    failed = [
-        line for line in kubelet.log(tail=None).splitlines() if "CreateContainerError" in line
-    ]
-    assert failed, "the runner's creation never failed: the test did not test anything"
+    failed = creation_failures()
     timings.phase(f"late program: created at attempt 0 after failures ({len(failed)} log lines)")
 
     # A removed manifest: the pod goes from kubelet's view and from the runtime.
@@ -387,6 +479,14 @@ def test_kubelet_runs_static_pods(
     assert {c["name"] for c in shared["containers"]} == {"writer", "reader"}
     assert all("usageNanoCores" in c["cpu"] for c in shared["containers"])
     timings.phase("summary API: the pod's network and CPU rates")
+
+    (writer,) = [
+        c
+        for c in runtime_containers(daemon, f"shared-{kubelet.node}", api_pb2.CONTAINER_RUNNING)
+        if c.metadata.name == "writer"
+    ]
+    assert_pod_stats(daemon, f"shared-{kubelet.node}", writer.id, io=cgroup_v2())
+    timings.phase("the runtime's stats and metrics: CPU, memory and I/O")
 
     # Every manifest removed: kubelet stops everything; what its garbage collector has not
     # removed yet is removed through the CRI, and then nothing may be left.
