@@ -1,5 +1,6 @@
 """ListPodSandboxMetrics: each ready pod's cAdvisor metrics, read live
-(server/metrics_messages.py)."""
+(server/metrics_messages.py, imported by the first call: only a kubelet that takes its
+stats from the CRI asks for them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import grpc
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.server import listing
-from cri_shim.server.metrics_messages import pod_metrics_message
 
 if TYPE_CHECKING:
     from cri_shim.server.views import RuntimeView
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 def pod_sandbox_metrics_listed(view: RuntimeView) -> AsyncIterator[api_pb2.PodSandboxMetrics]:
     """Each ready pod's metrics, read when it is its turn: ListPodSandboxMetrics and
     StreamPodSandboxMetrics."""
+    from cri_shim.server.metrics_messages import pod_metrics_message
+
     return view.usage.pods_figures(pod_metrics_message)
 
 

@@ -30,6 +30,7 @@ LAZY = {
     "cri_shim.runtime.kinds.gvisor": "a gVisor handler (runsc)",
     "cri_shim.runtime.kinds.kata": "a Kata handler",
     "cri_shim.tracing.otel": "[tracing] endpoint",
+    "cri_shim.server.metrics_messages": "the first ListMetricDescriptors or ListPodSandboxMetrics",
 }
 
 
