@@ -30,6 +30,7 @@ LAZY = {
     "cri_shim.runtime.kinds.gvisor": "a gVisor handler (runsc)",
     "cri_shim.runtime.kinds.kata": "a Kata handler",
     "cri_shim.tracing.otel": "[tracing] endpoint",
+    "tempfile": "the first image unpacked (with the random module it loads)",
     "cri_shim.server.metrics_messages": "the first ListMetricDescriptors or ListPodSandboxMetrics",
 }
 
