@@ -7,7 +7,11 @@
 #                     (Type=notify, Delegate=yes): containers start, in a cgroup namespace
 #                     of their own, with their limits and stats (tests/guest/test_unit.py);
 #                     an OOM-killed container reported OOMKilled under each cgroup driver
-#                     (tests/guest/test_oom.py)
+#                     (tests/guest/test_oom.py); and the tests elsewhere that need cgroup
+#                     v2 or systemd as PID 1 and skip on a v1 host: the cgroup v2 layout
+#                     on a real hierarchy (tests/unit/runtime/test_cgroup_layout.py), pods
+#                     under systemd's driver with runc and with crun, in scopes that go
+#                     with them (tests/integration/test_cri_cgroup_driver.py)
 #   critest-systemd   the conformance gate under runc, systemd's cgroup driver
 #   critest-cgroupfs  the same with the cgroupfs driver (tests/conformance.py)
 #   kubelet           the static-pod scenario, kubelet with --fail-cgroupv1=true and the
@@ -22,9 +26,8 @@
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
 # Each step runs whatever the previous ones did; the lane fails if any step failed, and
-# says how long each took. GUEST_LANE_STEPS (default "unit critest-systemd leftovers", what
-# CI runs) chooses the steps. The kubelet step passes (about 4 minutes) and runs when asked
-# for: `scripts/guest --lane unit kubelet`.
+# says how long each took. GUEST_LANE_STEPS (default "unit critest-systemd kubelet
+# leftovers", what CI runs) chooses the steps.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
@@ -48,9 +51,10 @@ step() {
     ((status == 0)) || failed+=("$name")
 }
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
-for name in ${GUEST_LANE_STEPS:-unit critest-systemd leftovers}; do
+for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
     case "$name" in
-        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 tests/guest ;;
+        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 tests/guest \
+            tests/unit/runtime/test_cgroup_layout.py tests/integration/test_cri_cgroup_driver.py ;;
         critest-systemd | critest-cgroupfs)
             step "$name" .venv/bin/python -m tests.conformance --cgroup-manager "${name#critest-}" ;;
         kubelet) step kubelet "${pytest[@]}" \
