@@ -13,7 +13,10 @@ says more; `--kubelet-arg=--node-ip=` with no value turns it off to measure that
   Running with its container ready (polled every half second);
 - runtime CPU (% of a core) in a steady minute after all are ready: the daemon and every
   helper it runs (conmon for cri-shim; the shims for containerd) and every child they
-  reaped (runc, CNI plugins), from a cpuacct cgroup the daemon is moved into at start;
+  reaped (runc, CNI plugins), from a cgroup the daemon is moved into at start (cpuacct's
+  on cgroup v1, one of the unified tree on v2: `cpu.stat`'s `usage_usec`), and under
+  systemd's cgroup driver the transient scope each conmon moves to once its container is
+  made;
 - kubelet CPU (% of a core) in the same minute, with the children it reaped;
 - runtime PSS (MiB, and per pod) at the end of the minute: the daemon and its per-pod
   helpers (conmon; containerd's shims and the sandboxes' pause processes), not the runc
@@ -43,6 +46,22 @@ of the pod's sandbox container too; under runc the column is 0, as a runc pod ha
 process of its own. The Sentry's CPU is the pod's (its cgroup's), not the runtime's.
 `--handler both` runs runc's and runsc's pods one after the other.
 
+`--cgroup-driver systemd` runs cri-shim's daemon with `cgroup_manager = "systemd"`
+(default `cgroupfs`), and kubelet with `--cgroup-driver=systemd`, the one the daemon's
+RuntimeConfig answers (tests/kubelet.py: its root is a slice, its pods' cgroups slices
+made through systemd); each container is then a scope runc asks systemd for and each
+conmon one the daemon asks for, D-Bus round trips the cgroupfs driver does not make.
+`--cgroup-driver both` runs each case under cgroupfs's driver, then systemd's, and ends
+with systemd's start p50 and p99 and removal time over cgroupfs's. systemd's driver needs
+systemd as PID 1 on cgroup v2, as nodes run it: elsewhere it is refused. The QEMU guest
+(scripts/guest) is such a node; its `density` lane step runs this with both drivers:
+
+    flock /tmp/guest.lock scripts/guest --timeout 2400 --lane density leftovers
+
+(GUEST_DENSITY_ARGS, default `--pods 10 --workloads plain --cgroup-driver both --steady
+30`, sets the arguments: tests/guest/lane.sh). Under emulation every figure is several
+times the host's; the ratio between the drivers is the figure to read there.
+
 `--runtime containerd` runs the same against containerd 1.6 started by
 `../shared/peers/containerd/start.sh` (which installs it if missing); the images are
 imported with `ctr`, the pause image being the test busybox image sleeping forever (so
@@ -50,6 +69,7 @@ nothing is pulled). Never run it while another cri-shim run measures on the same
 
 Usage: sudo .venv/bin/python benchmarks/density.py [--pods 50,110] [--workloads plain,probe]
            [--runtime cri-shim|containerd|both] [--handler runc|runsc|both] [--steady 60]
+           [--cgroup-driver cgroupfs|systemd|both]
            [--analyse] [--kubelet-arg=--FLAG=VALUE ...]
 
 The figures are printed, never asserted.
