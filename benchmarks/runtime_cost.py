@@ -86,13 +86,13 @@ def unified_cgroup(pid: int, root: Path = CGROUP_FS) -> Path | None:
     return None
 
 
-def moved_out_seconds(account: CpuAccount, pids: list[int]) -> float:
+def moved_out_seconds(account: CpuAccount, pids: list[int], root: Path = CGROUP_FS) -> float:
     """The CPU time of the cgroups these helpers of the runtime were moved to, out of its
     account (each cgroup once): conmon's transient scope under the systemd driver, which
     conmon entered once it had made its container, its time before that being the
     account's. A helper that exits takes its scope's time with it: only a span in which
     none exits is measured right."""
-    found = {unified_cgroup(pid) for pid in pids} - {None, account.path}
+    found = {unified_cgroup(pid, root) for pid in pids} - {None, account.path}
     total = 0.0
     for path in found:
         assert path is not None

@@ -3,6 +3,7 @@ CPU time is read, which driver can be measured where, and the drivers' ratios.""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from density import Result, driver_ratios, driver_refusal
-from runtime_cost import CpuAccount, cgroup_cpu_seconds
+from runtime_cost import CpuAccount, cgroup_cpu_seconds, moved_out_seconds, unified_cgroup
 
 
 def fake_cgroup_root(tmp_path: Path, v2: bool) -> Path:
@@ -79,3 +80,23 @@ def test_each_systemd_run_is_set_against_the_same_run_under_cgroupfs() -> None:
     assert driver_ratios(results) == [
         "cri-shim plain 4 pods: start p50 x1.50, p99 x1.50, removal x1.20"
     ]
+
+
+def test_the_cgroups_helpers_were_moved_to_are_added_once_each(tmp_path: Path) -> None:
+    root = fake_cgroup_root(tmp_path, v2=True)
+    account = CpuAccount("density-1", root)
+    # This process stands for a conmon moved to a scope of its own: its cgroup in the
+    # unified tree, under the fake root.
+    scope = unified_cgroup(os.getpid(), root)
+    assert scope is not None and (scope == root or root in scope.parents)
+    scope.mkdir(parents=True, exist_ok=True)
+    (scope / "cpu.stat").write_text("usage_usec 3000000\n")
+    gone = 2**22 + 1  # above the kernel's largest PID
+    assert moved_out_seconds(account, [os.getpid(), os.getpid(), gone], root) == 3.0
+    assert moved_out_seconds(account, [], root) == 0.0
+
+
+def test_no_helper_is_moved_out_on_cgroup_v1(tmp_path: Path) -> None:
+    root = fake_cgroup_root(tmp_path, v2=False)
+    assert unified_cgroup(os.getpid(), root) is None
+    assert moved_out_seconds(CpuAccount("density-1", root), [os.getpid()], root) == 0.0
