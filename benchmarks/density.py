@@ -56,11 +56,12 @@ with systemd's start p50 and p99 and removal time over cgroupfs's. systemd's dri
 systemd as PID 1 on cgroup v2, as nodes run it: elsewhere it is refused. The QEMU guest
 (scripts/guest) is such a node; its `density` lane step runs this with both drivers:
 
-    flock /tmp/guest.lock scripts/guest --timeout 2400 --lane density leftovers
+    flock /tmp/guest.lock scripts/guest --lane density leftovers
 
-(GUEST_DENSITY_ARGS, default `--pods 10 --workloads plain --cgroup-driver both --steady
-30`, sets the arguments: tests/guest/lane.sh). Under emulation every figure is several
-times the host's; the ratio between the drivers is the figure to read there.
+(GUEST_DENSITY_ARGS, default `--pods 20 --workloads plain --cgroup-driver both --steady
+30`, about 4 minutes, sets the arguments: tests/guest/lane.sh; a --timeout of more than
+1800 s for many more pods). Under emulation every figure is several times the host's; the
+ratio between the drivers is the figure to read there (README, Benchmarks).
 
 `--runtime containerd` runs the same against containerd 1.6 started by
 `../shared/peers/containerd/start.sh` (which installs it if missing); the images are

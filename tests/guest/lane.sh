@@ -20,8 +20,8 @@
 #                     slow relist makes happen each time
 #   density           benchmarks/density.py under each cgroup driver, cgroupfs's then
 #                     systemd's, with the ratio of systemd's start and removal times to
-#                     cgroupfs's; GUEST_DENSITY_ARGS (default "--pods 10 --workloads plain
-#                     --cgroup-driver both --steady 30", about 15 minutes) are its
+#                     cgroupfs's; GUEST_DENSITY_ARGS (default "--pods 20 --workloads plain
+#                     --cgroup-driver both --steady 30", about 4 minutes) are its
 #                     arguments. It prints figures and asserts none: it fails only if
 #                     the benchmark cannot run
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
@@ -30,8 +30,8 @@
 # Each step runs whatever the previous ones did; the lane fails if any step failed, and
 # says how long each took. GUEST_LANE_STEPS (default "unit critest-systemd leftovers", what
 # CI runs) chooses the steps. The kubelet step passes (about 4 minutes) and runs when asked
-# for: `scripts/guest --lane unit kubelet`; so does density, with a longer --timeout:
-# `scripts/guest --timeout 2400 --lane density leftovers`.
+# for: `scripts/guest --lane unit kubelet`; so does density: `scripts/guest --lane density
+# leftovers` (a --timeout of more than 1800 s for many more pods).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
@@ -67,7 +67,7 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd leftovers}; do
             # rather than compiling them at each start (which would weigh on their PSS).
             # shellcheck disable=SC2086 # the arguments are words
             step density env -u PYTHONDONTWRITEBYTECODE .venv/bin/python benchmarks/density.py \
-                ${GUEST_DENSITY_ARGS:---pods 10 --workloads plain --cgroup-driver both --steady 30} ;;
+                ${GUEST_DENSITY_ARGS:---pods 20 --workloads plain --cgroup-driver both --steady 30} ;;
         leftovers) step leftovers .venv/bin/python -m tests.guest.leftovers ;;
         *) echo "lane: unknown step $name"; failed+=("$name") ;;
     esac
