@@ -13,7 +13,10 @@ says more; `--kubelet-arg=--node-ip=` with no value turns it off to measure that
   Running with its container ready (polled every half second);
 - runtime CPU (% of a core) in a steady minute after all are ready: the daemon and every
   helper it runs (conmon for cri-shim; the shims for containerd) and every child they
-  reaped (runc, CNI plugins), from a cpuacct cgroup the daemon is moved into at start;
+  reaped (runc, CNI plugins), from a cgroup the daemon is moved into at start (cpuacct's
+  on cgroup v1, one of the unified tree on v2: `cpu.stat`'s `usage_usec`), and under
+  systemd's cgroup driver the transient scope each conmon moves to once its container is
+  made;
 - kubelet CPU (% of a core) in the same minute, with the children it reaped;
 - runtime PSS (MiB, and per pod) at the end of the minute: the daemon and its per-pod
   helpers (conmon; containerd's shims and the sandboxes' pause processes), not the runc
@@ -43,6 +46,23 @@ of the pod's sandbox container too; under runc the column is 0, as a runc pod ha
 process of its own. The Sentry's CPU is the pod's (its cgroup's), not the runtime's.
 `--handler both` runs runc's and runsc's pods one after the other.
 
+`--cgroup-driver systemd` runs cri-shim's daemon with `cgroup_manager = "systemd"`
+(default `cgroupfs`), and kubelet with `--cgroup-driver=systemd`, the one the daemon's
+RuntimeConfig answers (tests/kubelet.py: its root is a slice, its pods' cgroups slices
+made through systemd); each container is then a scope runc asks systemd for and each
+conmon one the daemon asks for, D-Bus round trips the cgroupfs driver does not make.
+`--cgroup-driver both` runs each case under cgroupfs's driver, then systemd's, and ends
+with systemd's start p50 and p99 and removal time over cgroupfs's. systemd's driver needs
+systemd as PID 1 on cgroup v2, as nodes run it: elsewhere it is refused. The QEMU guest
+(scripts/guest) is such a node; its `density` lane step runs this with both drivers:
+
+    flock /tmp/guest.lock scripts/guest --lane density leftovers
+
+(GUEST_DENSITY_ARGS, default `--pods 20 --workloads plain --cgroup-driver both --steady
+30`, about 4 minutes, sets the arguments: tests/guest/lane.sh; a --timeout of more than
+1800 s for many more pods). Under emulation every figure is several times the host's; the
+ratio between the drivers is the figure to read there (README, Benchmarks).
+
 `--runtime containerd` runs the same against containerd 1.6 started by
 `../shared/peers/containerd/start.sh` (which installs it if missing); the images are
 imported with `ctr`, the pause image being the test busybox image sleeping forever (so
@@ -50,6 +70,7 @@ nothing is pulled). Never run it while another cri-shim run measures on the same
 
 Usage: sudo .venv/bin/python benchmarks/density.py [--pods 50,110] [--workloads plain,probe]
            [--runtime cri-shim|containerd|both] [--handler runc|runsc|both] [--steady 60]
+           [--cgroup-driver cgroupfs|systemd|both]
            [--analyse] [--kubelet-arg=--FLAG=VALUE ...]
 
 The figures are printed, never asserted.
@@ -60,6 +81,7 @@ from __future__ import annotations
 import argparse
 import calendar
 import collections
+import itertools
 import os
 import re
 import shutil
@@ -82,15 +104,24 @@ from runtime_cost import (
     comm,
     command_lines,
     gvisor_sandbox_processes,
+    moved_out_seconds,
     process_cpu_seconds,
     pss_mib,
 )
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.host.mounts import unmount_below
+from cri_shim.runtime.cgroup_driver import CGROUPFS, SYSTEMD, systemd_booted
 from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, make_test_network
 from tests.imagebuild import _write_tar, build_image, cached_oci_layout, layout_files
-from tests.kubelet import KUBELET, LOOP, Kubelet, remove_all_sandboxes, running_and_ready
+from tests.kubelet import (
+    KUBELET,
+    LOOP,
+    Kubelet,
+    cgroup_v2,
+    remove_all_sandboxes,
+    running_and_ready,
+)
 from tests.registry import free_port
 from tests.waiting import wait_until
 
@@ -121,9 +152,11 @@ CRI_HANDLERS = {
 
 class Runtime(Protocol):
     name: str
+    driver: str
     endpoint: str
     cpu: CpuAccount
 
+    def cpu_seconds(self) -> float: ...
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def pss_mib(self) -> float: ...
@@ -134,13 +167,20 @@ class Runtime(Protocol):
 
 class ShimRuntime:
     """cri-shim as an operator runs it (log level info), on a scratch root, with the
-    bridge and portmap plugins on a network of its own."""
+    bridge and portmap plugins on a network of its own, under the cgroup driver given."""
 
-    def __init__(self, base: Path, analyse: bool, handler: str = "runc") -> None:
+    def __init__(
+        self, base: Path, analyse: bool, handler: str = "runc", driver: str = CGROUPFS
+    ) -> None:
         self.name = "cri-shim" if handler == "runc" else f"cri-shim/{handler}"
+        self.driver = driver
         self.base = base
         self.network = make_test_network(base, 3, slow=False)
-        settings: dict[str, Any] = {"log_level": "info", **HANDLER_SETTINGS[handler]}
+        settings: dict[str, Any] = {
+            "log_level": "info",
+            "cgroup_manager": driver,
+            **HANDLER_SETTINGS[handler],
+        }
         self.metrics_port = free_port() if analyse else 0
         if analyse:
             settings["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
@@ -160,11 +200,18 @@ class ShimRuntime:
     def stub(self) -> api_pb2_grpc.RuntimeServiceStub:
         return self.daemon.runtime()
 
+    def conmons(self) -> list[int]:
+        """The daemon's conmons: its children, as the child subreaper of the conmons that
+        double-fork away from it (wherever the cgroup driver put them)."""
+        return [pid for pid in children({self.daemon_pid()}) if comm(pid) == "conmon"]
+
+    def cpu_seconds(self) -> float:
+        """The account's, and under the systemd driver the conmons' own scopes'."""
+        return self.cpu.seconds() + moved_out_seconds(self.cpu, self.conmons())
+
     def pss_mib(self) -> float:
         """The daemon and its conmons (not a runc or CNI plugin that happens to run)."""
-        daemon = self.daemon_pid()
-        helpers = [pid for pid in self.cpu.pids() if comm(pid) == "conmon"]
-        return sum(pss_mib(pid) for pid in [daemon, *helpers])
+        return sum(pss_mib(pid) for pid in [self.daemon_pid(), *self.conmons()])
 
     def sandbox_pss_mib(self) -> float:
         """The gVisor pods' own host processes: Sentries, gofers, waiters."""
@@ -201,6 +248,7 @@ class ContainerdRuntime:
     """containerd 1.6 with its CRI plugin, started by the peer's start.sh."""
 
     name = "containerd"
+    driver = CGROUPFS  # the peer's configuration: SystemdCgroup = false
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -225,6 +273,9 @@ class ContainerdRuntime:
 
     def daemon_pid(self) -> int:
         return int((self.state / "pid").read_text())
+
+    def cpu_seconds(self) -> float:
+        return self.cpu.seconds()
 
     def stub(self) -> api_pb2_grpc.RuntimeServiceStub:
         if self._channel is None:
@@ -257,6 +308,7 @@ class ContainerdRuntime:
 @dataclass
 class Result:
     runtime: str
+    driver: str
     workload: str
     pods: int
     start: list[float] = field(default_factory=list)
@@ -272,7 +324,8 @@ class Result:
         p50, p99 = percentiles(self.start, 0.99) if self.start else (float("nan"),) * 2
         missing = f"  ({self.not_ready} never ready)" if self.not_ready else ""
         return (
-            f"{self.runtime:<14} {self.workload:<6} {self.pods:>4}  {p50:7.1f} {p99:7.1f}  "
+            f"{self.runtime:<14} {self.driver:<8} {self.workload:<6} {self.pods:>4}  "
+            f"{p50:7.1f} {p99:7.1f}  "
             f"{self.runtime_cpu:8.1f} {self.kubelet_cpu:8.1f}  {self.pss:7.1f} "
             f"{self.pss / self.pods:6.2f}  {self.sandbox_pss:7.1f} "
             f"{self.sandbox_pss / self.pods:6.2f}  {self.removed:7.1f}{missing}"
@@ -280,7 +333,7 @@ class Result:
 
 
 HEADER = (
-    f"{'runtime':<14} {'load':<6} {'pods':>4}  {'p50 s':>7} {'p99 s':>7}  "
+    f"{'runtime':<14} {'cgroup':<8} {'load':<6} {'pods':>4}  {'p50 s':>7} {'p99 s':>7}  "
     f"{'rt CPU%':>8} {'kl CPU%':>8}  {'PSS MiB':>7} {'/pod':>6}  {'sbx MiB':>7} {'/pod':>6}  "
     f"{'rm s':>7}"
 )
@@ -466,8 +519,8 @@ def _epoch(stamp: str) -> float:
 
 
 def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -> Result:
-    result = Result(runtime.name, workload, pods)
-    node = f"dn{os.getpid() % 100000}{workload}{pods}"
+    result = Result(runtime.name, runtime.driver, workload, pods)
+    node = f"dn{os.getpid() % 100000}{runtime.driver[0]}{workload}{pods}"
     runtime.start()
     kubelet = Kubelet(base / "node", runtime.endpoint, node, extra_args=list(args.kubelet_arg))
     analyse = isinstance(runtime, ShimRuntime) and args.analyse
@@ -479,7 +532,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         names = [f"d{i}" for i in range(pods)]
         metrics0 = runtime.metrics() if analyse else {}
         daemon0 = process_cpu_seconds(runtime.daemon_pid())
-        cpu0 = runtime.cpu.seconds()
+        cpu0 = runtime.cpu_seconds()
         if analyse:
             profiler = Profiler(runtime.daemon_pid(), base / "start.raw")
         written: dict[str, float] = {}
@@ -498,7 +551,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         result.start = [ready[n] - written[n] for n in ready]
         result.not_ready = pods - len(ready)
         daemon1 = process_cpu_seconds(runtime.daemon_pid())
-        cpu1 = runtime.cpu.seconds()
+        cpu1 = runtime.cpu_seconds()
         print(
             f"  start of {pods}: runtime CPU {cpu1 - cpu0:.1f} s in all "
             f"({(cpu1 - cpu0) / pods * 1000:.0f} ms per pod; the daemon itself "
@@ -518,7 +571,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         if analyse:
             profiler = Profiler(runtime.daemon_pid(), base / "steady.raw")
         cpu0, kl0, daemon0 = (
-            runtime.cpu.seconds(),
+            runtime.cpu_seconds(),
             kubelet_cpu(kubelet),
             process_cpu_seconds(runtime.daemon_pid()),
         )
@@ -526,7 +579,7 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         time.sleep(args.steady)
         took = time.monotonic() - started
         cpu1, kl1, daemon1 = (
-            runtime.cpu.seconds(),
+            runtime.cpu_seconds(),
             kubelet_cpu(kubelet),
             process_cpu_seconds(runtime.daemon_pid()),
         )
@@ -631,12 +684,58 @@ def print_creation_stages(runtime: ShimRuntime) -> None:
         print(f"  {kind} creation stages, mean s: {means}")
 
 
+DRIVERS = {CGROUPFS: [CGROUPFS], SYSTEMD: [SYSTEMD], "both": [CGROUPFS, SYSTEMD]}
+
+
+def driver_refusal(choice: str, runtime: str, *, systemd_running: bool, v2: bool) -> str:
+    """Why `--cgroup-driver choice` cannot be measured here ("" when it can): systemd's
+    driver is cri-shim's alone here (the containerd peer is set to cgroupfs), and is
+    measured where nodes run it, with systemd as PID 1 on cgroup v2."""
+    if choice == CGROUPFS:
+        return ""
+    if runtime != "cri-shim":
+        return (
+            f"--cgroup-driver {choice}: the containerd peer runs the cgroupfs driver "
+            "(SystemdCgroup = false); measure systemd's with --runtime cri-shim"
+        )
+    if not (systemd_running and v2):
+        host = (
+            f"{'systemd' if systemd_running else 'no systemd'} as PID 1, "
+            f"cgroup {'v2' if v2 else 'v1'}"
+        )
+        return (
+            f"--cgroup-driver {choice} needs systemd as PID 1 on cgroup v2 (here: {host}); "
+            "run it in the guest: scripts/guest --lane density"
+        )
+    return ""
+
+
+def driver_ratios(results: list[Result]) -> list[str]:
+    """Each run under systemd's driver against the same run under cgroupfs's: the ratios
+    of their start p50 and p99 and of their removal times (systemd's over cgroupfs's)."""
+    cgroupfs = {(r.runtime, r.workload, r.pods): r for r in results if r.driver == CGROUPFS}
+    lines = []
+    for result in results:
+        other = cgroupfs.get((result.runtime, result.workload, result.pods))
+        if result.driver != SYSTEMD or other is None or not result.start or not other.start:
+            continue
+        p50, p99 = percentiles(result.start, 0.99)
+        base50, base99 = percentiles(other.start, 0.99)
+        lines.append(
+            f"{result.runtime} {result.workload} {result.pods} pods: "
+            f"start p50 x{p50 / base50:.2f}, p99 x{p99 / base99:.2f}, "
+            f"removal x{result.removed / other.removed:.2f}"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pods", default="50,110")
     parser.add_argument("--workloads", default="plain,probe")
     parser.add_argument("--runtime", default="cri-shim", choices=["cri-shim", "containerd", "both"])
     parser.add_argument("--handler", default="runc", choices=["runc", "runsc", "both"])
+    parser.add_argument("--cgroup-driver", default=CGROUPFS, choices=list(DRIVERS))
     parser.add_argument("--steady", type=float, default=60.0)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--analyse", action="store_true")
@@ -653,6 +752,11 @@ def main() -> None:
         sys.exit(f"no kubelet at {KUBELET}")
     if args.handler != "runc" and not RUNSC.exists():
         sys.exit(f"no runsc at {RUNSC} (Debian's package: runsc)")
+    refusal = driver_refusal(
+        args.cgroup_driver, args.runtime, systemd_running=systemd_booted(), v2=cgroup_v2()
+    )
+    if refusal:
+        sys.exit(refusal)
     handlers = ["runc", "runsc"] if args.handler == "both" else [args.handler]
     runtimes = [f"cri-shim/{handler}" for handler in handlers]
     if args.runtime != "cri-shim":
@@ -660,15 +764,15 @@ def main() -> None:
     results = []
     for pods in [int(n) for n in args.pods.split(",")]:
         for workload in args.workloads.split(","):
-            for name in runtimes:
+            for name, driver in itertools.product(runtimes, DRIVERS[args.cgroup_driver]):
                 base = Path(tempfile.mkdtemp(prefix="csd-", dir="/tmp"))
                 base.chmod(0o711)
                 runtime: Runtime = (
-                    ShimRuntime(base, args.analyse, name.partition("/")[2])
+                    ShimRuntime(base, args.analyse, name.partition("/")[2], driver)
                     if name.startswith("cri-shim/")
                     else ContainerdRuntime(base)
                 )
-                print(f"{name}, {pods} pods, {workload}:", flush=True)
+                print(f"{name}, {driver} driver, {pods} pods, {workload}:", flush=True)
                 try:
                     results.append(run_one(runtime, base, pods, workload, args))
                 finally:
@@ -687,6 +791,11 @@ def main() -> None:
     print(HEADER)
     for result in results:
         print(result.line())
+    ratios = driver_ratios(results)
+    if ratios:
+        print("\nsystemd's driver over cgroupfs's (start p50, p99; all removed):")
+        for line in ratios:
+            print(f"  {line}")
 
 
 if __name__ == "__main__":

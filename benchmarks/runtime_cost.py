@@ -1,9 +1,10 @@
 """What the runtime side of a node costs, for the benchmarks: its CPU time and its memory.
 
-CPU is read from a cpuacct cgroup of its own that the runtime's daemon is moved into, so
-that every helper it starts and every child it reaps is counted, and nothing else; a single
-process's from /proc/PID/stat (its own time and that of the children it reaped). Memory is
-the proportional set size of the processes that make up the runtime.
+CPU is read from a cgroup of its own that the runtime's daemon is moved into (cgroup v1's
+cpuacct hierarchy, or the unified tree on cgroup v2), so that every helper it starts and
+every child it reaps is counted, and nothing else; a single process's from /proc/PID/stat
+(its own time and that of the children it reaped). Memory is the proportional set size of
+the processes that make up the runtime.
 """
 
 from __future__ import annotations
@@ -20,20 +21,25 @@ CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 class CpuAccount:
-    """A cpuacct cgroup of its own for the runtime's daemon. Moved in before it starts
-    anything, the daemon's helpers (conmon, shims) and the children it reaps (runc, CNI
-    plugins) are born in it and their CPU time stays counted there after they exit; a
-    container's processes are moved by runc into the container's cgroup and are not."""
+    """A cgroup of its own for the runtime's daemon, for its CPU time: in cgroup v1's
+    cpuacct hierarchy, or right below the root of the unified tree on cgroup v2 (where
+    every cgroup counts its CPU in `cpu.stat`, whatever controllers it has). Moved in
+    before it starts anything, the daemon's helpers (conmon, shims) and the children it
+    reaps (runc, CNI plugins) are born in it and their CPU time stays counted there after
+    they exit; a container's processes are moved by runc into the container's cgroup and
+    are not, and neither is a helper moved out (conmon, under the systemd driver:
+    `moved_out_seconds`)."""
 
-    def __init__(self, name: str) -> None:
-        self.path = CGROUP_FS / "cpuacct" / name
+    def __init__(self, name: str, root: Path = CGROUP_FS) -> None:
+        v2 = (root / "cgroup.controllers").exists()
+        self.path = root / name if v2 else root / "cpuacct" / name
         self.path.mkdir(exist_ok=True)
 
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
 
     def seconds(self) -> float:
-        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+        return cgroup_cpu_seconds(self.path)
 
     def pids(self) -> list[int]:
         return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
@@ -50,6 +56,51 @@ class CpuAccount:
         except OSError:
             time.sleep(0.5)  # a process that was exiting has just gone
             self.path.rmdir()
+
+
+def cgroup_cpu_seconds(path: Path) -> float:
+    """The CPU time of everything that ran in a cgroup and below it: cgroup v1's
+    `cpuacct.usage` (ns), or cgroup v2's `usage_usec` in `cpu.stat`."""
+    usage = path / "cpuacct.usage"
+    if usage.exists():
+        return int(usage.read_text()) / 1e9
+    for line in (path / "cpu.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec":
+            return int(value) / 1e6
+    raise ValueError(f"no usage_usec in {path / 'cpu.stat'}")
+
+
+def unified_cgroup(pid: int, root: Path = CGROUP_FS) -> Path | None:
+    """The process's cgroup in the unified (v2) tree, or None for a process gone or a host
+    without one mounted at `root` (cgroup v1)."""
+    if not (root / "cgroup.controllers").exists():
+        return None
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            return root / line[3:].lstrip("/")
+    return None
+
+
+def moved_out_seconds(account: CpuAccount, pids: list[int], root: Path = CGROUP_FS) -> float:
+    """The CPU time of the cgroups these helpers of the runtime were moved to, out of its
+    account (each cgroup once): conmon's transient scope under the systemd driver, which
+    conmon entered once it had made its container, its time before that being the
+    account's. A helper that exits takes its scope's time with it: only a span in which
+    none exits is measured right."""
+    found = {unified_cgroup(pid, root) for pid in pids} - {None, account.path}
+    total = 0.0
+    for path in found:
+        assert path is not None
+        try:
+            total += cgroup_cpu_seconds(path)
+        except FileNotFoundError:
+            pass  # the scope went with its conmon meanwhile
+    return total
 
 
 def pss_mib(pid: int) -> float:

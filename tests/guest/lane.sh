@@ -22,12 +22,20 @@
 #                     filled its pod cache, find no sandbox and make every pod anew
 #                     (kubernetes/kubernetes#123087, #124704), which the emulated guest's
 #                     slow relist makes happen each time
+#   density           benchmarks/density.py under each cgroup driver, cgroupfs's then
+#                     systemd's, with the ratio of systemd's start and removal times to
+#                     cgroupfs's; GUEST_DENSITY_ARGS (default "--pods 20 --workloads plain
+#                     --cgroup-driver both --steady 30", about 4 minutes) are its
+#                     arguments. It prints figures and asserts none: it fails only if
+#                     the benchmark cannot run
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
 # Each step runs whatever the previous ones did; the lane fails if any step failed, and
 # says how long each took. GUEST_LANE_STEPS (default "unit critest-systemd kubelet
-# leftovers", what CI runs) chooses the steps.
+# leftovers", what CI runs) chooses the steps. The density step runs when
+# asked for: `scripts/guest --lane density leftovers` (a --timeout of more than 1800 s for
+# many more pods).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export CRI_SHIM_GUEST=1 PYTHONDONTWRITEBYTECODE=1
@@ -59,6 +67,12 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
             step "$name" .venv/bin/python -m tests.conformance --cgroup-manager "${name#critest-}" ;;
         kubelet) step kubelet "${pytest[@]}" \
             "tests/scenarios/test_kubelet_static_pods.py::test_kubelet_runs_static_pods[generic-pleg]" ;;
+        density)
+            # Its daemons load their modules' bytecode, as an installed daemon does,
+            # rather than compiling them at each start (which would weigh on their PSS).
+            # shellcheck disable=SC2086 # the arguments are words
+            step density env -u PYTHONDONTWRITEBYTECODE .venv/bin/python benchmarks/density.py \
+                ${GUEST_DENSITY_ARGS:---pods 20 --workloads plain --cgroup-driver both --steady 30} ;;
         leftovers) step leftovers .venv/bin/python -m tests.guest.leftovers ;;
         *) echo "lane: unknown step $name"; failed+=("$name") ;;
     esac
