@@ -18,6 +18,10 @@
 #                     filled its pod cache, find no sandbox and make every pod anew
 #                     (kubernetes/kubernetes#123087, #124704), which the emulated guest's
 #                     slow relist makes happen each time
+#   kubelet-restart   `systemctl restart cri-shim` under a real kubelet churning static
+#                     pods, with the units scripts/install writes: with socket activation
+#                     kubelet's log reports no CRI call unavailable, without it it does
+#                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`)
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
@@ -50,11 +54,13 @@ step() {
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 for name in ${GUEST_LANE_STEPS:-unit critest-systemd leftovers}; do
     case "$name" in
-        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 tests/guest ;;
+        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 -m "not slow" tests/guest ;;
         critest-systemd | critest-cgroupfs)
             step "$name" .venv/bin/python -m tests.conformance --cgroup-manager "${name#critest-}" ;;
         kubelet) step kubelet "${pytest[@]}" \
             "tests/scenarios/test_kubelet_static_pods.py::test_kubelet_runs_static_pods[generic-pleg]" ;;
+        kubelet-restart) step kubelet-restart "${pytest[@]}" -s --durations=0 \
+            tests/guest/test_kubelet_restart.py ;;
         leftovers) step leftovers .venv/bin/python -m tests.guest.leftovers ;;
         *) echo "lane: unknown step $name"; failed+=("$name") ;;
     esac
