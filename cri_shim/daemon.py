@@ -120,7 +120,7 @@ class Daemon:
         self.systemd = SystemdNotifier()
         # The CRI socket systemd holds (cri-shim.socket), taken before the restore so that
         # a socket that cannot be the configured one stops the start at once; accepted on
-        # only once the restore is done (_bind).
+        # from the start, its calls served once the restore is done (_bind).
         self._activated = activated_socket(config.socket_path)
         self._relay: SocketRelay | None = None
 
@@ -134,6 +134,13 @@ class Daemon:
             set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
         except OSError as exc:
             log.warning("%s", exc)
+        if self._activated is not None:
+            # Connections waiting since the last daemon stopped, and those made during the
+            # restore, are answered HTTP/2's handshake now (a gRPC client closes one left
+            # unanswered 20 s); their calls wait in the relay until the restore is done.
+            self._relay = SocketRelay(self._activated)
+            await self._relay.start()
+            log.info("socket activation: accepting; calls wait for the restore")
         graph = build_graph(self.config)
         await restore(graph)
         # What each runtime handler supports, probed once off the event loop (Status and
@@ -207,8 +214,8 @@ class Daemon:
             + STREAM_HEADROOM,
         )
         add_to_server(server, self.runtime_service, self.image_service)
-        if self._activated is not None:
-            await self._serve_activated(server, self._activated)
+        if self._relay is not None:
+            await self._serve_activated(server, self._relay)
             return
         # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
         # the socket can run anything as root on the node.
@@ -216,9 +223,9 @@ class Daemon:
         await server.start()
         self._server = server
 
-    async def _serve_activated(self, server: grpc.aio.Server, activated: socket.socket) -> None:
+    async def _serve_activated(self, server: grpc.aio.Server, relay: SocketRelay) -> None:
         """gRPC on a private socket, the socket systemd passed relayed to it: the
-        connections queued in its backlog are taken from now on."""
+        relay's connections are joined to it from now on, and their calls served."""
         if self.config.socket_group:
             log.warning(
                 "socket_group %r does not apply to the socket systemd passed: its group "
@@ -228,8 +235,7 @@ class Daemon:
         private = bind_private_socket(server, self.config.socket_path)
         await server.start()
         self._server = server
-        self._relay = SocketRelay(activated, private)
-        await self._relay.start()
+        relay.serve(private)
 
     def request_stop(self) -> None:
         self._stopping.set()

@@ -1,6 +1,7 @@
 """Draining a relayed HTTP/2 connection: the frame boundaries in both directions, the
 GOAWAY the relay sends its client when the daemon stops, and the streams it then holds
-back. Protocol logic only, no I/O (server/relay.py feeds it bytes).
+back; and the server's half of the connection preface, which the relay answers itself
+as soon as it accepts. Protocol logic only, no I/O (server/relay.py feeds it bytes).
 
 Why the relay says GOAWAY itself rather than leaving it to gRPC's server: a client that
 opens a stream while the server is closing the connection behind the relay sees that
@@ -10,6 +11,16 @@ stream was never processed, and gRPC clients (grpc-core, grpc-go: kubelet) then 
 those on a new connection, which waits in the activated socket's backlog for the next
 daemon. So from the drain on, frames of streams above that number are not forwarded:
 the server must not start what the client will retry.
+
+Why the relay answers the preface: a gRPC client gives a new connection a deadline to
+receive the server's preface (grpc-go's, kubelet's: 20 s, its minimum connect timeout),
+then closes it and fails the calls waiting for it UNAVAILABLE. A connection waiting in the
+activated socket's backlog while the daemon restarts and restores would be closed so
+whenever that takes longer. Answered at once, the connection is ready for the client,
+which sends its calls; the relay forwards them once the gRPC server serves (after the
+restore). The server's own SETTINGS follow as an update of the relay's, empty ones (the
+protocol's defaults), and the client's acknowledgement of the relay's is not forwarded:
+the server would take it for the acknowledgement of its own.
 """
 
 from __future__ import annotations
@@ -21,8 +32,10 @@ FRAME_HEADER = 9
 DATA = 0x0
 HEADERS = 0x1
 RST_STREAM = 0x3
+SETTINGS = 0x4
 GOAWAY = 0x7
 END_STREAM = 0x1
+ACK = 0x1
 NO_ERROR = 0x0
 STREAM_ID_MASK = 0x7FFFFFFF
 
@@ -31,6 +44,11 @@ def frame(kind: int, stream: int, payload: bytes = b"", flags: int = 0) -> bytes
     """One frame: its 9-byte header (length, type, flags, stream), then `payload`."""
     header = struct.pack(">I", len(payload))[1:] + bytes((kind, flags))
     return header + struct.pack(">I", stream & STREAM_ID_MASK) + payload
+
+
+def settings_frame() -> bytes:
+    """The server's connection preface: a SETTINGS frame, empty (HTTP/2's defaults)."""
+    return frame(SETTINGS, 0)
 
 
 def goaway_frame(last_stream_id: int, debug: bytes = b"") -> bytes:
@@ -64,6 +82,12 @@ class ClientToServer:
         self._buffer = bytearray()
         self.last_stream_id = 0  # the highest stream the server has been sent
         self._draining = False
+        self._unforwarded_ack = False  # the client's next SETTINGS ACK is the relay's
+
+    def preface_answered(self) -> None:
+        """The relay sent the client its SETTINGS (settings_frame): the client's first
+        acknowledgement is of those, not of the server's, and is not forwarded."""
+        self._unforwarded_ack = True
 
     def drain(self) -> int:
         """From now on, hold back new streams; returns the last stream forwarded."""
@@ -86,12 +110,14 @@ class ClientToServer:
             end = at + FRAME_HEADER + length
             if len(self._buffer) < end:
                 break
-            kind = self._buffer[at + 3]
+            kind, flags = self._buffer[at + 3], self._buffer[at + 4]
             stream = int.from_bytes(self._buffer[at + 5 : at + 9], "big") & STREAM_ID_MASK
             if stream > self.last_stream_id and not self._draining and kind == HEADERS:
                 self.last_stream_id = stream
                 self.streams.ids.add(stream)
-            if not (self._draining and stream > self.last_stream_id):
+            if kind == SETTINGS and flags & ACK and self._unforwarded_ack:
+                self._unforwarded_ack = False
+            elif not (self._draining and stream > self.last_stream_id):
                 out += self._buffer[at:end]
                 if kind == RST_STREAM:
                     self.streams.frame(kind, 0, stream)

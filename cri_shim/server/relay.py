@@ -3,10 +3,13 @@ private socket (server/unix_socket.py `bind_private_socket`).
 
 grpcio cannot serve on a listening descriptor it did not bind, so the daemon relays:
 each connection accepted on the activated socket is joined to one of its own to the
-private socket, bytes copied both ways. Accepting starts only once the state is restored
-(DESIGN §3): until then, and while the daemon restarts, connections wait in the kernel's
-backlog of the socket systemd keeps open. On stop, each connection is drained
-(server/http2_drain.py) so that its client retries new calls on the next daemon.
+private socket, bytes copied both ways. The relay accepts from the daemon's start on and
+answers each connection's HTTP/2 handshake itself (server/http2_drain.py says why); the
+connections are joined to the gRPC server, and their calls forwarded, only once the state
+is restored and the server serves (DESIGN §3). While the daemon restarts, connections
+wait in the kernel's backlog of the socket systemd keeps open. On stop, each connection
+is drained (server/http2_drain.py) so that its client retries new calls on the next
+daemon.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cri_shim.server.http2_drain import (
     OpenStreams,
     ServerToClient,
     goaway_frame,
+    settings_frame,
 )
 
 log = logging.getLogger("cri_shim.server.relay")
@@ -115,6 +119,12 @@ class RelayedConnection:
         if self.client.transport is not None and not self.client.transport.is_closing():
             self.client.transport.resume_reading()
 
+    def answer_preface(self) -> None:
+        """The server's half of HTTP/2's connection preface, sent to the client at once:
+        it may then send its calls, which wait here until the connection is joined."""
+        self.inbound.preface_answered()
+        self.client.send(settings_frame())
+
     def drain(self) -> None:
         """Tell the client that no stream after the last one forwarded will be served
         here (GOAWAY), and hold back the ones it opens anyway."""
@@ -128,34 +138,49 @@ class RelayedConnection:
 
 
 class SocketRelay:
-    """Accepts on the activated socket once started; owns every relayed connection."""
+    """Accepts on the activated socket once started, and joins the connections to the
+    gRPC server at `upstream` once told it serves; owns every relayed connection."""
 
-    def __init__(self, listening: socket.socket, upstream: Path) -> None:
+    def __init__(self, listening: socket.socket) -> None:
         self._listening = listening
-        self._upstream = upstream
+        self._upstream: Path | None = None
+        self._serving = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._connections: set[RelayedConnection] = set()
         self._joining: set[asyncio.Task[None]] = set()
         self._draining = False
 
     async def start(self) -> None:
+        """Accept from now on: each connection is answered its handshake, and waits."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._accepted, sock=self._listening)
+
+    def serve(self, upstream: Path) -> None:
+        """The gRPC server serves at `upstream`: join the connections to it."""
+        self._upstream = upstream
+        self._serving.set()
 
     def _accepted(self) -> asyncio.Protocol:
         connection = RelayedConnection(self._join, self._connections.discard)
         self._connections.add(connection)
-        if self._draining:  # accepted just before the drain
-            connection.drain()
         return connection.client
 
     def _join(self, connection: RelayedConnection) -> None:
-        """The client's end is made: it reads nothing until joined to the gRPC server."""
+        """The client's end is made: its handshake is answered, and it reads nothing
+        until joined to the gRPC server."""
         assert connection.client.transport is not None
+        connection.answer_preface()
+        if self._draining:  # accepted just before the drain
+            connection.drain()
         connection.client.transport.pause_reading()
-        task = asyncio.create_task(connection.join(self._upstream))
+        task = asyncio.create_task(self._join_when_serving(connection))
         self._joining.add(task)
         task.add_done_callback(self._joining.discard)
+
+    async def _join_when_serving(self, connection: RelayedConnection) -> None:
+        await self._serving.wait()
+        assert self._upstream is not None
+        await connection.join(self._upstream)
 
     def drain(self) -> None:
         """Stop accepting (connections wait in the backlog for the next daemon: systemd

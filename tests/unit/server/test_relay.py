@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from cri_shim.server.http2_drain import DATA, END_STREAM, GOAWAY, HEADERS, PREFACE, frame
+from cri_shim.server.http2_drain import (
+    ACK,
+    DATA,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PREFACE,
+    SETTINGS,
+    frame,
+    settings_frame,
+)
 from cri_shim.server.relay import SocketRelay
 
 
@@ -49,8 +59,13 @@ class Rig:
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_unix_connection(str(self.directory / "cri.sock"))
 
+    async def serve(self, relay: SocketRelay) -> None:
+        """Start `relay` with the fake gRPC server serving, as a restored daemon does."""
+        await relay.start()
+        relay.serve(self.directory / "private")
+
     def next_relay(self) -> SocketRelay:
-        return SocketRelay(self.held.dup(), self.directory / "private")
+        return SocketRelay(self.held.dup())
 
 
 @pytest.fixture
@@ -60,7 +75,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     held.listen()
     upstream = FakeUpstream()
     server = await asyncio.start_unix_server(upstream.serve, path=str(tmp_path / "private"))
-    made = Rig(held, upstream, SocketRelay(held.dup(), tmp_path / "private"), tmp_path)
+    made = Rig(held, upstream, SocketRelay(held.dup()), tmp_path)
     yield made
     await made.relay.aclose()
     server.close()
@@ -69,20 +84,47 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 
 async def test_connections_wait_in_the_backlog_until_the_relay_starts(rig: Rig) -> None:
     upstream, relay = rig.upstream, rig.relay
-    # Made while the daemon restores its state: the kernel completes it, nobody accepts.
-    _, client = await rig.connect()
+    # Made while the daemon restarts: the kernel completes it, nobody accepts.
+    reader, client = await rig.connect()
     client.write(PREFACE)
     await client.drain()
     assert upstream.writers == [] and upstream.received == b""
-    await relay.start()
+    await rig.serve(relay)
+    assert await reader.readexactly(9) == settings_frame()
     await upstream.until(lambda: bytes(upstream.received) == PREFACE)
+    client.close()
+
+
+async def test_the_handshake_is_answered_at_once_and_calls_wait_for_the_server(rig: Rig) -> None:
+    """While the daemon restores its state the relay accepts and answers the server's
+    half of the preface (a gRPC client closes a connection left unanswered 20 s, and
+    fails its calls); the calls reach the server once it serves, without the client's
+    acknowledgement of the relay's SETTINGS (the server's own are acknowledged later)."""
+    upstream, relay = rig.upstream, rig.relay
+    await relay.start()
+    reader, client = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()  # before anything is served
+    ack = frame(SETTINGS, 0, flags=ACK)
+    call = frame(HEADERS, 1, b"call one", flags=0x4)
+    client.write(PREFACE + frame(SETTINGS, 0, b"\0\x03\0\0\0\x64") + ack + call)
+    await client.drain()
+    assert upstream.writers == []
+    relay.serve(rig.directory / "private")
+    expected = PREFACE + frame(SETTINGS, 0, b"\0\x03\0\0\0\x64") + call
+    await upstream.until(lambda: bytes(upstream.received) == expected)
+    # The server's SETTINGS, and the client's acknowledgement of them, pass.
+    upstream.writers[0].write(frame(SETTINGS, 0, b"\0\x04\0\x01\0\0"))
+    assert await reader.readexactly(15) == frame(SETTINGS, 0, b"\0\x04\0\x01\0\0")
+    client.write(ack)
+    await upstream.until(lambda: bytes(upstream.received) == expected + ack)
     client.close()
 
 
 async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> None:
     upstream, relay = rig.upstream, rig.relay
-    await relay.start()
+    await rig.serve(relay)
     reader, client = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()
     first = PREFACE + frame(HEADERS, 1, b"call one", flags=0x4)
     client.write(first)
     await upstream.until(lambda: bytes(upstream.received) == first)
@@ -110,7 +152,7 @@ async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> 
 
 async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig) -> None:
     upstream, relay = rig.upstream, rig.relay
-    await relay.start()
+    await rig.serve(relay)
     _, early = await rig.connect()
     await upstream.until(lambda: len(upstream.writers) == 1)
     relay.drain()
@@ -120,7 +162,7 @@ async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig
     late.write(PREFACE)
     await late.drain()
     next_relay = rig.next_relay()
-    await next_relay.start()
+    await rig.serve(next_relay)
     await upstream.until(lambda: len(upstream.writers) == 2 and upstream.received == PREFACE)
     await next_relay.aclose()
     early.close()
@@ -132,11 +174,11 @@ async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig:
     and the connection is not yet gone when the daemon stops: nothing is written after
     the EOF (asyncio raises for it, which once failed the daemon's stop)."""
     upstream, relay = rig.upstream, rig.relay
-    await relay.start()
+    await rig.serve(relay)
     reader, client = await rig.connect()
     client.write(PREFACE)
     await upstream.until(lambda: bytes(upstream.received) == PREFACE)
     upstream.writers[0].write_eof()
-    assert await reader.read() == b""  # the server's EOF, passed on
+    assert await reader.read() == settings_frame()  # the relay's, then the server's EOF
     relay.drain()
     client.close()
