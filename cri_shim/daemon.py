@@ -248,20 +248,32 @@ class Daemon:
         if self.graph is not None:
             self.graph.sandboxes.events.close()
         if self._relay is not None:
-            # New calls go to the next daemon (their connections wait in systemd's
-            # socket); the calls forwarded already are answered before gRPC's server
-            # stops (which would cancel those it had not yet taken up).
+            # New calls are held, for the next daemon (relay.aclose, last); the calls
+            # forwarded already are answered before gRPC's server stops (which would
+            # cancel those it had not yet taken up).
             self._relay.drain()
             if not await self._relay.answered(DRAIN_TIMEOUT):
                 log.warning("stopping with calls not answered within %.0fs", DRAIN_TIMEOUT)
         if self._server is not None:
             await self._server.stop(grace=STOP_GRACE)
         if self._relay is not None:
-            await self._relay.aclose()
             shutil.rmtree(private_socket_dir(self.config.socket_path), ignore_errors=True)
         elif self._server is not None:
             # gRPC removes the path it bound, which was renamed into place (unix_socket.py).
             self.config.socket_path.unlink(missing_ok=True)
+        try:
+            await self._release()
+        finally:
+            if self._relay is not None:
+                # Last: until now the relay answered new connections' handshakes and held
+                # their calls; the clients are told to retry those, and their connections
+                # wait in systemd's socket only until the next daemon starts (a gRPC client
+                # closes one left unanswered 20 s, failing its calls).
+                await self._relay.aclose()
+        log.info("stopped")
+
+    async def _release(self) -> None:
+        """What the daemon holds besides its sockets, let go once its server stopped."""
         if self._metrics is not None:
             await self._metrics.aclose()
         for task in self._background:
@@ -282,7 +294,6 @@ class Daemon:
             # What the spans queue still holds, exported within a bounded wait.
             await asyncio.to_thread(self.graph.tracer.shutdown, TRACE_FLUSH_TIMEOUT)
             self.graph.db.close()
-        log.info("stopped")
 
 
 # How long a stopping daemon lets the calls in flight finish.

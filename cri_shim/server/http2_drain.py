@@ -12,6 +12,14 @@ those on a new connection, which waits in the activated socket's backlog for the
 daemon. So from the drain on, frames of streams above that number are not forwarded:
 the server must not start what the client will retry.
 
+Why the GOAWAY comes at the end of the stop, and the server's own are not passed: a gRPC
+client retries a call so only once (grpc-go's first attempt, grpc-core's one retry of a
+stream the server never saw). Told at the start of the stop, a client would retry at once
+on a new connection; left unanswered until the next daemon, that connection is closed by
+grpc-go after 20 s (below), and answered and held by the stopping relay, the call would
+be told a second time and fail. Held on its connection until the stopping daemon's last
+step, the call is retried once, on a connection that only the next daemon takes.
+
 Why the relay answers the preface: a gRPC client gives a new connection a deadline to
 receive the server's preface (grpc-go's, kubelet's: 20 s, its minimum connect timeout),
 then closes it and fails the calls waiting for it UNAVAILABLE. A connection waiting in the
@@ -127,12 +135,16 @@ class ClientToServer:
 
 
 class ServerToClient:
-    """The server's bytes, passed through at once; tracks where frames end so that the
-    relay's GOAWAY goes in between two of them, never inside one."""
+    """The server's bytes, passed through at once (a frame's header once whole); tracks
+    where frames end so that the relay's GOAWAY goes in between two of them, never inside
+    one. While `holding`, the server's own GOAWAY frames are not passed: the relay tells
+    the client itself, once, at the end of the stop."""
 
     def __init__(self, streams: OpenStreams) -> None:
         self.streams = streams
+        self.holding = False
         self._left = 0  # bytes of the current frame still to come (0: at a boundary)
+        self._dropping = False  # the current frame is not passed
         self._header = bytearray()  # a frame header cut by a read
         self._pending: bytes | None = None
 
@@ -145,38 +157,36 @@ class ServerToClient:
         return b""
 
     def feed(self, data: bytes) -> bytes:
-        if self._pending is None:
-            self._advance(data)
-            return data
-        # The frame waiting goes in at the first boundary, where the current frame ends.
-        at = self._advance(data, stop_at_boundary=True)
-        if not self._at_boundary():
-            return data
-        frame, self._pending = self._pending, None
-        self._advance(data[at:])
-        return data[:at] + frame + data[at:]
-
-    def _at_boundary(self) -> bool:
-        return self._left == 0 and not self._header
-
-    def _advance(self, data: bytes, stop_at_boundary: bool = False) -> int:
-        """Follow the frames through `data`; returns how much was read (all of it, or
-        up to the first boundary when asked to stop there)."""
+        out = bytearray()
         at = 0
         while at < len(data):
-            if stop_at_boundary and self._at_boundary():
-                break
             if self._left:
                 step = min(self._left, len(data) - at)
+                if not self._dropping:
+                    out += data[at : at + step]
                 self._left -= step
                 at += step
                 continue
+            if self._pending is not None and not self._header:
+                out += self._pending  # the frame waiting goes in at this boundary
+                self._pending = None
             need = FRAME_HEADER - len(self._header)
             self._header += data[at : at + need]
             at += min(need, len(data) - at)
-            if len(self._header) == FRAME_HEADER:
-                self._left = int.from_bytes(self._header[:3], "big")
-                stream = int.from_bytes(self._header[5:9], "big") & STREAM_ID_MASK
-                self.streams.frame(self._header[3], self._header[4], stream)
-                self._header.clear()
-        return at
+            if len(self._header) < FRAME_HEADER:
+                break
+            kind, flags = self._header[3], self._header[4]
+            stream = int.from_bytes(self._header[5:9], "big") & STREAM_ID_MASK
+            self.streams.frame(kind, flags, stream)
+            self._dropping = self.holding and kind == GOAWAY
+            if not self._dropping:
+                out += self._header
+            self._left = int.from_bytes(self._header[:3], "big")
+            self._header.clear()
+        if self._pending is not None and self._at_boundary():
+            out += self._pending
+            self._pending = None
+        return bytes(out)
+
+    def _at_boundary(self) -> bool:
+        return self._left == 0 and not self._header

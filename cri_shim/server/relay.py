@@ -6,10 +6,12 @@ each connection accepted on the activated socket is joined to one of its own to 
 private socket, bytes copied both ways. The relay accepts from the daemon's start on and
 answers each connection's HTTP/2 handshake itself (server/http2_drain.py says why); the
 connections are joined to the gRPC server, and their calls forwarded, only once the state
-is restored and the server serves (DESIGN §3). While the daemon restarts, connections
-wait in the kernel's backlog of the socket systemd keeps open. On stop, each connection
-is drained (server/http2_drain.py) so that its client retries new calls on the next
-daemon.
+is restored and the server serves (DESIGN §3). On stop, the calls forwarded are answered
+and the later ones held back; the relay goes on accepting, answering handshakes and
+holding calls, until the very end of the stop, and then tells each client (GOAWAY,
+server/http2_drain.py) to retry its held calls on a new connection. Those wait in the
+kernel's backlog of the socket systemd keeps open only while this process exits and the
+next one starts.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _End(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.other: _End | None = None
         self.ended = False  # this end was told the other ended (EOF): nothing more to send
+        self.passes_end = True  # its EOF and its close are passed on to the other end
         self._feed = feed
         self._lost = lost
         self._made = made
@@ -70,6 +73,8 @@ class _End(asyncio.Protocol):
         # A half-close is passed on; the other direction stays open for the answers
         # still to come.
         other = self.other
+        if not self.passes_end:
+            return False  # this end closes; the other stays open
         if other is not None and other.transport is not None and not other.ended:
             if other.transport.can_write_eof() and not other.transport.is_closing():
                 other.ended = True
@@ -86,7 +91,7 @@ class _End(asyncio.Protocol):
             self.other.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.other is not None and self.other.transport is not None:
+        if self.passes_end and self.other is not None and self.other.transport is not None:
             self.other.transport.close()
         self._lost()
 
@@ -125,10 +130,21 @@ class RelayedConnection:
         self.inbound.preface_answered()
         self.client.send(settings_frame())
 
-    def drain(self) -> None:
-        """Tell the client that no stream after the last one forwarded will be served
-        here (GOAWAY), and hold back the ones it opens anyway."""
-        last = self.inbound.drain()
+    def hold(self) -> None:
+        """Forward none of the streams the client opens from now on, and keep the client
+        from learning that the server stops (its GOAWAY, its close): the client is told
+        once, at the end (go_away), and retries those streams then. A gRPC client retries
+        a call only once so: told twice, by the server and again by the stopping relay
+        that took its new connection, it would fail the call UNAVAILABLE."""
+        self.inbound.drain()
+        self.outbound.holding = True
+        self.server.passes_end = False
+
+    def go_away(self) -> None:
+        """Tell the client that no stream after the last one forwarded was served here
+        (GOAWAY): it retries those on a new connection."""
+        self.hold()
+        last = self.inbound.last_stream_id
         self.client.send(self.outbound.insert(goaway_frame(last, b"cri-shim is restarting")))
 
     def close(self) -> None:
@@ -150,6 +166,11 @@ class SocketRelay:
         self._joining: set[asyncio.Task[None]] = set()
         self._draining = False
 
+    @property
+    def connections(self) -> frozenset[RelayedConnection]:
+        """The connections accepted and not yet closed."""
+        return frozenset(self._connections)
+
     async def start(self) -> None:
         """Accept from now on: each connection is answered its handshake, and waits."""
         loop = asyncio.get_running_loop()
@@ -170,9 +191,10 @@ class SocketRelay:
         until joined to the gRPC server."""
         assert connection.client.transport is not None
         connection.answer_preface()
-        if self._draining:  # accepted just before the drain
-            connection.drain()
         connection.client.transport.pause_reading()
+        if self._draining:  # accepted while the daemon stops: held until aclose
+            connection.hold()
+            return
         task = asyncio.create_task(self._join_when_serving(connection))
         self._joining.add(task)
         task.add_done_callback(self._joining.discard)
@@ -183,14 +205,13 @@ class SocketRelay:
         await connection.join(self._upstream)
 
     def drain(self) -> None:
-        """Stop accepting (connections wait in the backlog for the next daemon: systemd
-        keeps the socket open) and drain every relayed connection."""
+        """Forward no new call: every connection is held, and so are those accepted
+        from now on, answered their handshake (a gRPC client closes a connection left
+        unanswered 20 s, failing its calls; the daemon's stop and the next one's start
+        may take longer), until aclose tells them all to go."""
         self._draining = True
-        if self._server is not None:
-            # Closes this process's descriptor only; the socket stays systemd's.
-            self._server.close()
         for connection in self._connections:
-            connection.drain()
+            connection.hold()
 
     async def answered(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until every stream forwarded before the
@@ -203,11 +224,18 @@ class SocketRelay:
         return True
 
     async def aclose(self) -> None:
-        """Once the gRPC server has stopped: end what is left."""
+        """At the end of the stop, the gRPC server stopped: accept no more (connections
+        wait in the backlog for the next daemon: systemd keeps the socket open), tell
+        every client which of its calls were served (GOAWAY; it retries the others on a
+        new connection) and close."""
         self.drain()
+        if self._server is not None:
+            # Closes this process's descriptor only; the socket stays systemd's.
+            self._server.close()
         for task in self._joining:
             task.cancel()
         await asyncio.gather(*self._joining, return_exceptions=True)
         for connection in list(self._connections):
+            connection.go_away()
             connection.close()
         self._server = None

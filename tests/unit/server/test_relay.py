@@ -4,6 +4,7 @@ upstream standing for gRPC's server: it records what reaches it and answers on c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -21,9 +22,11 @@ from cri_shim.server.http2_drain import (
     PREFACE,
     SETTINGS,
     frame,
+    goaway_frame,
     settings_frame,
 )
 from cri_shim.server.relay import SocketRelay
+from tests.waiting import until
 
 
 class FakeUpstream:
@@ -120,7 +123,7 @@ async def test_the_handshake_is_answered_at_once_and_calls_wait_for_the_server(r
     client.close()
 
 
-async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> None:
+async def test_the_drain_holds_back_later_streams_and_says_goaway_at_the_end(rig: Rig) -> None:
     upstream, relay = rig.upstream, rig.relay
     await rig.serve(relay)
     reader, client = await rig.connect()
@@ -130,9 +133,6 @@ async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> 
     await upstream.until(lambda: bytes(upstream.received) == first)
 
     relay.drain()
-    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
-    assert goaway[3] == GOAWAY
-    assert struct.unpack(">I", goaway[9:13]) == (1,)  # stream 1 is served, later ones not
     # A stream opened after the drain never reaches the server; stream 1's body does.
     body = frame(DATA, 1, b"body of one", flags=END_STREAM)
     client.write(frame(HEADERS, 3, b"call two", flags=0x4) + body)
@@ -147,26 +147,54 @@ async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> 
     upstream.writers[0].write(answer)
     assert await answered
     assert await reader.readexactly(len(answer)) == answer
+
+    # The server stops: neither its GOAWAY nor its close reach the client, which would
+    # retry stream 3 at once, on a connection this relay would take.
+    upstream.writers[0].write(goaway_frame(0x7FFFFFFF))
+    upstream.writers[0].close()
+    (connection,) = relay.connections
+    await until(lambda: connection.server.transport and connection.server.transport.is_closing())
+    # At the end of the stop the relay says it, once: stream 1 was served, 3 was not.
+    await relay.aclose()
+    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
+    assert goaway[3] == GOAWAY
+    assert struct.unpack(">I", goaway[9:13]) == (1,)
     client.close()
 
 
-async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig) -> None:
+async def test_connections_made_during_the_drain_are_held_until_the_end(rig: Rig) -> None:
+    """A client told to go makes a new connection while the daemon stops: the stopping
+    relay answers its handshake and holds its calls until the end of the stop, then tells
+    it to go too; the connection it makes then waits in the backlog for the next relay."""
     upstream, relay = rig.upstream, rig.relay
     await rig.serve(relay)
     _, early = await rig.connect()
     await upstream.until(lambda: len(upstream.writers) == 1)
     relay.drain()
-    # The socket is still listening (systemd's copy): the connection is queued, and the
-    # next daemon's relay takes it.
-    _, late = await rig.connect()
-    late.write(PREFACE)
+    reader, late = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()
+    late.write(PREFACE + frame(HEADERS, 1, b"call one", flags=0x4))
     await late.drain()
+    await relay.aclose()
+    # None of its calls was served here: the GOAWAY names stream 0, and it is closed.
+    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
+    assert goaway[3] == GOAWAY
+    assert struct.unpack(">I", goaway[9:13]) == (0,)
+    # Closed (reset: what the client sent is left unread).
+    with contextlib.suppress(ConnectionResetError):
+        assert await reader.read() == b""
+    assert len(upstream.writers) == 1 and upstream.received == b""
+    # The socket is still listening (systemd's copy): the next connection is queued, and
+    # the next daemon's relay takes it.
+    _, last = await rig.connect()
+    last.write(PREFACE)
+    await last.drain()
     next_relay = rig.next_relay()
     await rig.serve(next_relay)
     await upstream.until(lambda: len(upstream.writers) == 2 and upstream.received == PREFACE)
     await next_relay.aclose()
-    early.close()
-    late.close()
+    for client in (early, late, last):
+        client.close()
 
 
 async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig: Rig) -> None:
