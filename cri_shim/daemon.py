@@ -28,7 +28,7 @@ from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.orphans import OrphanReaper
-from cri_shim.server.activation import activated_socket
+from cri_shim.server.activation import EarlyAcceptor, activated_socket
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.relay import SocketRelay
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
@@ -108,7 +108,7 @@ async def restore(graph: Graph) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, acceptor: EarlyAcceptor | None = None) -> None:
         self.config = config
         self.runtime_service = RuntimeService()
         self.image_service = ImageService()
@@ -120,8 +120,11 @@ class Daemon:
         self.systemd = SystemdNotifier()
         # The CRI socket systemd holds (cri-shim.socket), taken before the restore so that
         # a socket that cannot be the configured one stops the start at once; accepted on
-        # from the start, its calls served once the restore is done (_bind).
-        self._activated = activated_socket(config.socket_path)
+        # from the start (the command's first moments: cli.py), its calls served once the
+        # restore is done (_bind).
+        if acceptor is None and (activated := activated_socket(config.socket_path)):
+            acceptor = EarlyAcceptor(activated)
+        self._acceptor = acceptor
         self._relay: SocketRelay | None = None
 
     async def start(self) -> None:
@@ -134,13 +137,17 @@ class Daemon:
             set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
         except OSError as exc:
             log.warning("%s", exc)
-        if self._activated is not None:
-            # Connections waiting since the last daemon stopped, and those made during the
-            # restore, are answered HTTP/2's handshake now (a gRPC client closes one left
-            # unanswered 20 s); their calls wait in the relay until the restore is done.
-            self._relay = SocketRelay(self._activated)
-            await self._relay.start()
-            log.info("socket activation: accepting; calls wait for the restore")
+        if self._acceptor is not None:
+            # The relay takes over the connections accepted early and accepts from now on,
+            # answering HTTP/2's handshake at once (a gRPC client closes a connection left
+            # unanswered 5 s); their calls wait in the relay until the restore is done.
+            self._relay = SocketRelay(self._acceptor.listening)
+            early = self._acceptor.take()
+            await self._relay.start(early)
+            log.info(
+                "socket activation: %d connection(s) accepted early; calls wait for the restore",
+                len(early),
+            )
         graph = build_graph(self.config)
         await restore(graph)
         # What each runtime handler supports, probed once off the event loop (Status and
@@ -316,11 +323,11 @@ def reload_network(daemon: Daemon) -> None:
     daemon.graph.sandboxes.reload_network()
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config, acceptor: EarlyAcceptor | None = None) -> None:
     # Before gRPC's threads start: each thread that finds the arenas busy would otherwise
     # get one of its own, up to eight per core, each keeping its free memory.
     limit_arenas()
-    daemon = Daemon(config)
+    daemon = Daemon(config, acceptor)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)

@@ -17,6 +17,7 @@ next one starts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -34,6 +35,10 @@ log = logging.getLogger("cri_shim.server.relay")
 
 # How often a stopping daemon looks whether the last forwarded calls are answered.
 ANSWERED_POLL = 0.005
+
+
+def _same(end: _End) -> _End:
+    return end
 
 
 class _End(asyncio.Protocol):
@@ -110,6 +115,7 @@ class RelayedConnection:
         self.client = _End(self.inbound.feed, lambda: forget(self), lambda: accepted(self))
         self.server = _End(self.outbound.feed, lambda: None)
         self.client.other, self.server.other = self.server, self.client
+        self.preface_sent = False
 
     async def join(self, upstream: Path) -> None:
         """Connect to the gRPC server, then let the client's bytes flow (its end does
@@ -125,10 +131,13 @@ class RelayedConnection:
             self.client.transport.resume_reading()
 
     def answer_preface(self) -> None:
-        """The server's half of HTTP/2's connection preface, sent to the client at once:
-        it may then send its calls, which wait here until the connection is joined."""
+        """The server's half of HTTP/2's connection preface, sent to the client at once
+        (unless the early acceptor sent it): it may then send its calls, which wait here
+        until the connection is joined."""
         self.inbound.preface_answered()
-        self.client.send(settings_frame())
+        if not self.preface_sent:
+            self.preface_sent = True
+            self.client.send(settings_frame())
 
     def hold(self) -> None:
         """Forward none of the streams the client opens from now on, and keep the client
@@ -171,9 +180,14 @@ class SocketRelay:
         """The connections accepted and not yet closed."""
         return frozenset(self._connections)
 
-    async def start(self) -> None:
-        """Accept from now on: each connection is answered its handshake, and waits."""
+    async def start(self, answered: list[socket.socket] | None = None) -> None:
+        """Accept from now on: each connection is answered its handshake, and waits.
+        `answered`: connections accepted already, their preface sent (EarlyAcceptor)."""
         loop = asyncio.get_running_loop()
+        for accepted in answered or []:
+            accepted.setblocking(False)
+            end = self._new_connection(preface_sent=True).client
+            await loop.connect_accepted_socket(functools.partial(_same, end), sock=accepted)
         self._server = await loop.create_unix_server(self._accepted, sock=self._listening)
 
     def serve(self, upstream: Path) -> None:
@@ -181,10 +195,14 @@ class SocketRelay:
         self._upstream = upstream
         self._serving.set()
 
-    def _accepted(self) -> asyncio.Protocol:
+    def _new_connection(self, preface_sent: bool = False) -> RelayedConnection:
         connection = RelayedConnection(self._join, self._connections.discard)
+        connection.preface_sent = preface_sent
         self._connections.add(connection)
-        return connection.client
+        return connection
+
+    def _accepted(self) -> asyncio.Protocol:
+        return self._new_connection().client
 
     def _join(self, connection: RelayedConnection) -> None:
         """The client's end is made: its handshake is answered, and it reads nothing

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cri_shim.server.activation import EarlyAcceptor
 from cri_shim.server.http2_drain import (
     ACK,
     DATA,
@@ -159,6 +160,31 @@ async def test_the_drain_holds_back_later_streams_and_says_goaway_at_the_end(rig
     goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
     assert goaway[3] == GOAWAY
     assert struct.unpack(">I", goaway[9:13]) == (1,)
+    client.close()
+
+
+async def test_connections_accepted_early_are_taken_over_as_answered(rig: Rig) -> None:
+    """While the daemon's modules load, the early acceptor answers the preface of the
+    connections waiting since the last daemon stopped; the relay takes them over without
+    answering again and forwards their calls once the server serves."""
+    listening = rig.held.dup()
+    acceptor = EarlyAcceptor(listening)
+    reader, client = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()
+    ack = frame(SETTINGS, 0, flags=ACK)
+    call = frame(HEADERS, 1, b"call one", flags=0x4)
+    client.write(PREFACE + ack + call)
+    await client.drain()
+    early = acceptor.take()
+    assert len(early) == 1
+    relay = SocketRelay(listening)
+    await relay.start(early)
+    relay.serve(rig.directory / "private")
+    await rig.upstream.until(lambda: bytes(rig.upstream.received) == PREFACE + call)
+    answer = frame(HEADERS, 1, b"trailers", flags=0x4 | END_STREAM)
+    rig.upstream.writers[0].write(answer)
+    assert await reader.readexactly(len(answer)) == answer  # no second SETTINGS before
+    await relay.aclose()
     client.close()
 
 
