@@ -275,7 +275,7 @@ class Daemon:
                 # Last: until now the relay answered new connections' handshakes and held
                 # their calls; the clients are told to retry those, and their connections
                 # wait in systemd's socket only until the next daemon starts (a gRPC client
-                # closes one left unanswered 20 s, failing its calls).
+                # closes one left unanswered 5 s, failing its calls).
                 await self._relay.aclose()
         log.info("stopped")
 

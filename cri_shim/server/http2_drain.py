@@ -16,15 +16,17 @@ Why the GOAWAY comes at the end of the stop, and the server's own are not passed
 client retries a call so only once (grpc-go's first attempt, grpc-core's one retry of a
 stream the server never saw). Told at the start of the stop, a client would retry at once
 on a new connection; left unanswered until the next daemon, that connection is closed by
-grpc-go after 20 s (below), and answered and held by the stopping relay, the call would
+kubelet after 5 s (below), and answered and held by the stopping relay, the call would
 be told a second time and fail. Held on its connection until the stopping daemon's last
 step, the call is retried once, on a connection that only the next daemon takes.
 
 Why the relay answers the preface: a gRPC client gives a new connection a deadline to
-receive the server's preface (grpc-go's, kubelet's: 20 s, its minimum connect timeout),
-then closes it and fails the calls waiting for it UNAVAILABLE. A connection waiting in the
-activated socket's backlog while the daemon restarts and restores would be closed so
-whenever that takes longer. Answered at once, the connection is ready for the client,
+receive the server's preface (kubelet's cri-client: 5 s, its minimum connect timeout;
+grpc-go's default: 20 s), then closes it and fails the calls waiting for it UNAVAILABLE.
+A connection waiting in the activated socket's backlog while the daemon restarts and
+restores would be closed so whenever that takes longer (the daemon's modules alone took
+8 s to load under emulation: cli.py accepts before loading them, server/activation.py
+`EarlyAcceptor`). Answered at once, the connection is ready for the client,
 which sends its calls; the relay forwards them once the gRPC server serves (after the
 restore). The server's own SETTINGS follow as an update of the relay's, empty ones (the
 protocol's defaults), and the client's acknowledgement of the relay's is not forwarded:

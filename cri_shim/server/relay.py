@@ -225,7 +225,7 @@ class SocketRelay:
     def drain(self) -> None:
         """Forward no new call: every connection is held, and so are those accepted
         from now on, answered their handshake (a gRPC client closes a connection left
-        unanswered 20 s, failing its calls; the daemon's stop and the next one's start
+        unanswered 5 s, failing its calls; the daemon's stop and the next one's start
         may take longer), until aclose tells them all to go."""
         self._draining = True
         for connection in self._connections:

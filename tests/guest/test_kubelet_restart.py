@@ -64,7 +64,7 @@ UNAVAILABLE = {
     "connection refused": re.compile(r"connection refused"),
     # (cAdvisor's probes of other runtimes' sockets fail the same way: not counted.)
     "dial unix ...cri-shim.sock": re.compile(r"dial unix /run/cri-shim/cri-shim\.sock: connect"),
-    # A connection closed unanswered: grpc-go waits 20 s for the server's preface.
+    # A connection closed unanswered: kubelet waits 5 s for the server's preface.
     "error reading server preface": re.compile(r"error reading server preface"),
     "transport is closing": re.compile(r"transport is closing"),
     "error reading from server": re.compile(r"error reading from server"),
