@@ -21,7 +21,8 @@
 #   kubelet-restart   `systemctl restart cri-shim` under a real kubelet churning static
 #                     pods, with the units scripts/install writes: with socket activation
 #                     kubelet's log reports no CRI call unavailable, without it it does
-#                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`)
+#                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`;
+#                     about 5 minutes: `scripts/guest --lane kubelet-restart leftovers`)
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
