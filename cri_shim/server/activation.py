@@ -144,7 +144,7 @@ class EarlyAcceptor:
             try:
                 connection, _ = self.listening.accept()
             except (BlockingIOError, InterruptedError):
-                continue  # taken by nobody else; the client went away
+                continue  # the client went away before the accept
             except OSError as exc:
                 log.warning("socket activation: accepting early failed: %s", exc)
                 return
