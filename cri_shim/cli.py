@@ -99,10 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(config_to_toml(cfg))
         return 0
     setup_logging(cfg.log_level, cfg.log_format)
+    try:
+        # The CRI socket systemd passed is accepted on before the daemon's modules load:
+        # a gRPC client waiting on it since the last daemon stopped is answered now.
+        from cri_shim.server.activation import EarlyAcceptor, activated_socket
+
+        activated = activated_socket(cfg.socket_path)
+    except ConfigError as exc:
+        print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    acceptor = EarlyAcceptor(activated) if activated is not None else None
     from cri_shim.daemon import serve
 
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, acceptor))
     except KeyboardInterrupt:
         pass
     except ConfigError as exc:  # found only when serving, e.g. an unsafe socket directory

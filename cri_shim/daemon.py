@@ -28,7 +28,7 @@ from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.orphans import OrphanReaper
-from cri_shim.server.activation import activated_socket
+from cri_shim.server.activation import EarlyAcceptor, activated_socket
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.relay import SocketRelay
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
@@ -108,7 +108,7 @@ async def restore(graph: Graph) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, acceptor: EarlyAcceptor | None = None) -> None:
         self.config = config
         self.runtime_service = RuntimeService()
         self.image_service = ImageService()
@@ -120,8 +120,11 @@ class Daemon:
         self.systemd = SystemdNotifier()
         # The CRI socket systemd holds (cri-shim.socket), taken before the restore so that
         # a socket that cannot be the configured one stops the start at once; accepted on
-        # only once the restore is done (_bind).
-        self._activated = activated_socket(config.socket_path)
+        # from the start (the command's first moments: cli.py), its calls served once the
+        # restore is done (_bind).
+        if acceptor is None and (activated := activated_socket(config.socket_path)):
+            acceptor = EarlyAcceptor(activated)
+        self._acceptor = acceptor
         self._relay: SocketRelay | None = None
 
     async def start(self) -> None:
@@ -134,6 +137,17 @@ class Daemon:
             set_child_subreaper()  # reap our own orphans at once (DESIGN §5)
         except OSError as exc:
             log.warning("%s", exc)
+        if self._acceptor is not None:
+            # The relay takes over the connections accepted early and accepts from now on,
+            # answering HTTP/2's handshake at once (a gRPC client closes a connection left
+            # unanswered 5 s); their calls wait in the relay until the restore is done.
+            self._relay = SocketRelay(self._acceptor.listening)
+            early = self._acceptor.take()
+            await self._relay.start(early)
+            log.info(
+                "socket activation: %d connection(s) accepted early; calls wait for the restore",
+                len(early),
+            )
         graph = build_graph(self.config)
         await restore(graph)
         # What each runtime handler supports, probed once off the event loop (Status and
@@ -207,8 +221,8 @@ class Daemon:
             + STREAM_HEADROOM,
         )
         add_to_server(server, self.runtime_service, self.image_service)
-        if self._activated is not None:
-            await self._serve_activated(server, self._activated)
+        if self._relay is not None:
+            await self._serve_activated(server, self._relay)
             return
         # Mode 0660, group socket_group, in a directory only root writes: whoever reaches
         # the socket can run anything as root on the node.
@@ -216,9 +230,9 @@ class Daemon:
         await server.start()
         self._server = server
 
-    async def _serve_activated(self, server: grpc.aio.Server, activated: socket.socket) -> None:
+    async def _serve_activated(self, server: grpc.aio.Server, relay: SocketRelay) -> None:
         """gRPC on a private socket, the socket systemd passed relayed to it: the
-        connections queued in its backlog are taken from now on."""
+        relay's connections are joined to it from now on, and their calls served."""
         if self.config.socket_group:
             log.warning(
                 "socket_group %r does not apply to the socket systemd passed: its group "
@@ -228,8 +242,7 @@ class Daemon:
         private = bind_private_socket(server, self.config.socket_path)
         await server.start()
         self._server = server
-        self._relay = SocketRelay(activated, private)
-        await self._relay.start()
+        relay.serve(private)
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -242,20 +255,32 @@ class Daemon:
         if self.graph is not None:
             self.graph.sandboxes.events.close()
         if self._relay is not None:
-            # New calls go to the next daemon (their connections wait in systemd's
-            # socket); the calls forwarded already are answered before gRPC's server
-            # stops (which would cancel those it had not yet taken up).
+            # New calls are held, for the next daemon (relay.aclose, last); the calls
+            # forwarded already are answered before gRPC's server stops (which would
+            # cancel those it had not yet taken up).
             self._relay.drain()
             if not await self._relay.answered(DRAIN_TIMEOUT):
                 log.warning("stopping with calls not answered within %.0fs", DRAIN_TIMEOUT)
         if self._server is not None:
             await self._server.stop(grace=STOP_GRACE)
         if self._relay is not None:
-            await self._relay.aclose()
             shutil.rmtree(private_socket_dir(self.config.socket_path), ignore_errors=True)
         elif self._server is not None:
             # gRPC removes the path it bound, which was renamed into place (unix_socket.py).
             self.config.socket_path.unlink(missing_ok=True)
+        try:
+            await self._release()
+        finally:
+            if self._relay is not None:
+                # Last: until now the relay answered new connections' handshakes and held
+                # their calls; the clients are told to retry those, and their connections
+                # wait in systemd's socket only until the next daemon starts (a gRPC client
+                # closes one left unanswered 5 s, failing its calls).
+                await self._relay.aclose()
+        log.info("stopped")
+
+    async def _release(self) -> None:
+        """What the daemon holds besides its sockets, let go once its server stopped."""
         if self._metrics is not None:
             await self._metrics.aclose()
         for task in self._background:
@@ -276,7 +301,6 @@ class Daemon:
             # What the spans queue still holds, exported within a bounded wait.
             await asyncio.to_thread(self.graph.tracer.shutdown, TRACE_FLUSH_TIMEOUT)
             self.graph.db.close()
-        log.info("stopped")
 
 
 # How long a stopping daemon lets the calls in flight finish.
@@ -299,11 +323,11 @@ def reload_network(daemon: Daemon) -> None:
     daemon.graph.sandboxes.reload_network()
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config, acceptor: EarlyAcceptor | None = None) -> None:
     # Before gRPC's threads start: each thread that finds the arenas busy would otherwise
     # get one of its own, up to eight per core, each keeping its free memory.
     limit_arenas()
-    daemon = Daemon(config)
+    daemon = Daemon(config, acceptor)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)

@@ -13,12 +13,15 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import socket
+import threading
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.config import ConfigError
+from cri_shim.server.http2_drain import settings_frame
 
 log = logging.getLogger("cri_shim.server.activation")
 
@@ -116,3 +119,48 @@ def _describe(passed: PassedFd) -> str:
         return f"fd {passed.fd} ({passed.name}): {kind} {family} socket on {sock.getsockname()!r}"
     finally:
         sock.detach()
+
+
+class EarlyAcceptor:
+    """Accepts on the activated socket from the process's first moments, on a thread of
+    its own, while the daemon's modules load (seconds on a slow machine, before the relay
+    can run): each connection is answered HTTP/2's server preface at once (kubelet's gRPC
+    closes a connection left unanswered 5 s, failing its calls) and kept, unread, for the
+    relay, which takes them over (`take`) and accepts from then on."""
+
+    def __init__(self, listening: socket.socket) -> None:
+        self.listening = listening
+        listening.setblocking(False)
+        self._accepted: list[socket.socket] = []
+        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name="early-accept", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.listening.fileno(), self._wake_read], [], [])
+            if self._wake_read in ready:
+                return
+            try:
+                connection, _ = self.listening.accept()
+            except (BlockingIOError, InterruptedError):
+                continue  # the client went away before the accept
+            except OSError as exc:
+                log.warning("socket activation: accepting early failed: %s", exc)
+                return
+            try:
+                connection.setblocking(True)
+                connection.sendall(settings_frame())
+            except OSError:
+                connection.close()
+                continue
+            self._accepted.append(connection)
+
+    def take(self) -> list[socket.socket]:
+        """Stop accepting; the connections accepted so far, each answered its preface."""
+        os.write(self._wake_write, b"x")
+        self._thread.join()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+        taken, self._accepted = self._accepted, []
+        return taken

@@ -28,6 +28,11 @@
 #                     --cgroup-driver both --steady 30", about 4 minutes) are its
 #                     arguments. It prints figures and asserts none: it fails only if
 #                     the benchmark cannot run
+#   kubelet-restart   `systemctl restart cri-shim` under a real kubelet churning static
+#                     pods, with the units scripts/install writes: with socket activation
+#                     kubelet's log reports no CRI call unavailable, without it it does
+#                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`;
+#                     about 5 minutes: `scripts/guest --lane kubelet-restart leftovers`)
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
@@ -61,12 +66,14 @@ step() {
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
     case "$name" in
-        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 tests/guest \
+        unit) step unit "${pytest[@]}" --durations=0 --durations-min=5 -m "not slow" tests/guest \
             tests/unit/runtime/test_cgroup_layout.py tests/integration/test_cri_cgroup_driver.py ;;
         critest-systemd | critest-cgroupfs)
             step "$name" .venv/bin/python -m tests.conformance --cgroup-manager "${name#critest-}" ;;
         kubelet) step kubelet "${pytest[@]}" \
             "tests/scenarios/test_kubelet_static_pods.py::test_kubelet_runs_static_pods[generic-pleg]" ;;
+        kubelet-restart) step kubelet-restart "${pytest[@]}" -s --durations=0 \
+            tests/guest/test_kubelet_restart.py ;;
         density)
             # Its daemons load their modules' bytecode, as an installed daemon does,
             # rather than compiling them at each start (which would weigh on their PSS).

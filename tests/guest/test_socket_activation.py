@@ -38,6 +38,16 @@ def install(*args: str) -> None:
     )
 
 
+def unit_journal(since: str, output: str = "cat") -> str:
+    """The daemon unit's journal since `since` (journalctl's form), in `output`'s form."""
+    return subprocess.run(
+        ["journalctl", "-u", "cri-shim", "-o", output, "--no-pager", "--since", since],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 @pytest.fixture
 def units() -> Iterator[None]:
     yield
@@ -55,12 +65,7 @@ def restarts_under_churn() -> Counter[str]:
             systemctl("restart", "cri-shim")  # returns once the new daemon sent READY=1
             clients.wait_for_calls(clients.codes["OK"] + 20)
     systemctl("stop", "cri-shim")
-    journal = subprocess.run(
-        ["journalctl", "-u", "cri-shim", "-o", "cat", "--no-pager", "--since", since],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    journal = unit_journal(since)
     assert "Traceback" not in journal and "Failed with result" not in journal, journal[-4000:]
     return clients.codes
 

@@ -4,6 +4,7 @@ upstream standing for gRPC's server: it records what reaches it and answers on c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -12,8 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from cri_shim.server.http2_drain import DATA, END_STREAM, GOAWAY, HEADERS, PREFACE, frame
+from cri_shim.server.activation import EarlyAcceptor
+from cri_shim.server.http2_drain import (
+    ACK,
+    DATA,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PREFACE,
+    SETTINGS,
+    frame,
+    goaway_frame,
+    settings_frame,
+)
 from cri_shim.server.relay import SocketRelay
+from tests.waiting import until
 
 
 class FakeUpstream:
@@ -49,8 +63,13 @@ class Rig:
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_unix_connection(str(self.directory / "cri.sock"))
 
+    async def serve(self, relay: SocketRelay) -> None:
+        """Start `relay` with the fake gRPC server serving, as a restored daemon does."""
+        await relay.start()
+        relay.serve(self.directory / "private")
+
     def next_relay(self) -> SocketRelay:
-        return SocketRelay(self.held.dup(), self.directory / "private")
+        return SocketRelay(self.held.dup())
 
 
 @pytest.fixture
@@ -60,7 +79,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     held.listen()
     upstream = FakeUpstream()
     server = await asyncio.start_unix_server(upstream.serve, path=str(tmp_path / "private"))
-    made = Rig(held, upstream, SocketRelay(held.dup(), tmp_path / "private"), tmp_path)
+    made = Rig(held, upstream, SocketRelay(held.dup()), tmp_path)
     yield made
     await made.relay.aclose()
     server.close()
@@ -69,28 +88,52 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
 
 async def test_connections_wait_in_the_backlog_until_the_relay_starts(rig: Rig) -> None:
     upstream, relay = rig.upstream, rig.relay
-    # Made while the daemon restores its state: the kernel completes it, nobody accepts.
-    _, client = await rig.connect()
+    # Made while the daemon restarts: the kernel completes it, nobody accepts.
+    reader, client = await rig.connect()
     client.write(PREFACE)
     await client.drain()
     assert upstream.writers == [] and upstream.received == b""
-    await relay.start()
+    await rig.serve(relay)
+    assert await reader.readexactly(9) == settings_frame()
     await upstream.until(lambda: bytes(upstream.received) == PREFACE)
     client.close()
 
 
-async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> None:
+async def test_the_handshake_is_answered_at_once_and_calls_wait_for_the_server(rig: Rig) -> None:
+    """While the daemon restores its state the relay accepts and answers the server's
+    half of the preface (a gRPC client closes a connection left unanswered 20 s, and
+    fails its calls); the calls reach the server once it serves, without the client's
+    acknowledgement of the relay's SETTINGS (the server's own are acknowledged later)."""
     upstream, relay = rig.upstream, rig.relay
     await relay.start()
     reader, client = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()  # before anything is served
+    ack = frame(SETTINGS, 0, flags=ACK)
+    call = frame(HEADERS, 1, b"call one", flags=0x4)
+    client.write(PREFACE + frame(SETTINGS, 0, b"\0\x03\0\0\0\x64") + ack + call)
+    await client.drain()
+    assert upstream.writers == []
+    relay.serve(rig.directory / "private")
+    expected = PREFACE + frame(SETTINGS, 0, b"\0\x03\0\0\0\x64") + call
+    await upstream.until(lambda: bytes(upstream.received) == expected)
+    # The server's SETTINGS, and the client's acknowledgement of them, pass.
+    upstream.writers[0].write(frame(SETTINGS, 0, b"\0\x04\0\x01\0\0"))
+    assert await reader.readexactly(15) == frame(SETTINGS, 0, b"\0\x04\0\x01\0\0")
+    client.write(ack)
+    await upstream.until(lambda: bytes(upstream.received) == expected + ack)
+    client.close()
+
+
+async def test_the_drain_holds_back_later_streams_and_says_goaway_at_the_end(rig: Rig) -> None:
+    upstream, relay = rig.upstream, rig.relay
+    await rig.serve(relay)
+    reader, client = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()
     first = PREFACE + frame(HEADERS, 1, b"call one", flags=0x4)
     client.write(first)
     await upstream.until(lambda: bytes(upstream.received) == first)
 
     relay.drain()
-    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
-    assert goaway[3] == GOAWAY
-    assert struct.unpack(">I", goaway[9:13]) == (1,)  # stream 1 is served, later ones not
     # A stream opened after the drain never reaches the server; stream 1's body does.
     body = frame(DATA, 1, b"body of one", flags=END_STREAM)
     client.write(frame(HEADERS, 3, b"call two", flags=0x4) + body)
@@ -105,26 +148,79 @@ async def test_the_drain_sends_goaway_and_holds_back_later_streams(rig: Rig) -> 
     upstream.writers[0].write(answer)
     assert await answered
     assert await reader.readexactly(len(answer)) == answer
+
+    # The server stops: neither its GOAWAY nor its close reach the client, which would
+    # retry stream 3 at once, on a connection this relay would take.
+    upstream.writers[0].write(goaway_frame(0x7FFFFFFF))
+    upstream.writers[0].close()
+    (connection,) = relay.connections
+    await until(lambda: connection.server.transport and connection.server.transport.is_closing())
+    # At the end of the stop the relay says it, once: stream 1 was served, 3 was not.
+    await relay.aclose()
+    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
+    assert goaway[3] == GOAWAY
+    assert struct.unpack(">I", goaway[9:13]) == (1,)
     client.close()
 
 
-async def test_after_the_drain_new_connections_wait_for_the_next_daemon(rig: Rig) -> None:
+async def test_connections_accepted_early_are_taken_over_as_answered(rig: Rig) -> None:
+    """While the daemon's modules load, the early acceptor answers the preface of the
+    connections waiting since the last daemon stopped; the relay takes them over without
+    answering again and forwards their calls once the server serves."""
+    listening = rig.held.dup()
+    acceptor = EarlyAcceptor(listening)
+    reader, client = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()
+    ack = frame(SETTINGS, 0, flags=ACK)
+    call = frame(HEADERS, 1, b"call one", flags=0x4)
+    client.write(PREFACE + ack + call)
+    await client.drain()
+    early = acceptor.take()
+    assert len(early) == 1
+    relay = SocketRelay(listening)
+    await relay.start(early)
+    relay.serve(rig.directory / "private")
+    await rig.upstream.until(lambda: bytes(rig.upstream.received) == PREFACE + call)
+    answer = frame(HEADERS, 1, b"trailers", flags=0x4 | END_STREAM)
+    rig.upstream.writers[0].write(answer)
+    assert await reader.readexactly(len(answer)) == answer  # no second SETTINGS before
+    await relay.aclose()
+    client.close()
+
+
+async def test_connections_made_during_the_drain_are_held_until_the_end(rig: Rig) -> None:
+    """A client told to go makes a new connection while the daemon stops: the stopping
+    relay answers its handshake and holds its calls until the end of the stop, then tells
+    it to go too; the connection it makes then waits in the backlog for the next relay."""
     upstream, relay = rig.upstream, rig.relay
-    await relay.start()
+    await rig.serve(relay)
     _, early = await rig.connect()
     await upstream.until(lambda: len(upstream.writers) == 1)
     relay.drain()
-    # The socket is still listening (systemd's copy): the connection is queued, and the
-    # next daemon's relay takes it.
-    _, late = await rig.connect()
-    late.write(PREFACE)
+    reader, late = await rig.connect()
+    assert await reader.readexactly(9) == settings_frame()
+    late.write(PREFACE + frame(HEADERS, 1, b"call one", flags=0x4))
     await late.drain()
+    await relay.aclose()
+    # None of its calls was served here: the GOAWAY names stream 0, and it is closed.
+    goaway = await reader.readexactly(17 + len(b"cri-shim is restarting"))
+    assert goaway[3] == GOAWAY
+    assert struct.unpack(">I", goaway[9:13]) == (0,)
+    # Closed (reset: what the client sent is left unread).
+    with contextlib.suppress(ConnectionResetError):
+        assert await reader.read() == b""
+    assert len(upstream.writers) == 1 and upstream.received == b""
+    # The socket is still listening (systemd's copy): the next connection is queued, and
+    # the next daemon's relay takes it.
+    _, last = await rig.connect()
+    last.write(PREFACE)
+    await last.drain()
     next_relay = rig.next_relay()
-    await next_relay.start()
+    await rig.serve(next_relay)
     await upstream.until(lambda: len(upstream.writers) == 2 and upstream.received == PREFACE)
     await next_relay.aclose()
-    early.close()
-    late.close()
+    for client in (early, late, last):
+        client.close()
 
 
 async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig: Rig) -> None:
@@ -132,11 +228,11 @@ async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig:
     and the connection is not yet gone when the daemon stops: nothing is written after
     the EOF (asyncio raises for it, which once failed the daemon's stop)."""
     upstream, relay = rig.upstream, rig.relay
-    await relay.start()
+    await rig.serve(relay)
     reader, client = await rig.connect()
     client.write(PREFACE)
     await upstream.until(lambda: bytes(upstream.received) == PREFACE)
     upstream.writers[0].write_eof()
-    assert await reader.read() == b""  # the server's EOF, passed on
+    assert await reader.read() == settings_frame()  # the relay's, then the server's EOF
     relay.drain()
     client.close()
