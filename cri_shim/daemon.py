@@ -28,7 +28,7 @@ from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.orphans import OrphanReaper
-from cri_shim.server.activation import EarlyAcceptor, activated_socket
+from cri_shim.server.activation import EarlyAcceptor
 from cri_shim.server.listing import reply_limit
 from cri_shim.server.relay import SocketRelay
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
@@ -118,12 +118,10 @@ class Daemon:
         self._background: set[asyncio.Task[None]] = set()
         self._metrics: MetricsExporter | None = None
         self.systemd = SystemdNotifier()
-        # The CRI socket systemd holds (cri-shim.socket), taken before the restore so that
-        # a socket that cannot be the configured one stops the start at once; accepted on
-        # from the start (the command's first moments: cli.py), its calls served once the
-        # restore is done (_bind).
-        if acceptor is None and (activated := activated_socket(config.socket_path)):
-            acceptor = EarlyAcceptor(activated)
+        # The CRI socket systemd holds (cri-shim.socket), found by the command before the
+        # daemon's modules load (cli.py: a socket that cannot be the configured one stops
+        # the start there) and accepted on from then; its calls are served once the
+        # restore is done (_bind). None: the daemon binds the socket itself.
         self._acceptor = acceptor
         self._relay: SocketRelay | None = None
 
