@@ -42,13 +42,14 @@ MAX_PATH = 4096  # PATH_MAX
 MAX_NAME = 253  # metadata names, namespaces, UIDs: DNS subdomains at most
 MAX_ID = 128  # object IDs are 64 hex digits; prefixes are shorter
 MAX_IMAGE_REF = 4096
-MAX_HOSTNAME = 64  # HOST_NAME_MAX: sethostname refuses more
+MAX_HOSTNAME = 64  # HOST_NAME_MAX: sethostname refuses more bytes
 MAX_DNS_ENTRIES = 64
 MAX_ID_VALUE = 2**32 - 2  # the largest uid/gid; 2**32-1 is "no id"
 
-_HOSTNAME = re.compile(
-    r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
-)
+# A hostname is one word on a line of /etc/hosts and /etc/hostname: no space, no control
+# character. Anything else the kernel takes, so does the daemon: kubelet sends an FQDN whose
+# cluster domain is its own configuration, and with an empty one ends it with a dot.
+_NOT_IN_A_HOSTNAME = re.compile(r"[\s\x00-\x1f\x7f]")
 _SEARCH_DOMAIN = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*)$")
 _DNS_OPTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]*$")
 # Kubernetes' sysctl name format, with "/" allowed as a separator (interface names with dots).
@@ -173,10 +174,16 @@ def _string_map(items: Mapping[str, str], field: str) -> None:
 
 
 def _hostname(value: str, field: str) -> None:
-    if len(value) > MAX_HOSTNAME or not _HOSTNAME.match(value):
+    size = len(value.encode())
+    if size > MAX_HOSTNAME:
         raise InvalidArgument(
-            f"{field}: {_short(value)} is not a valid hostname (letters, digits, '-' and '.', "
-            f"at most {MAX_HOSTNAME} characters)"
+            f"{field}: {_short(value)} is {size} bytes; the kernel takes at most "
+            f"{MAX_HOSTNAME} (HOST_NAME_MAX)"
+        )
+    if _NOT_IN_A_HOSTNAME.search(value):
+        raise InvalidArgument(
+            f"{field}: {_short(value)} is not a valid hostname: it holds a space or a "
+            "control character"
         )
 
 
