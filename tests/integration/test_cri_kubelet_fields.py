@@ -74,3 +74,37 @@ def test_a_hostname_the_kernel_or_etc_hosts_cannot_take_is_refused(
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "PodSandboxConfig.hostname" in refused.value.details()
     assert reason in refused.value.details()
+
+
+def test_sysctls_resolver_settings_and_working_dir_as_kubelet_sends_them(
+    daemon: Daemon, image: None, short_tmp: Path
+) -> None:
+    """Each was refused at the edge; the kernel, the resolver and runc take them."""
+    longest_search = ".".join(["a" * 63] * 3 + ["b" * 61]) + "."  # 253 and a trailing dot
+    linux = api_pb2.LinuxPodSandboxConfig(
+        sysctls={
+            "kernel.sem": "250\n32000\n32\n128\n",
+            "net.ipv4.ip_local_port_range": "2000 3000\n",
+        }
+    )
+    dns = api_pb2.DNSConfig(
+        servers=["10.96.0.10"],
+        searches=["default.svc.cluster.local", longest_search],
+        options=["ndots:5", "opt-" + "x" * 300],
+    )
+    script = (
+        "cat /proc/sys/kernel/sem /proc/sys/net/ipv4/ip_local_port_range; pwd -P; "
+        "grep -E '^(search|options) ' /etc/resolv.conf"
+    )
+    with pod(daemon, "kubelet-fields", short_tmp, linux=linux, dns_config=dns) as created:
+        st = run_to_exit(
+            daemon, created, container_config("show", script, working_dir="/tmp/../var/../etc")
+        )
+    assert st.exit_code == 0, output(st, "stderr")
+    assert output(st) == [
+        "250\t32000\t32\t128",
+        "2000\t3000",
+        "/etc",
+        f"search default.svc.cluster.local {longest_search}",
+        "options ndots:5 opt-" + "x" * 300,
+    ]
