@@ -288,6 +288,14 @@ def _sysctls(config: api_pb2.PodSandboxConfig, field: str) -> None:
     for name in config.linux.sysctls:
         if len(name) > MAX_NAME or not _SYSCTL.match(name):
             raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl name")
+        # With both separators, one of them is part of a component (an interface such as
+        # eth0.100): runc 1.1 writes every '.' of a name as a '/', so it would open the
+        # wrong file at the pod's first container, after the pod was made.
+        if "." in name and "/" in name:
+            raise InvalidArgument(
+                f"{field}[{_short(name)}]: a '.' inside a name's component (an interface "
+                "name such as eth0.100) cannot be set: runc writes every '.' as a '/'"
+            )
 
 
 @_validates(

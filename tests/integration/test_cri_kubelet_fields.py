@@ -108,3 +108,18 @@ def test_sysctls_resolver_settings_and_working_dir_as_kubelet_sends_them(
         f"search default.svc.cluster.local {longest_search}",
         "options ndots:5 opt-" + "x" * 300,
     ]
+
+
+def test_a_sysctl_runc_cannot_write_is_refused_before_the_pod_is_made(
+    daemon: Daemon, short_tmp: Path, no_pods_left: None
+) -> None:
+    # runc 1.1 opened /proc/sys/net/ipv4/conf/eth0/100/rp_filter at the first container:
+    # INTERNAL, with the pod made and never able to run anything.
+    linux = api_pb2.LinuxPodSandboxConfig(sysctls={"net/ipv4/conf/eth0.100/rp_filter": "1"})
+    with pytest.raises(grpc.RpcError) as refused:
+        with pod(daemon, "vlan-sysctl", short_tmp, linux=linux):
+            pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "PodSandboxConfig.linux.sysctls['net/ipv4/conf/eth0.100/rp_filter']" in (
+        refused.value.details()
+    )

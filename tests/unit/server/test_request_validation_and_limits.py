@@ -93,7 +93,7 @@ def test_hostile_sandbox_fields_are_named(fields: dict[str, object], named: str)
         {"dns_config.servers": ["10.96.0.10", "fd00::a"], "dns_config.options": ["ndots:5"]},
         {"dns_config.searches": ["default.svc.cluster.local", "cluster.local."]},
         {"linux.sysctls": {"net.ipv4.ip_unprivileged_port_start": "0", "kernel.sem": "1 2 3 4"}},
-        {"linux.sysctls": {"net/ipv4/conf/eth0.100/rp_filter": "1"}},
+        {"linux.sysctls": {"net/ipv4/conf/eth0/rp_filter": "1"}},
         {"hostname": "", **HOST_NET, "metadata.name": "Any_Name.is-fine_on-the-host-network"},
         # No hostname: the pod's is derived from its ID, whatever its name (critest's are
         # longer than a hostname may be).

@@ -105,6 +105,16 @@ def test_sysctls_kubelet_sends_are_accepted(sysctls: dict[str, str]) -> None:
     check_pod_sysctls(request.config)
 
 
+@pytest.mark.parametrize(
+    "name", ["net/ipv4/conf/eth0.100/rp_filter", "net.ipv4.conf.eth0/100.rp_filter"]
+)
+def test_a_sysctl_runc_would_write_to_the_wrong_file_is_refused(name: str) -> None:
+    # Either form names /proc/sys/net/ipv4/conf/eth0.100/rp_filter; runc 1.1 opens
+    # .../eth0/100/rp_filter, at the pod's first container.
+    with pytest.raises(InvalidArgument, match=re.escape("runc writes every '.' as a '/'")):
+        validate_request("RunPodSandbox", pod(**{"linux.sysctls": {name: "1"}}))
+
+
 # --- labels -----------------------------------------------------------------------------
 def test_labels_have_no_total_kubernetes_does_not_have() -> None:
     # 4000 labels, each within Kubernetes' limits (a 317-byte key, a 63-byte value): 1.4 MB.
