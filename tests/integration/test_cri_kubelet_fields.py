@@ -123,3 +123,17 @@ def test_a_sysctl_runc_cannot_write_is_refused_before_the_pod_is_made(
     assert "PodSandboxConfig.linux.sysctls['net/ipv4/conf/eth0.100/rp_filter']" in (
         refused.value.details()
     )
+
+
+def test_a_host_path_that_does_not_exist_is_made_a_directory_the_container_writes_to(
+    daemon: Daemon, image: None, short_tmp: Path
+) -> None:
+    """A `hostPath` volume of unset type whose path does not exist yet: kubelet passes it
+    unchecked, and containerd and CRI-O make the directory."""
+    missing = short_tmp / "volumes" / "not-yet"
+    volume = api_pb2.Mount(container_path="/data", host_path=str(missing))
+    config = container_config("writer", "echo written > /data/file", mounts=[volume])
+    with pod(daemon, "hostpath", short_tmp) as created:
+        st = run_to_exit(daemon, created, config)
+    assert st.exit_code == 0, output(st, "stderr")
+    assert (missing / "file").read_text() == "written\n"

@@ -141,12 +141,31 @@ def container(*mounts: api_pb2.Mount) -> api_pb2.ContainerConfig:
     )
 
 
-def test_a_mounts_host_path_must_exist(tmp_path: Path) -> None:
-    missing = api_pb2.Mount(container_path="/d", host_path=str(tmp_path / "no"))
-    with pytest.raises(
-        InvalidArgument, match=r"^ContainerConfig\.mounts\[1\]\.host_path: .* does not exist"
-    ):
-        check_container(container(api_pb2.Mount(container_path="/a", host_path="/tmp"), missing))
+def test_a_missing_host_path_is_made_a_directory_as_containerd_does(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    check_container(
+        container(
+            api_pb2.Mount(container_path="/a", host_path="/tmp"),
+            api_pb2.Mount(container_path="/d", host_path=str(missing)),
+        )
+    )
+    assert missing.is_dir()
+    assert missing.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_host_path_that_cannot_be_made_is_refused_naming_the_mount(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "x")
+    for name, reason in (("file/below", "Not a directory"), ("dangling", "cannot be made")):
+        with pytest.raises(
+            InvalidArgument, match=rf"^ContainerConfig\.mounts\[1\]\.host_path: .*{reason}"
+        ):
+            check_container(
+                container(
+                    api_pb2.Mount(container_path="/a", host_path="/tmp"),
+                    api_pb2.Mount(container_path="/d", host_path=str(tmp_path / name)),
+                )
+            )
 
 
 def test_a_symlinked_host_path_is_accepted_as_kubelet_expects(tmp_path: Path) -> None:
@@ -169,10 +188,11 @@ def test_a_containers_resources_are_checked_with_its_mounts() -> None:
         check_container(config)
 
 
-async def test_create_container_refuses_a_missing_host_path_before_reserving_a_name(
+async def test_create_container_refuses_a_host_path_it_cannot_make_before_reserving_a_name(
     tmp_path: Path,
 ) -> None:
     containers, _bus, _backend = _containers(tmp_path, [])
-    missing = api_pb2.Mount(container_path="/d", host_path=str(tmp_path / "no"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "x")
+    missing = api_pb2.Mount(container_path="/d", host_path=str(tmp_path / "dangling"))
     with pytest.raises(InvalidArgument, match=r"mounts\[0\]\.host_path"):
         await containers.create("no-such-pod", container(missing), None)
