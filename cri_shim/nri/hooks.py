@@ -131,7 +131,14 @@ class NriHooks:
             if pod.id in self._removing:
                 self._removing[pod.id] = True
 
-        await self._tell(api_pb2.REMOVE_POD_SANDBOX, journal, pod=pod)
+        await self._call(
+            api_pb2.REMOVE_POD_SANDBOX,
+            "RemovePodSandbox",
+            api_pb2.RemovePodSandboxRequest(pod=pod),
+            api_pb2.RemovePodSandboxResponse,
+            False,
+            journal,
+        )
 
     @contextlib.contextmanager
     def removing_pod(self, pod_id: str) -> Iterator[None]:
@@ -317,13 +324,10 @@ class NriHooks:
         """PostCreate, Start (which may refuse), PostStart and PostUpdate."""
         await self._tell(event, pod=pod, container=container)
 
-    async def _tell(
-        self, event: int, journal: Callable[[], None] = lambda: None, **fields: ProtoMessage
-    ) -> None:
+    async def _tell(self, event: int, **fields: ProtoMessage) -> None:
         method, request_type, reply_type = _EVENTS[event]
         request = request_type(**fields)
-        refusable = event == api_pb2.START_CONTAINER
-        await self._call(event, method, request, reply_type, refusable, journal)
+        await self._call(event, method, request, reply_type, event == api_pb2.START_CONTAINER)
 
 
 def _pod_and_container(args: dict[str, Any]) -> dict[str, ProtoMessage]:

@@ -162,7 +162,7 @@ def post(
         raise ExportFailed(f"the collector answered HTTP {status}")
 
 
-Addresses = list[tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]]
+Addresses = Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]]
 
 
 class Resolver:
