@@ -243,7 +243,9 @@ def _lifecycle(
 
         assert nri is not None
         told_pods, told_containers = nri.announced()
-        told_pods.update((s.id, pod_of_record(s)) for s in pods.list())
+        told_pods.update(
+            (s.id, pod_of_record(s)) for s in pods.list() if not nri.removal_told(s.id)
+        )
         told_containers.update((c.id, container_of_record(c)) for c in containers.list())
         return list(told_pods.values()), list(told_containers.values())
 

@@ -187,8 +187,9 @@ KEY_DOCS: dict[str, str] = {
     "and links, and a fixed part per span); beyond it the oldest are dropped, as beyond "
     "`max_queued_spans`",
     "tracing.export_timeout": "how long one export to the collector may take in all "
-    "(connecting, sending, reading the answer, of which at most 64 KiB is read) before it "
-    "fails (counted in Status verbose as `tracing.failed`)",
+    "(resolving its name, connecting, the TLS handshake, sending, reading the answer, of "
+    "which at most 64 KiB is read) before it fails (counted in Status verbose as "
+    "`tracing.failed`)",
 }
 
 # Defaults that are computed rather than fixed, as the reference shows them.

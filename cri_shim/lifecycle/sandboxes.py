@@ -82,7 +82,7 @@ class SandboxLifecycle:
         locks = ObjectLocks()
         self._stop = SandboxStop(config, pods, journal, events, containers, pause, locks)
         self._remove = SandboxRemove(
-            config, pods, journal, events, containers, self.coordinator, locks
+            config, pods, journal, events, containers, self.coordinator, locks, nri
         )
 
     # ---- operations ------------------------------------------------------------------

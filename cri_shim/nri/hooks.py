@@ -9,7 +9,9 @@ plugin hears of the end exactly once, whichever way the object goes. A kubelet r
 answered from the creation cache creates nothing, so the plugin hears nothing new.
 A RemoveContainer drops its step where it picks its plugins, and a removed container is
 hidden before: a plugin that connects during a removal is synchronized with the container
-only if it will hear of its removal.
+only if it will hear of its removal. A RemovePodSandbox drops its step there too, and the
+pod, which stays listed until its teardown ends, is left out of a connecting plugin's
+Synchronize from that moment (`removing_pod`).
 
 Events that can refuse (RunPodSandbox, CreateContainer, StartContainer, UpdateContainer)
 fail the call
@@ -22,7 +24,7 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
@@ -66,6 +68,9 @@ class NriHooks:
         journal.register(CONTAINER_STOPPED, self._undo_container_stopped)
         # StopContainer for containers whose exit was noticed, one task per container.
         self._stopping: dict[str, asyncio.Task[None]] = {}
+        # The pods RemovePodSandbox is removing, and whether their RemovePodSandbox has
+        # picked its plugins (a plugin enrolled after that would never hear of it).
+        self._removing: dict[str, bool] = {}
 
     @property
     def enabled(self) -> bool:
@@ -118,7 +123,36 @@ class NriHooks:
 
     async def _undo_pod_removed(self, args: dict[str, Any]) -> None:
         pod = _decoded(args["pod"], api_pb2.PodSandbox())
-        await self._tell(api_pb2.REMOVE_POD_SANDBOX, pod=pod)
+
+        def journal() -> None:
+            # Where the event picks its plugins: a plugin enrolled from here on is not
+            # synchronized with the pod, listed or not, since it will not hear of its end.
+            self._journal.discharge(pod.id, POD_REMOVED)
+            if pod.id in self._removing:
+                self._removing[pod.id] = True
+
+        await self._call(
+            api_pb2.REMOVE_POD_SANDBOX,
+            "RemovePodSandbox",
+            api_pb2.RemovePodSandboxRequest(pod=pod),
+            api_pb2.RemovePodSandboxResponse,
+            False,
+            journal,
+        )
+
+    @contextlib.contextmanager
+    def removing_pod(self, pod_id: str) -> Iterator[None]:
+        """RemovePodSandbox's teardown of a listed pod: from the moment its
+        RemovePodSandbox picks its plugins until the block ends (when the pod is no longer
+        listed), `removal_told` says so and the pod is left out of Synchronize."""
+        self._removing[pod_id] = False
+        try:
+            yield
+        finally:
+            self._removing.pop(pod_id, None)
+
+    def removal_told(self, pod_id: str) -> bool:
+        return self._removing.get(pod_id, False)
 
     # ---- containers ------------------------------------------------------------------
 

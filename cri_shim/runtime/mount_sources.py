@@ -24,6 +24,14 @@ the host's until runc has copied it (the container's copy must be one), so it is
 slave just before it is detached, as runc makes its old root a slave before unmounting it.
 A slave receives the host's mount events and passes nothing back.
 
+A host path of `/` copies every mount of the daemon's namespace, and the staging
+directories of the containers being created are mounts in it too. So each staging
+directory is itself a mount, made unbindable: a recursive bind of `/` (or of anything
+above a bundle) leaves out every staging directory and what is staged below it, this
+container's others included, instead of nesting copies of them in its own. Being a mount
+of its own that is not shared, it also keeps what is staged in it from being propagated
+to the mounts the host's `/` shares.
+
 In a pod with a user namespace of its own, every bind mount is staged this way, the
 pod's own files (/etc/hosts, /dev/shm, ...) too, and each staging mount is an idmapped
 clone (host/idmap.py), so that what the host's root owns the pod's root owns.
@@ -58,18 +66,25 @@ class PinnedSources:
     points: list[Path] = field(default_factory=list)
 
     def release(self) -> None:
+        severed = True
         for point in reversed(self.points):
             try:
                 mounts.unmount_severed(point)
             except OSError as exc:  # left to the bundle directory's undo step
                 log.warning("staging mount %s: %s", point, exc)
+                severed = False
                 continue
             try:
                 point.rmdir() if point.is_dir() else point.unlink()
             except OSError:
                 pass
         self.points.clear()
+        if not severed:
+            # Detaching the staging directory would take a mount not yet severed with it,
+            # and its unmount to the mounts it was copied from.
+            return
         try:
+            mounts.unmount(self.staging)
             self.staging.rmdir()
         except OSError:
             pass
@@ -87,6 +102,13 @@ def release_staging(staging: Path) -> None:
     PinnedSources(staging, points).release()
 
 
+def _make_staging(staging: Path) -> None:
+    """The staging directory, as a mount of its own that cannot be bound (above)."""
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new container's bundle
+    mounts.mount(str(staging), staging, None, mounts.MS_BIND)
+    mounts.mount(None, staging, None, mounts.MS_UNBINDABLE)
+
+
 def pin_bind_sources(
     spec: dict[str, Any],
     requested: Sequence[api_pb2.Mount],
@@ -99,6 +121,7 @@ def pin_bind_sources(
     `userns_path` (the pod's pinned user namespace), all bind mounts but image volumes
     are staged, idmapped through it."""
     pinned = PinnedSources(staging)
+    made = False
     wanted = {
         (mount.container_path, mount.host_path): index
         for index, mount in enumerate(requested)
@@ -121,6 +144,9 @@ def pin_bind_sources(
                     name, field_name = f"pod-{number}", f"the pod's mount at {destination}"
                 else:
                     continue
+                if not made:
+                    _make_staging(staging)
+                    made = True
                 point = _pin(entry["source"], name, field_name, pinned, userns_fd)
                 _set_propagation(point, entry.get("options", []))
                 entry["source"] = str(point)
@@ -155,7 +181,6 @@ def _pin(
         raise InvalidArgument(f"{field_name}: {host_path}: {exc.strerror}") from None
     try:
         is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
-        pinned.staging.mkdir(mode=0o700, parents=True, exist_ok=True)
         point = pinned.staging / name
         if is_dir:
             point.mkdir(mode=0o700)

@@ -5,12 +5,14 @@ Imported only when tracing is on (with the SDK, cri_shim/tracing/otel.py). Whate
 at `[tracing] endpoint` is not trusted: the SDK's exporter read the whole answer body (an
 endless one grew the daemon by what it sent) and gave each read its own timeout (a collector
 trickling a byte every 2 s kept every export pending for ever). Here one deadline,
-`export_timeout`, covers the whole exchange (connect, send, the answer), and at most
-`MAX_ANSWER_BYTES` of the answer are read before the connection is dropped.
+`export_timeout`, covers the whole exchange (the name's resolution, connect, the TLS
+handshake, send, the answer), over http and https alike, and at most `MAX_ANSWER_BYTES`
+of the answer are read before the connection is dropped.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import ssl
@@ -19,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -68,13 +70,14 @@ class OtlpHttpExporter(SpanExporter):
         self._target = _target(url)
         self._timeout = timeout
         self._tls = ssl.create_default_context() if self._target.tls else None
+        self._resolver = Resolver()
         self._last_failure_log = -FAILURE_LOG_INTERVAL
         self._unlogged_failures = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         body = encode_spans(spans).SerializeToString()
         try:
-            post(self._target, body, self._timeout, self._tls)
+            post(self._target, body, self._timeout, self._tls, self._resolver)
         except (OSError, ExportFailed) as exc:
             self._note_failure(len(spans), exc)
             return SpanExportResult.FAILURE
@@ -103,12 +106,18 @@ class OtlpHttpExporter(SpanExporter):
         return True
 
 
-def post(target: _Target, body: bytes, timeout: float, tls: ssl.SSLContext | None) -> None:
+def post(
+    target: _Target,
+    body: bytes,
+    timeout: float,
+    tls: ssl.SSLContext | None,
+    resolver: Resolver | None = None,
+) -> None:
     """One POST of `body`, answered 2xx within `timeout` seconds, or ExportFailed/OSError.
 
-    Each blocking step gets what is left of the deadline; a step that blocks inside itself
-    (the TLS handshake reads as often as the peer makes it) is cut by a timer that shuts
-    the socket down at the deadline."""
+    Each blocking step gets what is left of the deadline; a step that blocks past it
+    (a send over TLS waits anew for each record the collector takes) is cut by a
+    watchdog that shuts the connection down at the deadline, the TLS layer's included."""
     deadline = time.monotonic() + timeout
 
     def left() -> float:
@@ -119,14 +128,19 @@ def post(target: _Target, body: bytes, timeout: float, tls: ssl.SSLContext | Non
             )
         return remaining
 
-    sock = socket.create_connection((target.host, target.port), timeout=left())
-    watchdog = threading.Timer(left(), _cut, (sock,))
-    watchdog.daemon = True
-    watchdog.start()
+    addresses = (resolver or Resolver()).resolve(target.host, target.port, left)
+    sock = _connect(addresses, left)
+    watchdog = _Watchdog(sock, left())
     try:
         if tls is not None:
-            sock.settimeout(left())
-            sock = tls.wrap_socket(sock, server_hostname=target.host)
+            wrapped = watchdog.take_over(
+                lambda: tls.wrap_socket(
+                    sock, server_hostname=target.host, do_handshake_on_connect=False
+                )
+            )
+            sock = wrapped
+            wrapped.settimeout(left())
+            wrapped.do_handshake()
         head = (
             f"POST {target.path} HTTP/1.1\r\n"
             f"Host: {target.authority}\r\n"
@@ -136,7 +150,7 @@ def post(target: _Target, body: bytes, timeout: float, tls: ssl.SSLContext | Non
             "Connection: close\r\n\r\n"
         ).encode("ascii")
         sock.settimeout(left())
-        sock.sendall(head + body)  # the timeout covers the whole sendall
+        sock.sendall(head + body)
         status = _read_status(sock, left)
     except OSError:
         left()  # a step cut at the deadline says so
@@ -146,6 +160,119 @@ def post(target: _Target, body: bytes, timeout: float, tls: ssl.SSLContext | Non
         sock.close()  # whatever the collector still sends is not read
     if not 200 <= status < 300:
         raise ExportFailed(f"the collector answered HTTP {status}")
+
+
+Addresses = Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]]
+
+
+class Resolver:
+    """The collector's addresses, looked up within the export's deadline.
+
+    getaddrinfo cannot be given a deadline: the system's resolver waits 5 s per server and
+    attempt by default, an NSS module as long as it likes. So a name is looked up on a
+    thread of its own that the export waits for only until its deadline. One lookup at a
+    time: an export that finds the last one still running waits for that one rather than
+    starting another, so a resolver that never answers costs one thread, not one per
+    export. An address (the default endpoint's 127.0.0.1 say) is not looked up at all."""
+
+    def __init__(self) -> None:
+        self._lookup: _Lookup | None = None
+
+    def resolve(self, host: str, port: int, left: Callable[[], float]) -> Addresses:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        else:  # numeric: answered at once, without the resolver
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=_NUMERIC)
+        if self._lookup is None or self._lookup.done.is_set():
+            self._lookup = _Lookup(host, port)
+        lookup = self._lookup
+        if not lookup.done.wait(left()):
+            raise ExportFailed(f"{host} was not resolved in time ([tracing] export_timeout)")
+        if lookup.error is not None:
+            raise lookup.error
+        return lookup.addresses
+
+
+_NUMERIC = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV
+
+
+class _Lookup:
+    """One getaddrinfo on a daemon thread (one stuck in the resolver must not hold up the
+    daemon's exit)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.done = threading.Event()
+        self.addresses: Addresses = []
+        self.error: OSError | None = None
+        thread = threading.Thread(
+            target=self._run, args=(host, port), name="trace export resolve", daemon=True
+        )
+        thread.start()
+
+    def _run(self, host: str, port: int) -> None:
+        try:
+            self.addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _connect(addresses: Addresses, left: Callable[[], float]) -> socket.socket:
+    """A connection to the first of `addresses` that takes one, within the deadline."""
+    error: OSError = OSError("the name has no address")
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left())
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+        else:
+            return sock
+    raise error
+
+
+Wrapped = TypeVar("Wrapped", bound=socket.socket)
+
+
+class _Watchdog:
+    """Shuts the export's connection down once `after` seconds have passed, whichever
+    object holds it by then: the TLS layer takes the socket over (the one it was given is
+    detached, and shutting that down would do nothing)."""
+
+    def __init__(self, sock: socket.socket, after: float) -> None:
+        self._lock = threading.Lock()
+        self._sock = sock
+        self._fired = False
+        self._timer = threading.Timer(after, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def take_over(self, wrap: Callable[[], Wrapped]) -> Wrapped:
+        """The socket `wrap` makes of the one watched (without I/O), watched instead."""
+        with self._lock:
+            wrapped = wrap()
+            self._sock = wrapped
+            fired = self._fired
+        if fired:
+            _cut(wrapped)
+        return wrapped
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._fired = True
+            sock = self._sock
+        _cut(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _read_status(sock: socket.socket, left: Callable[[], float]) -> int:

@@ -660,38 +660,47 @@ def test_with_the_default_budgets_a_plugin_may_take_longer_to_synchronize_than_a
     assert nri_daemon.leaks() == {}
 
 
-def removed_told(plugin: RecordingPlugin) -> set[str]:
+def removed_told(plugin: RecordingPlugin, kind: str = "container") -> set[str]:
+    """The IDs of the containers (or pods) it heard the removal of."""
+    removal = nri.RemoveContainerRequest if kind == "container" else nri.RemovePodSandboxRequest
     return {
-        request.container.id
-        for method, request in plugin.calls
-        if isinstance(request, nri.RemoveContainerRequest)
+        getattr(request, kind).id for _, request in plugin.calls if isinstance(request, removal)
     }
 
 
-def test_a_plugin_that_joins_during_a_removal_is_told_of_every_container_it_synchronized_with(
-    make_daemon: Any, short_tmp: Path, busybox_layout: Path
+@pytest.mark.parametrize("kind", ["container", "pod"])
+def test_a_plugin_that_joins_during_a_removal_is_told_of_every_object_it_synchronized_with(
+    make_daemon: Any, short_tmp: Path, busybox_layout: Path, kind: str
 ) -> None:
+    """A RemoveContainer or RemovePodSandbox that has picked its plugins and waits for
+    the first one's answer (the pod is still listed meanwhile): a plugin that joins then
+    is told of the object's removal, or is not synchronized with it."""
     # Budgets longer than the test: only the first plugin's answer ends the removal.
     daemon = nri_daemon_with(make_daemon, short_tmp, busybox_layout, plugin_request_timeout="60s")
     socket = short_tmp / "nri.sock"
     release = threading.Event()
-    first = PluginThread(RecordingPlugin(name="first", holds={"RemoveContainer": release}), socket)
+    held = "RemoveContainer" if kind == "container" else "RemovePodSandbox"
+    first = PluginThread(RecordingPlugin(name="first", holds={held: release}), socket)
     late = PluginThread(RecordingPlugin(name="late", index="20"), socket)
     try:
         holding = first.start()
         with pod(daemon, "removing", short_tmp) as p:
-            container_id = create(daemon, p, container_config("gone", "sleep 60"))
-            removal = threading.Thread(target=remove, args=(daemon, container_id))
+            if kind == "container":
+                removed = create(daemon, p, container_config("gone", "sleep 60"))
+                removal = threading.Thread(target=remove, args=(daemon, removed))
+            else:
+                removed = p[0]
+                removal = threading.Thread(target=remove_pod, args=(daemon, removed))
             removal.start()
-            # The removal has picked its plugins and waits for the first one's answer.
-            wait_until(lambda: container_id in removed_told(holding))
+            wait_until(lambda: removed in removed_told(holding, kind))
             joined = late.start()
             wait_until(lambda: _registered_as(daemon, joined))
             release.set()
             removal.join(timeout=30)
             assert not removal.is_alive()
             # What it was synchronized with, it hears the end of.
-            wait_until(lambda: set(joined.told()) <= removed_told(joined), timeout=5)
+            synchronized = set(joined.told(kind))
+            wait_until(lambda: synchronized <= removed_told(joined, kind), timeout=5)
     finally:
         release.set()
         first.stop()

@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2
+from tests.collectors import handshake_never_ends, never_answers, self_signed, tls_collector
 from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
 from tests.imagebuild import build_image
 from tests.nri_plugin import PluginThread, RecordingPlugin
@@ -546,3 +547,70 @@ def test_a_ratio_of_zero_records_nothing_whatever_the_caller_says(short_tmp: Any
             assert receiver.spans == []
         finally:
             daemon.stop()
+
+
+@contextlib.contextmanager
+def silent_name_server(short_tmp: Path) -> Iterator[list[str]]:
+    """A wrapper that gives the daemon a mount namespace of its own whose resolver asks a
+    name server on 127.0.0.153 that takes each query and never answers (30 s a query,
+    as a resolver wedged behind a dead server waits)."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.153", 53))
+    resolv = short_tmp / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.153\noptions timeout:30 attempts:1\n")
+    try:
+        yield [
+            "unshare", "--mount", "--propagation", "private", "--",
+            "sh", "-c", 'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(resolv),
+        ]  # fmt: skip
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "collector",
+    ["https address, handshake never ends", "https name, never answers", "name never resolved"],
+)
+def test_a_collector_that_stalls_anywhere_costs_each_export_its_deadline(
+    short_tmp: Path, collector: str
+) -> None:
+    """Whatever step of an export the collector (or the resolver) stalls in, the export
+    gives up at `export_timeout` and the next one starts; the RPCs are served all along
+    and the daemon stops at once."""
+    certificate = self_signed(short_tmp)
+    with contextlib.ExitStack() as stack:
+        wrapper: list[str] = []
+        if collector == "name never resolved":
+            wrapper = stack.enter_context(silent_name_server(short_tmp))
+            endpoint = "http://collector.stalled.test:4318"
+        else:
+            address = collector.startswith("https address")
+            answer = handshake_never_ends if address else never_answers
+            port = stack.enter_context(tls_collector(answer, certificate))
+            endpoint = f"https://{'127.0.0.1' if address else 'localhost'}:{port}"
+        daemon = Daemon(
+            short_tmp,
+            None,
+            settings={"tracing": {"endpoint": endpoint, "export_timeout": "2s"}},
+            env={"SSL_CERT_FILE": str(certificate[0])},
+            wrapper=wrapper,
+        )
+        daemon.start()
+        try:
+            slowest, calls, started = 0.0, 0, time.monotonic()
+            while time.monotonic() - started < 8:
+                call = time.monotonic()
+                daemon.runtime().Version(api_pb2.VersionRequest(), timeout=5)
+                slowest = max(slowest, time.monotonic() - call)
+                calls += 1
+                time.sleep(0.1)
+            failed = daemon.status_info()["tracing"]["failed"]
+            print(
+                f"{collector}: of {calls} spans in 8 s, {failed} failed to export; "
+                f"slowest Version {slowest:.3f} s"
+            )
+            # Exports end every 2 s at the latest, so most of the spans have had theirs end
+            # (about half, from the daemon's first export a second in).
+            assert failed >= calls // 4, f"of {calls} spans in 8 s, {failed} had their export end"
+        finally:
+            assert daemon.stop() == 0

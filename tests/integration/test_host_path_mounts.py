@@ -20,8 +20,10 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from cri_shim import faults
 from cri_shim.api.v1 import api_pb2
 from tests.harness import Daemon, import_image, wait_until
 from tests.integration.cri_testkit import container_config, create, remove, start, stop
@@ -294,4 +296,53 @@ def test_staging_mounts_a_crash_left_are_released_without_touching_the_pins(
         taken = table - mount_table(node)
         assert not taken, f"releasing the staging mounts took {sorted(taken)}"
         assert_pods_work(node, [bystander, agent])
+    assert node.leaks() == {}
+
+
+def staged(mountinfo: list[list[str]], root: Path) -> tuple[list[str], list[str]]:
+    """The mount points below the containers' staging directories under `root`, and those
+    of them that are copies of a staging directory's mounts nested in another's."""
+    points = [fields[4] for fields in mountinfo]
+    stagings = {
+        point.rsplit("/", 1)[0]
+        for point in points
+        if point.startswith(f"{root}/") and point.rsplit("/", 2)[-2:-1] == ["mounts"]
+    }
+    below = [p for p in points if any(p.startswith(f"{s}/") for s in stagings)]
+    nested = [p for p in below if any(f"{s}/" in p.split("/mounts/", 1)[1] for s in stagings)]
+    return below, nested
+
+
+def test_a_host_path_of_root_stages_no_copy_of_what_is_staged(
+    node: Daemon, short_tmp: Path
+) -> None:
+    """Killed between the staging of two host paths of `/` and `runc create`: the second
+    staging mount copies the node's mounts but not the first one's, nested in its own (nor
+    any other container's staged mounts); the restore releases both."""
+    mounts = [
+        api_pb2.Mount(container_path=path, host_path="/", readonly=True)
+        for path in ("/host", "/host-again")
+    ]
+    with running_pod(node, "agent", short_tmp / "logs") as agent:
+        table = mount_table(node)
+        node.stop()
+        node.env = {faults.ENV: "container:runtime-journaled"}
+        node.start()
+        with pytest.raises(grpc.RpcError):
+            create(node, agent, container_config("agent", "sleep 600", mounts=mounts))
+        assert node.proc is not None
+        assert node.proc.wait(10) == faults.EXIT_CODE, node.log()
+        node.proc = None
+        # The daemon is gone; its namespace, held by the node, keeps what it staged.
+        holder = node.wrapper[node.wrapper.index("-t") + 1]
+        below, nested = staged(
+            [line.split() for line in Path(f"/proc/{holder}/mountinfo").read_text().splitlines()],
+            node.root,
+        )
+        node.env = {}
+        node.start()
+        wait_until(lambda: mount_table(node) == table, timeout=30)
+    print(f"staged mounts: {len(below)}, nested copies of staged mounts: {len(nested)}")
+    assert below, "nothing was staged"
+    assert nested == [], f"{len(nested)} of {len(below)} staged mounts are copies of staged ones"
     assert node.leaks() == {}

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from cri_shim.api.v1 import api_pb2
+from tests.collectors import self_signed
 from tests.harness import Daemon
 from tests.integration.cri_testkit import container_config, create, import_image, pod, start
 
@@ -23,16 +24,7 @@ EXIT_CONFIG = 2
 
 @pytest.fixture
 def certificate(tmp_path: Path) -> tuple[Path, Path]:
-    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
+    return self_signed(tmp_path, "IP:127.0.0.1")
 
 
 def _upgrade_over_tls(url: str, cert: Path) -> bytes:

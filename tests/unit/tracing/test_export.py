@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +19,26 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from cri_shim import logcontext, tracing
 from cri_shim.config import TracingConfig
-from cri_shim.tracing.export import ExportFailed, SpanQueue, _target, post, span_bytes
+from cri_shim.tracing.export import (
+    ExportFailed,
+    OtlpHttpExporter,
+    SpanQueue,
+    _target,
+    post,
+    span_bytes,
+)
 from cri_shim.tracing.otel import MAX_ATTRIBUTE_LENGTH, OtelTracer
+from tests.collectors import (
+    TlsAnswer,
+    answers,
+    handshake_never_ends,
+    never_answers,
+    reads_and_answers_nothing,
+    self_signed,
+    serving,
+    tls_collector,
+    trickles_its_answer,
+)
 
 
 class HeldQueue(SpanQueue):
@@ -103,27 +123,16 @@ def test_an_unsampled_request_has_its_creation_unrecorded() -> None:
 
 @contextlib.contextmanager
 def collector(answer: Callable[[socket.socket], None]) -> Iterator[str]:
-    """One connection at a time on 127.0.0.1, read up to its body, answered by `answer`."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
+    """Plain HTTP on 127.0.0.1, each request read up to its body and answered by `answer`."""
 
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                connection, _ = listener.accept()
-                with connection, contextlib.suppress(OSError):
-                    received = b""
-                    while b"\r\n\r\n" not in received:
-                        received += connection.recv(65536)
-                    answer(connection)
+    def serve(connection: socket.socket) -> None:
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += connection.recv(65536)
+        answer(connection)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces"
-    finally:
-        listener.close()
+    with serving(serve) as port:
+        yield f"http://127.0.0.1:{port}/v1/traces"
 
 
 def endless(connection: socket.socket) -> None:
@@ -167,3 +176,121 @@ def test_an_export_reads_a_bounded_answer_within_its_deadline(
             with pytest.raises(ExportFailed, match=error):
                 post(target, b"spans", 1.0, None)
         assert time.monotonic() - started < 1.5
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+def exported_within(
+    url: str, body: bytes, timeout: float, tls: ssl.SSLContext | None
+) -> tuple[float, BaseException | None]:
+    """How long `post` took, and what it raised; it runs on a thread of its own, and a
+    post still running after 10 s is reported as such (the test fails, not hangs)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            post(_target(url), body, timeout, tls)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    took = time.monotonic() - started
+    assert outcome, f"the export was still running after {took:.1f} s (deadline {timeout} s)"
+    return took, outcome[0]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+@pytest.mark.parametrize(
+    ("answer", "body_mib", "error"),
+    [
+        (handshake_never_ends, 0, "within 1 s"),
+        (never_answers, 0, "within 1 s"),
+        (never_answers, 16, "within 1 s"),  # the send itself outlasts the deadline
+        (trickles_its_answer, 0, "within 1 s"),
+        (answers, 0, None),
+    ],
+)
+def test_an_https_export_ends_within_its_deadline(
+    certificate: tuple[Path, Path], host: str, answer: TlsAnswer, body_mib: int, error: str | None
+) -> None:
+    trusted = ssl.create_default_context(cafile=certificate[0])
+    with tls_collector(answer, certificate) as port:
+        url = f"https://{host}:{port}/v1/traces"
+        took, raised = exported_within(url, b"s" * (body_mib << 20), 1.0, trusted)
+    if error is None:
+        assert raised is None
+    else:
+        assert isinstance(raised, ExportFailed) and error in str(raised), raised
+    assert took < 1.5, f"the export took {took:.1f} s"
+
+
+@pytest.fixture
+def without_socket_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every socket blocks for as long as its peer makes it, timeouts asked or not: what
+    then ends an export at its deadline is the watchdog alone."""
+    monkeypatch.setattr(socket.socket, "settimeout", lambda self, value: None)
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_the_watchdog_alone_ends_an_export_at_its_deadline(
+    certificate: tuple[Path, Path], without_socket_timeouts: None, scheme: str
+) -> None:
+    trusted = ssl.create_default_context(cafile=certificate[0])
+    answer = handshake_never_ends if scheme == "https" else reads_and_answers_nothing
+    with tls_collector(answer, certificate) as port:
+        url = f"{scheme}://127.0.0.1:{port}/v1/traces"
+        took, raised = exported_within(url, b"spans", 1.0, trusted if scheme == "https" else None)
+    assert isinstance(raised, ExportFailed) and "within 1 s" in str(raised), raised
+    assert took < 1.5, f"the export took {took:.1f} s"
+
+
+class StalledResolver:
+    """A fake of the system's resolver: `stalled` names are answered only once the test
+    lets them go (as a DNS server that does not answer, or a wedged NSS module); the
+    others are looked up by the real one. Counts the lookups of stalled names."""
+
+    def __init__(self, stalled: str) -> None:
+        self.stalled = stalled
+        self.asked = 0
+        self.release = threading.Event()
+        self._real = socket.getaddrinfo
+
+    def __call__(self, host: str, *args: object, **kwargs: object) -> object:
+        if host == self.stalled:
+            self.asked += 1
+            self.release.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return self._real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_name_whose_resolution_stalls_ends_each_export_within_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = StalledResolver("collector.stalled.test")
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    url = "http://collector.stalled.test:4318/v1/traces"
+    try:
+        took, raised = exported_within(url, b"spans", 1.0, None)
+        assert isinstance(raised, ExportFailed) and "not resolved" in str(raised), raised
+        assert took < 1.5, f"the export took {took:.1f} s"
+        exporter = OtlpHttpExporter(url, timeout=1.0)
+        for index in range(3):
+            started = time.monotonic()
+            exporting = threading.Thread(target=exporter.export, args=([span(index, "")],))
+            exporting.start()
+            exporting.join(10)
+            took = time.monotonic() - started
+            assert not exporting.is_alive(), f"an export was still running after {took:.1f} s"
+            assert took < 1.5, f"the export took {took:.1f} s"
+        # The exports that came while it stalled waited for the one lookup under way.
+        assert fake.asked == 2  # the post's own, and the exporter's
+    finally:
+        fake.release.set()
