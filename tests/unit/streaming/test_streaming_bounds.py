@@ -72,8 +72,12 @@ async def test_a_client_trickling_its_request_head_is_dropped() -> None:
 
         trickling = asyncio.create_task(trickle())
         try:
-            # Closed by the server; the trickle itself would go on for ever.
-            assert await asyncio.wait_for(reader.read(), 10) == b""
+            # Closed by the server; the trickle itself would go on for ever. A close with
+            # trickled bytes still unread is a reset rather than an end of stream.
+            try:
+                assert await asyncio.wait_for(reader.read(), 10) == b""
+            except ConnectionResetError:
+                pass
         finally:
             trickling.cancel()
         writer.close()
