@@ -73,7 +73,10 @@ def _same(end: _End) -> _End:
 def _closed_unheard(transport: asyncio.Transport) -> bool:
     """Whether the peer of `transport`, not read yet, closed its side having sent
     nothing."""
-    peek = socket.socket(fileno=transport.get_extra_info("socket").fileno())
+    try:
+        peek = socket.socket(fileno=transport.get_extra_info("socket").fileno())
+    except OSError:
+        return True  # no longer a socket
     try:
         return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
