@@ -12,6 +12,10 @@ holding calls, until the very end of the stop, and then tells each client (GOAWA
 server/http2_drain.py) to retry its held calls on a new connection. Those wait in the
 kernel's backlog of the socket systemd keeps open only while this process exits and the
 next one starts.
+
+A relayed connection is closed once both its directions have ended (each side's EOF is
+passed on to the other, and the second one closes both), or once a client ends its side
+with no call open; a client gone before it sent a byte is never joined to the server.
 """
 
 from __future__ import annotations
@@ -24,21 +28,63 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cri_shim.server.http2_drain import (
+    FRAME_SIZE_ERROR,
+    GRPC_UNAVAILABLE,
     ClientToServer,
+    FrameTooLarge,
     OpenStreams,
     ServerToClient,
     goaway_frame,
+    reset_frame,
     settings_frame,
+    status_frame,
 )
 
 log = logging.getLogger("cri_shim.server.relay")
 
 # How often a stopping daemon looks whether the last forwarded calls are answered.
 ANSWERED_POLL = 0.005
+# How long a stopping daemon lets a client finish sending a request it had begun; then
+# the call is ended (RelayedConnection.end_unfinished). A CRI request is one message,
+# sent whole at once by kubelet's client: one still unfinished by then is stalled.
+UNFINISHED_GRACE = 1.0
+UNFINISHED_MESSAGE = (
+    "cri-shim is restarting and this call's request was not complete: "
+    "the call was not served, retry it"
+)
+
+
+def _nothing(data: bytes) -> bytes:
+    return b""
+
+
+def _ignore() -> None:
+    return None
+
+
+def _never() -> bool:
+    return False
 
 
 def _same(end: _End) -> _End:
     return end
+
+
+def _closed_unheard(transport: asyncio.Transport) -> bool:
+    """Whether the peer of `transport`, not read yet, closed its side having sent
+    nothing."""
+    try:
+        peek = socket.socket(fileno=transport.get_extra_info("socket").fileno())
+    except OSError:
+        return True  # no longer a socket
+    try:
+        return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset
+    finally:
+        peek.detach()
 
 
 class _End(asyncio.Protocol):
@@ -51,14 +97,17 @@ class _End(asyncio.Protocol):
         feed: Callable[[bytes], bytes],
         lost: Callable[[], None],
         made: Callable[[], None] | None = None,
+        over: Callable[[], bool] = _never,
     ) -> None:
         self.transport: asyncio.Transport | None = None
         self.other: _End | None = None
         self.ended = False  # this end was told the other ended (EOF): nothing more to send
+        self.received_eof = False  # its peer ended: nothing more comes from it
         self.passes_end = True  # its EOF and its close are passed on to the other end
         self._feed = feed
         self._lost = lost
         self._made = made
+        self._over = over  # whether this end's EOF leaves nothing to wait for
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -76,14 +125,19 @@ class _End(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         # A half-close is passed on; the other direction stays open for the answers
-        # still to come.
+        # still to come. Once both directions have ended, or nothing is left to answer,
+        # this end closes, and closing it closes the other (connection_lost).
+        self.received_eof = True
         other = self.other
         if not self.passes_end:
             return False  # this end closes; the other stays open
-        if other is not None and other.transport is not None and not other.ended:
-            if other.transport.can_write_eof() and not other.transport.is_closing():
-                other.ended = True
-                other.transport.write_eof()
+        if other is None or other.transport is None or other.transport.is_closing():
+            return False
+        if other.received_eof or self._over():
+            return False
+        if not other.ended and other.transport.can_write_eof():
+            other.ended = True
+            other.transport.write_eof()
         return True
 
     # Back-pressure: a full buffer towards one end stops reading from the other.
@@ -99,6 +153,10 @@ class _End(asyncio.Protocol):
         if self.passes_end and self.other is not None and self.other.transport is not None:
             self.other.transport.close()
         self._lost()
+        # What referred back to the connection goes: freed as soon as it is forgotten,
+        # not at the collector's next full pass.
+        self.other = None
+        self._feed, self._lost, self._made, self._over = _nothing, _ignore, None, _never
 
 
 class RelayedConnection:
@@ -112,7 +170,13 @@ class RelayedConnection:
         self.streams = OpenStreams()
         self.inbound = ClientToServer(self.streams)
         self.outbound = ServerToClient(self.streams)
-        self.client = _End(self.inbound.feed, lambda: forget(self), lambda: accepted(self))
+        self.client = _End(
+            self._from_client,
+            lambda: forget(self),
+            lambda: accepted(self),
+            # A client that ends its side with no call open will ask nothing more.
+            over=lambda: not self.streams.ids,
+        )
         self.server = _End(self.outbound.feed, lambda: None)
         self.client.other, self.server.other = self.server, self.client
         self.preface_sent = False
@@ -120,6 +184,12 @@ class RelayedConnection:
     async def join(self, upstream: Path) -> None:
         """Connect to the gRPC server, then let the client's bytes flow (its end does
         not read until then)."""
+        client = self.client.transport
+        if client is None or client.is_closing() or _closed_unheard(client):
+            # Gone before it said anything (a probe's connect and close): the gRPC
+            # server is not connected to for it.
+            self.close()
+            return
         loop = asyncio.get_running_loop()
         try:
             await loop.create_unix_connection(lambda: self.server, str(upstream))
@@ -127,8 +197,25 @@ class RelayedConnection:
             log.warning("relay: cannot reach the gRPC server at %s: %s", upstream, exc)
             self.close()
             return
-        if self.client.transport is not None and not self.client.transport.is_closing():
-            self.client.transport.resume_reading()
+        if client.is_closing():  # gone while the connection was made
+            self.close()
+            return
+        client.resume_reading()
+
+    def _from_client(self, data: bytes) -> bytes:
+        try:
+            return self.inbound.feed(data)
+        except FrameTooLarge as exc:
+            # A connection error (RFC 9113 §4.2): the client is told why, and both ends
+            # are closed; what it sent is not held.
+            log.info("relay: a client sent %s; its connection is closed", exc)
+            last = self.inbound.last_stream_id
+            refusal = goaway_frame(
+                last, b"frame larger than SETTINGS_MAX_FRAME_SIZE", FRAME_SIZE_ERROR
+            )
+            self.client.send(self.outbound.insert(refusal))
+            self.close()
+            return b""
 
     def answer_preface(self) -> None:
         """The server's half of HTTP/2's connection preface, sent to the client at once
@@ -155,6 +242,21 @@ class RelayedConnection:
         self.hold()
         last = self.inbound.last_stream_id
         self.client.send(self.outbound.insert(goaway_frame(last, b"cri-shim is restarting")))
+
+    def end_unfinished(self) -> int:
+        """End the calls whose request never ended (the client's END_STREAM): reset
+        towards the server, and answered UNAVAILABLE to the client, saying why. Returns
+        how many."""
+        streams = self.streams
+        unfinished = sorted(streams.unfinished)
+        for stream in unfinished:
+            streams.ended.add(stream)
+            self.server.send(self.inbound.insert(reset_frame(stream)))
+            begun = stream in streams.answer_begun
+            status = status_frame(stream, GRPC_UNAVAILABLE, UNFINISHED_MESSAGE, begun)
+            self.client.send(self.outbound.insert(status))
+            streams.closed(stream)
+        return len(unfinished)
 
     def close(self) -> None:
         for end in (self.client, self.server):
@@ -233,10 +335,25 @@ class SocketRelay:
 
     async def answered(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until every stream forwarded before the
-        drain has been answered; False if some were not by then."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        drain has been answered; False if some were not by then. The calls whose
+        request has not ended UNFINISHED_GRACE after the drain are ended then."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        unfinished_ended = False
         while any(connection.streams.ids for connection in self._connections):
-            if asyncio.get_running_loop().time() > deadline:
+            waited = loop.time() - started
+            if not unfinished_ended and waited >= UNFINISHED_GRACE:
+                unfinished_ended = True
+                ended = sum(connection.end_unfinished() for connection in self._connections)
+                if ended:
+                    log.warning(
+                        "stopping: %d call(s) whose request was not complete after %.0fs "
+                        "answered UNAVAILABLE",
+                        ended,
+                        UNFINISHED_GRACE,
+                    )
+                continue
+            if waited > timeout:
                 return False
             await asyncio.sleep(ANSWERED_POLL)
         return True

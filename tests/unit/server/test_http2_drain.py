@@ -13,9 +13,12 @@ from cri_shim.server.http2_drain import (
     END_STREAM,
     GOAWAY,
     HEADERS,
+    MAX_FRAME_SIZE,
     PREFACE,
     RST_STREAM,
+    SETTINGS_MAX_FRAME_SIZE,
     ClientToServer,
+    FrameTooLarge,
     OpenStreams,
     ServerToClient,
     frame,
@@ -130,3 +133,62 @@ def test_a_goaway_names_the_last_stream_with_no_error() -> None:
     assert length == len(data) - 9 == 8 + len(b"restarting")
     assert struct.unpack(">II", data[9:17]) == (5, 0)
     assert data[17:] == b"restarting"
+
+
+def test_a_read_that_passes_whole_is_not_copied() -> None:
+    streams = OpenStreams()
+    inbound, outbound = ClientToServer(streams), ServerToClient(streams)
+    inbound.feed(PREFACE)
+    call = frame(HEADERS, 1, b"h" * 40, flags=0x4) + frame(DATA, 1, b"d" * 7, flags=END_STREAM)
+    assert inbound.feed(call) is call
+    answer = frame(HEADERS, 1, b"r" * 5, flags=0x4) + frame(DATA, 1, b"x" * 30)
+    assert outbound.feed(answer) is answer
+
+
+def test_a_client_frame_longer_than_advertised_is_refused_at_its_header() -> None:
+    inbound = ClientToServer(OpenStreams())
+    inbound.feed(PREFACE)
+    with pytest.raises(FrameTooLarge):
+        inbound.feed(b"\xff\xff\xff" + bytes((DATA, 0, 0, 0, 0, 1)))
+    allowed = frame(DATA, 1, bytes(MAX_FRAME_SIZE))
+    assert fed(ClientToServer(OpenStreams()), PREFACE + allowed, 4096) == PREFACE + allowed
+
+
+@pytest.mark.parametrize("size", [1, 9, 4096])
+def test_the_servers_settings_do_not_raise_the_frame_size_the_relay_takes(size: int) -> None:
+    """gRPC's server says 4 MiB; the client is told what the relay takes."""
+    outbound = ServerToClient(OpenStreams())
+    settings = struct.pack(">HIHIHI", 0x4, 4 << 20, SETTINGS_MAX_FRAME_SIZE, 4 << 20, 0x6, 16384)
+    after = frame(DATA, 1, b"x" * 20)
+    lowered = struct.pack(
+        ">HIHIHI", 0x4, 4 << 20, SETTINGS_MAX_FRAME_SIZE, MAX_FRAME_SIZE, 0x6, 16384
+    )
+    assert fed(outbound, frame(SETTINGS, 0, settings) + after, size) == (
+        frame(SETTINGS, 0, lowered) + after
+    )
+
+
+def test_a_request_is_unfinished_until_its_end_stream_and_an_ended_stream_is_dropped() -> None:
+    streams = OpenStreams()
+    inbound, outbound = ClientToServer(streams), ServerToClient(streams)
+    inbound.feed(PREFACE + frame(HEADERS, 1, b"h", flags=0x4) + frame(HEADERS, 3, b"h", flags=0x4))
+    inbound.feed(frame(DATA, 1, b"whole", flags=END_STREAM) + frame(DATA, 3, b"part"))
+    assert streams.unfinished == {3} and streams.ids == {1, 3}
+    outbound.feed(frame(HEADERS, 3, b"r", flags=0x4))
+    assert streams.answer_begun == {3}
+    # The relay ends stream 3: the server's and the client's later frames on it are dropped.
+    streams.ended.add(3)
+    streams.closed(3)
+    late = frame(DATA, 3, b"late")
+    assert inbound.feed(late) == b"" and outbound.feed(late) == b""
+    assert inbound.feed(frame(DATA, 1, b"more")) == frame(DATA, 1, b"more")
+
+
+def test_the_relays_frames_wait_for_the_end_of_a_header_block() -> None:
+    outbound = ServerToClient(OpenStreams())
+    start = frame(HEADERS, 1, b"r" * 5)  # no END_HEADERS: a CONTINUATION follows
+    assert outbound.feed(start) == start
+    goaway = goaway_frame(1)
+    assert outbound.insert(goaway) == b""
+    rest = frame(0x9, 1, b"r", flags=0x4)
+    assert outbound.feed(rest) == rest + goaway

@@ -236,3 +236,42 @@ async def test_a_connection_the_server_has_ended_is_drained_without_a_write(rig:
     assert await reader.read() == settings_frame()  # the relay's, then the server's EOF
     relay.drain()
     client.close()
+
+
+async def test_a_connection_is_closed_once_both_directions_have_ended(rig: Rig) -> None:
+    """The client ends its side after its call, the server answers and ends its own:
+    nothing is left of the connection in the relay."""
+    upstream, relay = rig.upstream, rig.relay
+    await rig.serve(relay)
+    reader, client = await rig.connect()
+    call = PREFACE + frame(HEADERS, 1, b"call", flags=0x4 | END_STREAM)
+    client.write(call)
+    client.write_eof()
+    await upstream.until(lambda: bytes(upstream.received) == call)
+    answer = frame(HEADERS, 1, b"trailers", flags=0x4 | END_STREAM)
+    upstream.writers[0].write(answer)
+    assert await reader.read() == settings_frame() + answer  # to the end: closed
+    await until(lambda: not relay.connections)
+    client.close()
+
+
+async def test_a_client_gone_before_a_word_is_not_joined_to_the_server(rig: Rig) -> None:
+    """Probes that connect and end their side having said nothing, while the daemon
+    restores: no connection to the gRPC server is made for them once it serves, and
+    theirs are closed."""
+    upstream, relay = rig.upstream, rig.relay
+    await relay.start()
+    probes = []
+    for _ in range(3):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(str(rig.directory / "cri.sock"))
+        probe.shutdown(socket.SHUT_WR)
+        probes.append(probe)
+    await until(lambda: len(relay.connections) == 3)
+    relay.serve(rig.directory / "private")
+    await until(lambda: not relay.connections)
+    assert upstream.writers == []
+    for probe in probes:
+        probe.setblocking(True)
+        assert probe.recv(100) == settings_frame() and probe.recv(100) == b""
+        probe.close()
