@@ -238,12 +238,14 @@ def process_tree(listing: str, root: int) -> list[int]:
 # most SIGNALS_AT_ONCE calls at a time for a tree of at most MAX_SIGNALLED members.
 # Past that, or when the tree outgrows every look at it, the container is killed whole:
 # that is the one call runsc has for any number of processes.
+#
+# The script: $1 is the exec's pid (in the root PID namespace), $2 how often to look again.
 _KILL_SCRIPT = """
 root=$1 rounds=$2
 bb=/busybox
-# The exec's live processes (but those in state $1): the exec, its descendants, and what
-# is in its process group or session (a child whose parent exited is re-parented out of
-# the tree, not out of those). ps reads each /proc/PID/stat past the name's last ')'.
+# The exec's live processes (with $1, but those in that state): the exec, its descendants,
+# and what is in its process group or session (a child whose parent exited is re-parented
+# out of the tree, not out of those). ps reads each /proc/PID/stat past the name's last ')'.
 members() {
     "$bb" ps -o pid,ppid,pgid,sid,stat | "$bb" awk -v root="$root" -v skip="$1" '
     function member(pid,  path, n, p, s, i) {
@@ -289,22 +291,24 @@ _tree_kills = threading.BoundedSemaphore(TREE_KILLS)
 
 
 def kill_process_tree(runsc: Sequence[str], container_id: str, root: int, timeout: float) -> None:
-    """SIGKILL a process inside gVisor's kernel and all its descendants (an ExecSync past
-    its timeout: `sh -c 'sleep 600 & sleep 601'` must leave nothing). Each member is
-    stopped first, and the tree listed again until no new one appears (none forks away
-    between the listing and the kill), then all are killed at once. `runsc` is the
-    command line before the subcommand; every process started here is the tenant's
-    (spawn.tenant_argv)."""
+    """SIGKILL a process inside gVisor's kernel and all its descendants, its process group
+    and its session (an ExecSync past its timeout: `sh -c 'sleep 600 & sleep 601'` must
+    leave nothing, whatever the number of processes). Each is stopped first, and the
+    processes listed again until none runs (none forks away between the listing and the
+    kill), then all are killed at once. `runsc` is the command line before the subcommand
+    (with `--root`); every process started here is the tenant's (spawn.tenant_argv)."""
     with _tree_kills:
         ended = _kill_in_sandbox(runsc, container_id, root, timeout)
         if ended is None:
             ended = _kill_by_pids(runsc, container_id, root, timeout)
         if not ended:
             log.warning(
-                "container %s: the process tree of an exec past its timeout kept growing or "
-                "exceeded %d processes; the container is killed whole",
+                "container %s: the processes of an exec past its timeout could not be ended "
+                "one by one (still growing, or more than %d where the sandbox has no %s); "
+                "the container is killed whole",
                 container_id,
                 MAX_SIGNALLED,
+                RELAY_PATH,
             )
             _runsc(runsc, timeout, "kill", "--all", container_id, str(int(signal.SIGKILL)))
 
@@ -312,19 +316,26 @@ def kill_process_tree(runsc: Sequence[str], container_id: str, root: int, timeou
 def _kill_in_sandbox(
     runsc: Sequence[str], container_id: str, root: int, timeout: float
 ) -> bool | None:
-    """The script run by one `runsc exec` in the pod's sandbox container: True when the
-    tree ended, False when it kept growing, None when the script could not run there."""
+    """The script run by one `runsc exec` in the pod's sandbox container, as root there
+    (the exec's processes may be any user's): True when they all ended, False when they
+    kept growing (or the script outlived `timeout`), None when it could not run there."""
     state_root = _option(runsc, "--root")
     sandboxes = sandboxes_of(Path(state_root), container_id) if state_root else set()
     if len(sandboxes) != 1 or relay_program() is None:
         return None
     (sandbox,) = sandboxes
-    script = [RELAY_PATH, "sh", "-c", _KILL_SCRIPT, "sh", str(root), str(TREE_ROUNDS)]
-    done = _runsc(runsc, timeout, "exec", "--user", "0:0", "--cap", "CAP_KILL", sandbox, *script)
-    outcome = done.split()
-    if not outcome or outcome[0] not in ("ended", "grew"):
+    argv = [*runsc, "exec", "--user", "0:0", "--cap", "CAP_KILL", sandbox, RELAY_PATH]
+    argv += ["sh", "-c", _KILL_SCRIPT, "sh", str(root), str(TREE_ROUNDS)]
+    try:
+        done = spawn.call(argv, timeout=timeout, tenant=True)
+    except spawn.TimedOut:
+        return False
+    except OSError:
+        return None
+    outcome = done.stdout.split()
+    if done.returncode != 0 or not outcome or outcome[0] not in (b"ended", b"grew"):
         return None  # a sandbox made without the program, or one that is gone
-    return outcome[0] == "ended"
+    return outcome[0] == b"ended"
 
 
 def _kill_by_pids(runsc: Sequence[str], container_id: str, root: int, timeout: float) -> bool:
