@@ -287,6 +287,9 @@ TREE_KILLS = 2
 # The fallback without the program in the sandbox: calls at once, and the largest tree.
 SIGNALS_AT_ONCE = 4
 MAX_SIGNALLED = 64
+# The script's least budget: a few thousand processes take it seconds to list, and one
+# cut short costs the container.
+SCRIPT_TIMEOUT = 30.0
 _tree_kills = threading.BoundedSemaphore(TREE_KILLS)
 
 
@@ -327,7 +330,7 @@ def _kill_in_sandbox(
     argv = [*runsc, "exec", "--user", "0:0", "--cap", "CAP_KILL", sandbox, RELAY_PATH]
     argv += ["sh", "-c", _KILL_SCRIPT, "sh", str(root), str(TREE_ROUNDS)]
     try:
-        done = spawn.call(argv, timeout=timeout, tenant=True)
+        done = spawn.call(argv, timeout=max(timeout, SCRIPT_TIMEOUT), tenant=True)
     except spawn.TimedOut:
         return False
     except OSError:
