@@ -123,26 +123,23 @@ async def run(
     cwd: str | Path | None = None,
     pass_fds: Sequence[int] = (),
     new_session: bool = True,
-    tenant: bool = False,
 ) -> Finished:
     """Run `argv` to its end and return its exit status and output (empty for a stream
     not piped). `input` is written to its stdin (None: /dev/null). With `new_session`
     it leads a session of its own, so that a kill takes the helpers it started too and
-    cannot reach the daemon's group. `tenant`: started on a tenant's behalf (tenant_argv()).
-    Raises TimedOut after `timeout` seconds (None: no limit), OSError when it cannot be
-    started."""
-    job = _Job(new_session, tenant=tenant)
+    cannot reach the daemon's group. Raises TimedOut after `timeout` seconds (None: no
+    limit), OSError when it cannot be started."""
+    job = _Job(new_session)
     options = {"stdout": stdout, "stderr": stderr, "env": env, "cwd": cwd, "pass_fds": pass_fds}
     finished: Finished = await _on_thread(job, job.run, list(argv), input, timeout, options)
     return finished
 
 
-def call(
-    argv: Sequence[str], *, timeout: float | None, stdout: int = PIPE, tenant: bool = False
-) -> Finished:
-    """run() for a caller already on a worker thread (stdin /dev/null, stderr dropped)."""
+def call(argv: Sequence[str], *, timeout: float | None, tenant: bool = False) -> Finished:
+    """run() for a caller already on a worker thread (stdin /dev/null, stderr dropped).
+    `tenant`: started on a tenant's behalf (tenant_argv())."""
     job = _Job(True, tenant=tenant)
-    return job.run(list(argv), None, timeout, {"stdout": stdout, "stderr": DEVNULL})
+    return job.run(list(argv), None, timeout, {"stdout": PIPE, "stderr": DEVNULL})
 
 
 async def _on_thread(job: _Job, work: Callable[..., Any], *args: Any) -> Any:
@@ -286,7 +283,8 @@ async def run_capped(
     each of its stdout and stderr, reading on so that it never blocks on a full pipe.
     Once it has exited, output still held open (a background child) is read for `drain`
     seconds more. At `timeout` (None: none) or when the caller is cancelled, `kill(proc)`
-    is called; it must leave the process exited or about to be. `tenant`: as run()'s."""
+    is called; it must leave the process exited or about to be. `tenant`: started on a
+    tenant's behalf (tenant_argv())."""
     job = _Job(True, kill, tenant=tenant)
     captured: Captured = await _on_thread(job, job.run_capped, list(argv), timeout, limit, drain)
     return captured
