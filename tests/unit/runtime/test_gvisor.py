@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,29 @@ def test_a_tree_past_the_fallbacks_cap_costs_the_container_and_no_call_per_membe
     gvisor.kill_process_tree(runsc, "c1", 3, 10)
     made = [args.split(" ", 2)[2] for _, _, args in _calls(calls)]
     assert made == ["ps c1", "kill --all c1 9"]
+
+
+@pytest.mark.skipif(gvisor.relay_program() is None, reason="busybox-static is not installed")
+def test_a_node_ends_few_trees_at_once_each_with_one_runsc(tmp_path: Path) -> None:
+    # Probes of many pods time out together: each tree is ended by one `runsc exec`
+    # in its sandbox (a state file names it), and only TREE_KILLS of them run at once.
+    (tmp_path / "c1_sandbox:s1.state").touch()
+    running = tmp_path / "running"
+    running.mkdir()
+    script = tmp_path / "runsc"
+    script.write_text(f"""#!/bin/sh
+touch {running}/$$
+echo "$(ls {running} | wc -l) $3" >> {tmp_path / "calls"}
+sleep 0.2
+rm -f {running}/$$
+echo ended
+""")
+    script.chmod(0o755)
+    with ThreadPoolExecutor(6) as pool:
+        for pid in range(3, 9):
+            pool.submit(
+                gvisor.kill_process_tree, [str(script), "--root", str(tmp_path)], "c1", pid, 10
+            )
+    calls = [line.split() for line in (tmp_path / "calls").read_text().splitlines()]
+    assert [verb for _, verb in calls] == ["exec"] * 6
+    assert max(int(beside) for beside, _ in calls) <= gvisor.TREE_KILLS
