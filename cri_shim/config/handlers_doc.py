@@ -149,7 +149,13 @@ runs runsc through a generated script that, for a container joining a sandbox, s
 waiter (`runsc wait`) conmon waits for instead, and whose streams the container gets
 when it starts. ExecSync and exec run as the container's user (runsc's exec would run as
 root); a command past its timeout, or a streaming exec whose client went away, is killed
-inside the sandbox by its pid there (a host signal never reaches it). Exec with a
+inside the sandbox by its pids there (a host signal never reaches it), with its
+descendants and its process group and session: one `runsc exec` of busybox's shell in
+the sandbox container (the program the relay uses) stops them all, then kills them at
+once, whatever their number; at most two such kills run at once on the node. Without
+that program, runsc signals one pid per call: four calls at a time, and past 64
+processes (or for a tree still growing after 20 looks) the container is killed whole.
+What the daemon starts for an exec runs without its OOM protection. Exec with a
 terminal gets one from runsc's console socket (`runsc exec --detach --console-socket`:
 runsc has no `--tty`, the socket is its terminal option): runsc sends the master of a
 host pty whose replica gVisor's kernel takes as the command's controlling terminal, so

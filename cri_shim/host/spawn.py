@@ -11,16 +11,25 @@ waits, so the loop goes on serving.
 A process started here is killed (its whole session when it leads one) when its caller
 is cancelled or its time is up, and reaped before run() returns. owned() names the
 processes in flight, which the orphan reaper leaves to the thread that waits for them.
+
+The daemon runs protected from the OOM killer (the unit's OOMScoreAdjust=-999), and its
+children inherit that. A process started on a tenant's behalf (an exec and what ends it,
+a port-forward's relay: work whose amount a pod decides) gets a normal score instead
+(`tenant=True`, tenant_argv()): the OOM killer weighs it as any process, rather than
+choosing the pods before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import math
 import os
 import select
 import selectors
+import shutil
 import signal
 import subprocess
 import threading
@@ -30,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # More than the node ever runs at once (creations are bounded by [requests]); a call past
 # it waits for a thread rather than failing.
@@ -43,6 +54,10 @@ DEVNULL = subprocess.DEVNULL
 
 # Kills a process started here (and what it started), in place of SIGKILL to its session.
 Killer = Callable[["subprocess.Popen[bytes]"], None]
+
+# What a process started on a tenant's behalf gets: the kernel's default, unless the
+# daemon's own is higher (no process goes below the daemon's).
+TENANT_OOM_SCORE_ADJ = 0
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -69,6 +84,34 @@ def owned() -> frozenset[int]:
     return frozenset(_owned)
 
 
+def daemon_oom_score_adj() -> int:
+    """The daemon's own oom_score_adj."""
+    with open("/proc/self/oom_score_adj") as handle:
+        return int(handle.read())
+
+
+def tenant_argv(argv: Sequence[str]) -> list[str]:
+    """`argv` to start on a tenant's behalf: through util-linux's choom, which sets its own
+    oom_score_adj to TENANT_OOM_SCORE_ADJ and execs `argv` (the same process, so nothing
+    of it runs protected, and its pid is the one started). Unchanged when the daemon's own
+    score is no lower (raising a score needs no privilege; lowering one would), or where
+    choom is missing (logged once)."""
+    if daemon_oom_score_adj() >= TENANT_OOM_SCORE_ADJ:
+        return list(argv)
+    choom = _choom()
+    if choom is None:
+        return list(argv)
+    return [choom, "-n", str(TENANT_OOM_SCORE_ADJ), "--", *argv]
+
+
+@functools.cache
+def _choom() -> str | None:
+    found = shutil.which("choom")
+    if found is None:
+        log.warning("choom (util-linux) is missing: exec's helpers keep the daemon's oom_score_adj")
+    return found
+
+
 async def run(
     argv: Sequence[str],
     *,
@@ -92,6 +135,13 @@ async def run(
     return finished
 
 
+def call(argv: Sequence[str], *, timeout: float | None, tenant: bool = False) -> Finished:
+    """run() for a caller already on a worker thread (stdin /dev/null, stderr dropped).
+    `tenant`: started on a tenant's behalf (tenant_argv())."""
+    job = _Job(True, tenant=tenant)
+    return job.run(list(argv), None, timeout, {"stdout": PIPE, "stderr": DEVNULL})
+
+
 async def _on_thread(job: _Job, work: Callable[..., Any], *args: Any) -> Any:
     """work(*args) on a spawn thread, for a caller that may be cancelled meanwhile."""
     done = asyncio.get_running_loop().run_in_executor(_executor(), work, *args)
@@ -107,9 +157,12 @@ async def _on_thread(job: _Job, work: Callable[..., Any], *args: Any) -> Any:
 class _Job:
     """One process, between the thread that waits for it and the loop that may cancel it."""
 
-    def __init__(self, new_session: bool, kill: Killer | None = None) -> None:
+    def __init__(
+        self, new_session: bool, kill: Killer | None = None, *, tenant: bool = False
+    ) -> None:
         self.new_session = new_session
         self.kill_hook = kill
+        self.tenant = tenant
         self.proc: subprocess.Popen[bytes] | None = None
         self.cancelled = False
         self.killed = False
@@ -127,6 +180,8 @@ class _Job:
     @contextlib.contextmanager
     def _started(self, argv: list[str], **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
         """The process, known to cancel() and to the orphan reaper until it is reaped."""
+        if self.tenant:
+            argv = tenant_argv(argv)
         proc = subprocess.Popen(argv, close_fds=True, start_new_session=self.new_session, **popen)
         _owned.add(proc.pid)
         try:
@@ -222,13 +277,15 @@ async def run_capped(
     limit: int,
     drain: float,
     kill: Killer,
+    tenant: bool = False,
 ) -> Captured:
     """Run `argv` (stdin /dev/null, a session of its own) and keep at most `limit` bytes of
     each of its stdout and stderr, reading on so that it never blocks on a full pipe.
     Once it has exited, output still held open (a background child) is read for `drain`
     seconds more. At `timeout` (None: none) or when the caller is cancelled, `kill(proc)`
-    is called; it must leave the process exited or about to be."""
-    job = _Job(True, kill)
+    is called; it must leave the process exited or about to be. `tenant`: started on a
+    tenant's behalf (tenant_argv())."""
+    job = _Job(True, kill, tenant=tenant)
     captured: Captured = await _on_thread(job, job.run_capped, list(argv), timeout, limit, drain)
     return captured
 

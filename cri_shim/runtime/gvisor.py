@@ -31,16 +31,21 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shlex
 import signal
-import subprocess
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from cri_shim.errors import FailedPrecondition
+from cri_shim.host import spawn
 from cri_shim.runtime.kinds.base import CONTAINER_TYPE
+
+log = logging.getLogger(__name__)
 
 SCRIPT_NAME = "runsc-under-conmon"
 
@@ -223,52 +228,167 @@ def process_tree(listing: str, root: int) -> list[int]:
     return tree
 
 
-# How often an exec's process tree is listed again for members that forked meanwhile.
-TREE_ROUNDS = 4
+# Ending a timed-out exec inside gVisor. runsc signals one pid per call (`kill --pid`),
+# and each call is a host process of about 17 MiB: one per member of a tree a tenant sizes
+# (a probe forking 3000 sleepers asked the node for 3000 at once) is not a price the node
+# can pay. So the tree is ended by one `runsc exec` into the pod's sandbox container (the
+# root PID namespace, where runsc's pids are; the static busybox bound there for the
+# port-forward relay), running the script below, and a node ends at most TREE_KILLS
+# trees at once. A sandbox without that program falls back to `runsc kill --pid`, at
+# most SIGNALS_AT_ONCE calls at a time for a tree of at most MAX_SIGNALLED members.
+# Past that, or when the tree outgrows every look at it, the container is killed whole:
+# that is the one call runsc has for any number of processes.
+#
+# The script: $1 is the exec's pid (in the root PID namespace), $2 how often to look again.
+_KILL_SCRIPT = """
+root=$1 rounds=$2
+bb=/busybox
+# The exec's live processes (with $1, but those in that state): the exec, its descendants,
+# and what is in its process group or session (a child whose parent exited is re-parented
+# out of the tree, not out of those). ps reads each /proc/PID/stat past the name's last ')'.
+members() {
+    "$bb" ps -o pid,ppid,pgid,sid,stat | "$bb" awk -v root="$root" -v skip="$1" '
+    function member(pid,  path, n, p, s, i) {
+        for (p = pid; !(p in state) && n < 100000; p = parent[p]) {
+            if (!(p in parent)) { state[p] = 0; break }
+            if (p == root || group[p] == root || session[p] == root) { state[p] = 1; break }
+            path[++n] = p
+        }
+        s = state[p]
+        for (i = 1; i <= n; i++) state[path[i]] = s
+        return s
+    }
+    NR > 1 && $5 !~ /^Z/ { parent[$1] = $2; group[$1] = $3; session[$1] = $4; st[$1] = $5 }
+    END { for (pid in parent) if (member(pid) && substr(st[pid], 1, 1) != skip) print pid }'
+}
+# Stopped first, the exec's process group by one signal each time, until none runs:
+# then nothing forks or exits, and nothing runs on once its parent or child is killed.
+round=0
+while kill -s STOP -- -"$root" 2>/dev/null; running=$(members T) && [ -n "$running" ]; do
+    [ $((round += 1)) -gt "$rounds" ] && break
+    kill -s STOP -- $running 2>/dev/null
+done
+# Then all killed at once, and again for any that forked before its stop.
+round=0
+while live=$(members) && [ -n "$live" ]; do
+    if [ $((round += 1)) -gt "$rounds" ]; then
+        echo grew
+        exit 0
+    fi
+    kill -s KILL -- -"$root" $live 2>/dev/null
+done
+echo ended
+"""
+
+# How often the script looks again for members forked before they were stopped.
+TREE_ROUNDS = 20
+# Trees being ended at once on the node; an exec past its timeout waits for its turn.
+TREE_KILLS = 2
+# The fallback without the program in the sandbox: calls at once, and the largest tree.
+SIGNALS_AT_ONCE = 4
+MAX_SIGNALLED = 64
+# The script's least budget: a few thousand processes take it seconds to list, and one
+# cut short costs the container.
+SCRIPT_TIMEOUT = 30.0
+_tree_kills = threading.BoundedSemaphore(TREE_KILLS)
 
 
 def kill_process_tree(runsc: Sequence[str], container_id: str, root: int, timeout: float) -> None:
-    """SIGKILL a process inside gVisor's kernel and all its descendants (an ExecSync past
-    its timeout: `sh -c 'sleep 600 & sleep 601'` must leave nothing). runsc signals one
-    pid at a time, and a process whose parent died is re-parented out of the tree: so
-    each member is stopped first, and the tree listed again until no new one appears
-    (none forks away between the listing and the kill), then all are killed at once.
-    `runsc` is the command line before the subcommand."""
+    """SIGKILL a process inside gVisor's kernel and all its descendants, its process group
+    and its session (an ExecSync past its timeout: `sh -c 'sleep 600 & sleep 601'` must
+    leave nothing, whatever the number of processes). Each is stopped first, and the
+    processes listed again until none runs (none forks away between the listing and the
+    kill), then all are killed at once. `runsc` is the command line before the subcommand
+    (with `--root`); every process started here is the tenant's (spawn.tenant_argv)."""
+    with _tree_kills:
+        ended = _kill_in_sandbox(runsc, container_id, root, timeout)
+        if ended is None:
+            ended = _kill_by_pids(runsc, container_id, root, timeout)
+        if not ended:
+            log.warning(
+                "container %s: the processes of an exec past its timeout could not be ended "
+                "one by one (still growing, or more than %d where the sandbox has no %s); "
+                "the container is killed whole",
+                container_id,
+                MAX_SIGNALLED,
+                RELAY_PATH,
+            )
+            _runsc(runsc, timeout, "kill", "--all", container_id, str(int(signal.SIGKILL)))
+
+
+def _kill_in_sandbox(
+    runsc: Sequence[str], container_id: str, root: int, timeout: float
+) -> bool | None:
+    """The script run by one `runsc exec` in the pod's sandbox container, as root there
+    (the exec's processes may be any user's): True when they all ended, False when they
+    kept growing (or the script outlived `timeout`), None when it could not run there."""
+    state_root = _option(runsc, "--root")
+    sandboxes = sandboxes_of(Path(state_root), container_id) if state_root else set()
+    if len(sandboxes) != 1 or relay_program() is None:
+        return None
+    (sandbox,) = sandboxes
+    argv = [*runsc, "exec", "--user", "0:0", "--cap", "CAP_KILL", sandbox, RELAY_PATH]
+    argv += ["sh", "-c", _KILL_SCRIPT, "sh", str(root), str(TREE_ROUNDS)]
+    try:
+        done = spawn.call(argv, timeout=max(timeout, SCRIPT_TIMEOUT), tenant=True)
+    except spawn.TimedOut:
+        return False
+    except OSError:
+        return None
+    outcome = done.stdout.split()
+    if done.returncode != 0 or not outcome or outcome[0] not in (b"ended", b"grew"):
+        return None  # a sandbox made without the program, or one that is gone
+    return outcome[0] == b"ended"
+
+
+def _kill_by_pids(runsc: Sequence[str], container_id: str, root: int, timeout: float) -> bool:
+    """`runsc kill --pid` of each member, a few at a time: False for a tree of more than
+    MAX_SIGNALLED members, or one still growing after TREE_ROUNDS looks."""
     stopped: list[int] = []
-    for _ in range(TREE_ROUNDS):
-        try:
-            listing = subprocess.run(
-                [*runsc, "ps", container_id], capture_output=True, text=True, timeout=timeout
-            ).stdout
-        except subprocess.TimeoutExpired:
-            listing = ""
+    for _ in range(TREE_ROUNDS + 1):
+        listing = _runsc(runsc, timeout, "ps", container_id)
         fresh = [pid for pid in process_tree(listing, root) if pid not in stopped]
         if not fresh:
             break
+        if len(stopped) + len(fresh) > MAX_SIGNALLED:
+            return False
         _signal_each(runsc, container_id, fresh, signal.SIGSTOP, timeout)
         stopped += fresh
+    else:
+        return False
     _signal_each(runsc, container_id, stopped or [root], signal.SIGKILL, timeout)
+    return True
 
 
 def _signal_each(
     runsc: Sequence[str], container_id: str, pids: list[int], sig: int, timeout: float
 ) -> None:
-    """`runsc kill --pid` of each, side by side."""
-    calls = [
-        subprocess.Popen(
-            [*runsc, "kill", "--pid", str(pid), container_id, str(int(sig))],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for pid in pids
-    ]
-    for call in calls:
-        try:
-            call.wait(timeout)
-        except subprocess.TimeoutExpired:
-            call.kill()
-            call.wait()
+    """`runsc kill --pid` of each, SIGNALS_AT_ONCE at a time."""
+
+    def signal_one(pid: int) -> None:
+        _runsc(runsc, timeout, "kill", "--pid", str(pid), container_id, str(int(sig)))
+
+    with ThreadPoolExecutor(SIGNALS_AT_ONCE, thread_name_prefix="runsc-kill") as pool:
+        list(pool.map(signal_one, pids))
+
+
+def _runsc(runsc: Sequence[str], timeout: float, *args: str) -> str:
+    """One runsc command on the tenant's behalf: its output, empty when it failed."""
+    try:
+        done = spawn.call([*runsc, *args], timeout=timeout, tenant=True)
+    except (OSError, spawn.TimedOut):
+        return ""
+    return done.stdout.decode(errors="replace") if done.returncode == 0 else ""
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The value of a global option in a command line (`--root DIR` or `--root=DIR`)."""
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(f"{name}="):
+            return arg.partition("=")[2]
+    return None
 
 
 # Port-forward into a gVisor pod goes through its sandbox: busybox's `nc`, from the static

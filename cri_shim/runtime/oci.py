@@ -229,6 +229,8 @@ class OciRuntime:
                     pid_file,
                     self._inner_killer(container_id, inner_pid_file, inside) if inside else None,
                 ),
+                # A probe's command, as many at once as the pods have probes.
+                tenant=True,
             )
             stdout, stderr, timed_out = done.stdout, done.stderr, done.timed_out
             if timed_out:

@@ -8,7 +8,9 @@
   has no `--tty`: its console socket alone asks for a terminal (a host pty whose replica
   the Sentry takes as the command's controlling terminal); and its command lives in
   gVisor's kernel, where no host signal reaches it, so it is killed by its pid there
-  (`--internal-pid-file`, then `runsc kill --pid`).
+  (`--internal-pid-file`, then runtime/gvisor.py's kill_process_tree).
+- Every process started here is a tenant's (an exec, a port-forward's relay per
+  connection): it runs without the daemon's OOM protection (host/spawn.py tenant_argv).
 - attach: conmon's `attach` socket (SOCK_SEQPACKET; each packet from conmon starts with
   the pipe it came from; what we send is the container's stdin) and its `ctl` FIFO for
   terminal size (`1 <height> <width>`).
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cri_shim.errors import FailedPrecondition, Internal
+from cri_shim.host import spawn
 from cri_shim.host.namespaces import netns_entered
 from cri_shim.host.process import set_child_subreaper
 from cri_shim.runtime.kinds.base import KillInside
@@ -122,7 +125,7 @@ class RuncStreamingBackend:
         if relay is not None:
             log.debug("port-forward to pod %s port %d through its sandbox", sandbox_id, port)
             process = await asyncio.create_subprocess_exec(
-                *relay,
+                *spawn.tenant_argv(relay),  # one per connection a client opens
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL,
@@ -187,7 +190,7 @@ class RuncExecProcess:
         try:
             if not tty:
                 process = await asyncio.create_subprocess_exec(
-                    *argv, container_id, *cmd,
+                    *spawn.tenant_argv([*argv, container_id, *cmd]),
                     stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -216,7 +219,7 @@ class RuncExecProcess:
             listener.listen(1)
             listener.setblocking(False)
             process = await asyncio.create_subprocess_exec(
-                *argv, "--console-socket", str(console), container_id, *cmd,
+                *spawn.tenant_argv([*argv, "--console-socket", str(console), container_id, *cmd]),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,

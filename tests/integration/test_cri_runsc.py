@@ -10,11 +10,13 @@ then uses the kernel's network stack in it). The daemon's runsc state root is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -634,6 +636,85 @@ def test_a_created_container_waits_for_its_start_without_polling(
     assert gvisor.leaks() == {}
 
 
+class RuntimeChildren:
+    """Samples, every few milliseconds, the runtime processes the daemon itself started
+    (its children named after the runtime's binary) and keeps the peak."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        assert daemon.proc is not None
+        self._parent = str(daemon.proc.pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> RuntimeChildren:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def count(self) -> int:
+        found = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            name, _, rest = stat.partition("(")[2].rpartition(")")
+            if name == "runsc" and rest.split()[1] == self._parent:
+                found += 1
+        return found
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.count())
+
+
+def timed_out_exec(daemon: Daemon, container_id: str, script: str, timeout: int) -> float:
+    """An ExecSync of `sh -c script` that must end at its timeout: the seconds until the
+    answer, which must be DEADLINE_EXCEEDED."""
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as timed_out:
+        daemon.runtime().ExecSync(
+            api_pb2.ExecSyncRequest(
+                container_id=container_id, cmd=["sh", "-c", script], timeout=timeout
+            ),
+            timeout=120,
+        )
+    answered = time.monotonic() - started
+    assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, timed_out.value
+    return answered
+
+
+def lingering(daemon: Daemon, container_id: str, own: str, seconds: float = 2.0) -> list[str]:
+    """What runs in the container besides its own process, over a few looks: a member
+    of a relay is briefly alone between its parent's exit and its own fork, which a
+    single listing can miss."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.update(live_processes(daemon, container_id))
+        time.sleep(0.2)
+    return sorted(seen - {own})
+
+
+@contextlib.contextmanager
+def probed_container(daemon: Daemon, name: str, log_dir: Path) -> Iterator[str]:
+    """A running container (`sleep 300`) of a gVisor pod, to exec in; the pod and all of
+    its sandbox gone afterwards, and still running until then."""
+    with pod(daemon, name, log_dir, handler="runsc") as p:
+        container_id = create(daemon, p, container_config("probed", "exec sleep 300"))
+        start(daemon, container_id)
+        yield container_id
+        assert status(daemon, container_id).state == api_pb2.CONTAINER_RUNNING
+    assert runsc_list(daemon) == []
+    assert daemon.leaks() == {}
+
+
 def live_processes(daemon: Daemon, container_id: str) -> list[str]:
     """The commands running in a container, as its own `ps` sees them (zombies aside:
     a process whose parent died is the container's init's to reap, as under runc)."""
@@ -657,18 +738,9 @@ def test_an_exec_past_its_timeout_or_left_by_its_client_leaves_none_of_its_proce
 ) -> None:
     # runsc kills one pid at a time: the exec's shell alone was killed, its background
     # child ran on (one per timed-out probe), holding the output open for seconds more.
-    with pod(gvisor, "probes", short_tmp, handler="runsc") as p:
-        container_id = create(gvisor, p, container_config("probed", "exec sleep 300"))
-        start(gvisor, container_id)
+    with probed_container(gvisor, "probes", short_tmp) as container_id:
         for command in ("sleep 600 & sleep 601", "sh -c 'sleep 602 & wait' & sleep 603"):
-            with pytest.raises(grpc.RpcError) as timed_out:
-                gvisor.runtime().ExecSync(
-                    api_pb2.ExecSyncRequest(
-                        container_id=container_id, cmd=["sh", "-c", command], timeout=1
-                    ),
-                    timeout=60,
-                )
-            assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            timed_out_exec(gvisor, container_id, command, timeout=1)
             assert live_processes(gvisor, container_id) == ["sleep 300"], command
         # A streaming exec whose client leaves is killed the same way.
         command = ["sh", "-c", "sleep 998 & sleep 997"]
@@ -676,6 +748,46 @@ def test_an_exec_past_its_timeout_or_left_by_its_client_leaves_none_of_its_proce
         url = gvisor.runtime().Exec(request, timeout=10).url
         asyncio.run(_leave_once_running(url, gvisor, container_id))
         wait_until(lambda: live_processes(gvisor, container_id) == ["sleep 300"], timeout=30)
-        assert status(gvisor, container_id).state == api_pb2.CONTAINER_RUNNING
-    assert runsc_list(gvisor) == []
-    assert gvisor.leaks() == {}
+
+
+# What the daemon may run at once to end one timed-out exec in gVisor: the exec's own
+# `runsc exec` and one more (the kill, whatever the size of the exec's process tree).
+RUNTIME_PROCESSES_PER_EXEC = 2
+
+
+def test_an_exec_timeout_kills_a_wide_tree_with_a_bounded_number_of_host_processes(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # runsc signals one pid per call: 300 sleepers once cost 101 `runsc kill` at once
+    # (one per process, ~17 MiB each), 7.2 s to answer, and a sleeper left alive.
+    with probed_container(gvisor, "wide", short_tmp) as container_id:
+        script = "for i in $(seq 300); do sleep 1d & done; sleep 1d"
+        with RuntimeChildren(gvisor) as children:
+            answered = timed_out_exec(gvisor, container_id, script, timeout=3)
+        survivors = live_processes(gvisor, container_id)
+        print(f"peak runsc children {children.peak}, answered in {answered:.1f}s, "
+              f"{len(survivors) - 1} survivors")  # fmt: skip
+        assert survivors == ["sleep 300"]
+        assert children.peak <= RUNTIME_PROCESSES_PER_EXEC
+
+
+def test_an_exec_timeout_ends_a_fork_chain_that_grows_while_it_is_killed(
+    gvisor: Daemon, short_tmp: Path
+) -> None:
+    # Each process forks the next and waits for it: every listing of the tree is already
+    # short of its newest member, which forks on after the look. And a relay whose every
+    # member forks the next and exits: its members are re-parented out of the exec's tree
+    # before any listing sees them there.
+    chains = {
+        "growing": "link() { link & wait; }; link",
+        "relay": "link() { sleep 0.05; link & }; link; sleep 1d",
+    }
+    with probed_container(gvisor, "chain", short_tmp) as container_id:
+        for name, script in chains.items():
+            with RuntimeChildren(gvisor) as children:
+                answered = timed_out_exec(gvisor, container_id, script, timeout=2)
+            survivors = lingering(gvisor, container_id, "sleep 300")
+            print(f"{name}: peak runsc children {children.peak}, answered in {answered:.1f}s, "
+                  f"survivors {survivors}")  # fmt: skip
+            assert survivors == [], name
+            assert children.peak <= RUNTIME_PROCESSES_PER_EXEC, name

@@ -5,9 +5,10 @@ So the host's PID, IPC and network namespaces are not the host's inside it, a pr
 container gets no host devices or capabilities, and it maps no user namespace. conmon runs
 runsc through a script that gives it a process to wait for, a joining container is
 started with its waiter's stdio, exec runs as the container's user and is killed inside
-the sandbox by its pid there, runsc's leftover lock files are removed with the container,
-and the limits go to the host cgroups, summed over the pod (runsc before 2026 has no
-`update`; runtime/sandbox_cgroups.py). The mechanisms are in runtime/gvisor.py.
+the sandbox with all its processes by one `runsc exec` there, runsc's leftover lock files
+are removed with the container, and the limits go to the host cgroups, summed over the
+pod (runsc before 2026 has no `update`; runtime/sandbox_cgroups.py). The mechanisms are
+in runtime/gvisor.py.
 """
 
 from __future__ import annotations

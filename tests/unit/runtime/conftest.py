@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import pytest
 from runtime_spec_inputs import GROUP, PASSWD, STUB_DIR, container_config
 
 from cri_shim.api.v1 import api_pb2
+from cri_shim.host import spawn
 from cri_shim.runtime.capabilities import ALL_CAPABILITIES
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
@@ -100,3 +101,18 @@ async def stub_backend(
     """A RuntimeBackend over the test doubles."""
     async for backend in backend_over_doubles(tmp_path, monkeypatch, host):
         yield backend
+
+
+@pytest.fixture
+def protected_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process as the installed daemon, which its unit protects from the OOM killer
+    (OOMScoreAdjust=-999): here, where lowering a score needs the missing CAP_SYS_RESOURCE,
+    it runs at 500 instead (what a helper would inherit) and its own reads as -999."""
+    own = Path("/proc/self/oom_score_adj")
+    before = own.read_text()
+    own.write_text("500")
+    monkeypatch.setattr(spawn, "daemon_oom_score_adj", lambda: -999, raising=False)
+    try:
+        yield
+    finally:
+        own.write_text(before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,80 @@ def test_an_exec_process_tree_is_read_from_runsc_ps() -> None:
     assert process_tree(listing, 5) == [5]
     assert process_tree(listing, 9) == []  # gone: nothing of it to kill
     assert process_tree("", 3) == []
+
+
+def _fake_runsc(tmp_path: Path, members: int) -> tuple[list[str], Path]:
+    """A runsc whose `ps` lists an exec (pid 3) with `members - 1` children and whose
+    `kill` takes a moment; no state file names the container's sandbox, so nothing is run
+    in it. Each call records its arguments, its oom_score_adj and how many ran beside it."""
+    calls = tmp_path / "calls"
+    running = tmp_path / "running"
+    running.mkdir()
+    children = "".join(f"0 {pid} 3 0 ? 16:40 0s sleep\n" for pid in range(4, 3 + members))
+    script = tmp_path / "runsc"
+    script.write_text(f"""#!/bin/sh
+touch {running}/$$
+echo "$(ls {running} | wc -l) $(cat /proc/self/oom_score_adj) $*" >> {calls}
+case " $* " in
+*" ps "*) printf "UID PID PPID C TTY STIME TIME CMD\\n0 3 0 0 ? 16:40 0s sh\\n{children}" ;;
+*) sleep 0.1 ;;
+esac
+rm -f {running}/$$
+""")
+    script.chmod(0o755)
+    return [str(script), "--root", str(tmp_path)], calls
+
+
+def _calls(calls: Path) -> list[tuple[int, str, str]]:
+    rows = [line.split(" ", 2) for line in calls.read_text().splitlines()]
+    return [(int(beside), score, args) for beside, score, args in rows]
+
+
+@pytest.mark.usefixtures("protected_daemon")
+def test_the_fallback_signals_a_few_members_at_a_time_outside_the_daemons_protection(
+    tmp_path: Path,
+) -> None:
+    runsc, calls = _fake_runsc(tmp_path, members=12)
+    gvisor.kill_process_tree(runsc, "c1", 3, 10)
+    made = _calls(calls)
+    kills = [args for _, _, args in made if " kill --pid " in f" {args} "]
+    assert sorted(kills) == sorted(
+        f"--root {tmp_path} kill --pid {pid} c1 {sig}" for pid in range(3, 15) for sig in (19, 9)
+    )
+    assert max(beside for beside, _, _ in made) <= gvisor.SIGNALS_AT_ONCE
+    assert {score for _, score, _ in made} == {"0"}
+
+
+def test_a_tree_past_the_fallbacks_cap_costs_the_container_and_no_call_per_member(
+    tmp_path: Path,
+) -> None:
+    runsc, calls = _fake_runsc(tmp_path, members=gvisor.MAX_SIGNALLED + 1)
+    gvisor.kill_process_tree(runsc, "c1", 3, 10)
+    made = [args.split(" ", 2)[2] for _, _, args in _calls(calls)]
+    assert made == ["ps c1", "kill --all c1 9"]
+
+
+@pytest.mark.skipif(gvisor.relay_program() is None, reason="busybox-static is not installed")
+def test_a_node_ends_few_trees_at_once_each_with_one_runsc(tmp_path: Path) -> None:
+    # Probes of many pods time out together: each tree is ended by one `runsc exec`
+    # in its sandbox (a state file names it), and only TREE_KILLS of them run at once.
+    (tmp_path / "c1_sandbox:s1.state").touch()
+    running = tmp_path / "running"
+    running.mkdir()
+    script = tmp_path / "runsc"
+    script.write_text(f"""#!/bin/sh
+touch {running}/$$
+echo "$(ls {running} | wc -l) $3" >> {tmp_path / "calls"}
+sleep 0.2
+rm -f {running}/$$
+echo ended
+""")
+    script.chmod(0o755)
+    with ThreadPoolExecutor(6) as pool:
+        for pid in range(3, 9):
+            pool.submit(
+                gvisor.kill_process_tree, [str(script), "--root", str(tmp_path)], "c1", pid, 10
+            )
+    calls = [line.split() for line in (tmp_path / "calls").read_text().splitlines()]
+    assert [verb for _, verb in calls] == ["exec"] * 6
+    assert max(int(beside) for beside, _ in calls) <= gvisor.TREE_KILLS

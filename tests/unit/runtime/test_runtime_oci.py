@@ -148,3 +148,12 @@ async def test_exec_output_is_capped_but_drained(
     runtime = fake_runc(tmp_path, 'shift 4; exec "$@"\n')  # drops: exec --pid-file <f> c1
     result = await runtime.exec_sync("c1", ["sh", "-c", "head -c 100000 /dev/zero; exit 0"], 5)
     assert len(result.stdout) == 1000 and result.exit_code == 0
+
+
+@pytest.mark.usefixtures("protected_daemon")
+async def test_an_exec_runs_without_the_daemons_oom_protection(tmp_path: Path) -> None:
+    # A probe's command, in as many copies as the pods have probes: under memory pressure
+    # it must weigh as any process does, not be spared as the daemon is.
+    runtime = fake_runc(tmp_path, 'shift 4; exec "$@"\n')  # drops: exec --pid-file <f> c1
+    result = await runtime.exec_sync("c1", ["cat", "/proc/self/oom_score_adj"], 5)
+    assert result.stdout == b"0\n"
