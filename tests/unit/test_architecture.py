@@ -87,6 +87,9 @@ MAX_FUNCTION_LINES = 80
 GENERATED = ("cri_shim.api", "cri_shim.nri.api")
 # One operation a module in the lifecycle: none grows past this.
 MAX_LIFECYCLE_MODULE_LINES = 450
+# One concern a class in the runtime (how a container stops, how its exit is recorded):
+# none grows past this.
+MAX_RUNTIME_CLASS_LINES = 300
 
 
 def within(module: str, prefix: str) -> bool:
@@ -256,6 +259,35 @@ def test_each_lifecycle_module_holds_one_operation() -> None:
         and len(path.read_text().splitlines()) > MAX_LIFECYCLE_MODULE_LINES
     ]
     assert big == []
+
+
+def long_classes(tree: ast.AST, limit: int) -> list[str]:
+    """The classes in `tree` longer than `limit` lines, with their length."""
+    return [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_each_runtime_class_holds_one_concern() -> None:
+    big = [
+        f"{name}.{found}"
+        for name in modules()
+        if within(name, "cri_shim.runtime")
+        for found in long_classes(tree_of(name), MAX_RUNTIME_CLASS_LINES)
+    ]
+    assert big == []
+
+
+def test_a_class_past_the_limit_is_found() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_RUNTIME_CLASS_LINES))
+    source = f"class Short:\n    pass\n\n\nclass Backend:\n{body}"
+    assert long_classes(ast.parse(source), MAX_RUNTIME_CLASS_LINES) == [
+        f"Backend: {MAX_RUNTIME_CLASS_LINES + 1} lines"
+    ]
 
 
 # A comment says why; an issue number sends the reader elsewhere to find out.
