@@ -53,7 +53,7 @@ def test_calls_are_served_through_the_activated_socket(activated: Daemon) -> Non
 def test_a_restart_loses_no_call(activated: Daemon) -> None:
     """SIGTERM, as `systemctl restart` sends: the calls made while no daemon runs wait
     in the socket's backlog, those on a stopping daemon's connections are answered or
-    retried on the next one (server/http2_drain.py). Without the drain some come back
+    retried on the next one (transport/http2_drain.py). Without the drain some come back
     CANCELLED; without the held socket, UNAVAILABLE (the test below)."""
     with LoopingClient(activated.socket, pods=True) as clients:
         for _ in range(3):

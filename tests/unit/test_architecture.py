@@ -34,7 +34,11 @@ SERVER_MAY_IMPORT = (
     "cri_shim.server",
 )
 ROOT = ("cri_shim.cli", "cri_shim.daemon", "cri_shim.composition")
-EDGES = ("cri_shim.server", "cri_shim.metrics")
+# The CRI socket under the gRPC edge: bound, or passed by systemd and relayed.
+TRANSPORT = "cri_shim.transport"
+EDGES = ("cri_shim.server", TRANSPORT, "cri_shim.metrics")
+# What the transport may import: bytes and sockets, and the configuration's errors.
+TRANSPORT_MAY_IMPORT = (TRANSPORT, "cri_shim.config")
 DOMAIN = ("cri_shim.lifecycle", "cri_shim.inspection")
 # The packages below the domain: each wraps one part of the host or of the state.
 BELOW_DOMAIN = (
@@ -155,6 +159,19 @@ def imports_outside(prefix: str, allowed: tuple[str, ...]) -> list[str]:
 
 def test_the_edge_imports_only_the_domain_and_plain_records() -> None:
     assert imports_outside("cri_shim.server", SERVER_MAY_IMPORT) == []
+
+
+def test_the_transport_imports_only_the_configuration() -> None:
+    assert imports_outside(TRANSPORT, TRANSPORT_MAY_IMPORT) == []
+
+
+def test_only_the_root_imports_the_transport() -> None:
+    importers = {
+        importer
+        for importer, module in imports_of("cri_shim")
+        if within(module, TRANSPORT) and not within(importer, TRANSPORT)
+    }
+    assert importers <= set(ROOT)
 
 
 @pytest.mark.parametrize("importer", sorted(FORBIDDEN))
@@ -430,7 +447,7 @@ HOST_READS = re.compile(
 # What the edge still reads itself, each with its reason.
 EDGE_HOST_READS = {
     # Its own socket: the directory's mode and a stale socket file (DESIGN §1).
-    "cri_shim.server.unix_socket",
+    "cri_shim.transport.unix_socket",
     # A mount's host path must exist (INVALID_ARGUMENT naming the field, before the
     # name is reserved); validation runs synchronously in server/limits.py.
     "cri_shim.server.validation._mount",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.config import ConfigError
-from cri_shim.server.http2_drain import settings_frame
+from cri_shim.transport.http2_drain import settings_frame
 
 log = logging.getLogger("cri_shim.server.activation")
 

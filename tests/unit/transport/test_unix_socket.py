@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from cri_shim.config import ConfigError
-from cri_shim.server.unix_socket import (
+from cri_shim.transport.unix_socket import (
     bind_private_socket,
     bind_unix_socket,
     group_id,

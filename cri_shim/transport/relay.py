@@ -23,7 +23,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from cri_shim.server.http2_drain import (
+from cri_shim.transport.http2_drain import (
     ClientToServer,
     OpenStreams,
     ServerToClient,
