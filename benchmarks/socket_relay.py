@@ -1,4 +1,4 @@
-"""What the socket-activation relay (cri_shim/server/relay.py) adds to a call: the same
+"""What the socket-activation relay (cri_shim/transport/relay.py) adds to a call: the same
 daemon measured binding its own socket and served through a socket passed as systemd
 passes it (tests/harness.py `pass_fds`), one client calling serially.
 

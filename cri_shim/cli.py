@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The CRI socket systemd passed is accepted on before the daemon's modules load:
         # a gRPC client waiting on it since the last daemon stopped is answered now.
-        from cri_shim.server.activation import EarlyAcceptor, activated_socket
+        from cri_shim.transport.activation import EarlyAcceptor, activated_socket
 
         activated = activated_socket(cfg.socket_path)
     except ConfigError as exc:

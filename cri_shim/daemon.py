@@ -28,16 +28,16 @@ from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
 from cri_shim.runtime.orphans import OrphanReaper
-from cri_shim.server.activation import EarlyAcceptor
 from cri_shim.server.listing import reply_limit
-from cri_shim.server.relay import SocketRelay
 from cri_shim.server.services import ImageService, RuntimeService, add_to_server
-from cri_shim.server.unix_socket import (
+from cri_shim.server.views import ObjectNames
+from cri_shim.transport.activation import EarlyAcceptor
+from cri_shim.transport.relay import SocketRelay
+from cri_shim.transport.unix_socket import (
     bind_private_socket,
     bind_unix_socket,
     private_socket_dir,
 )
-from cri_shim.server.views import ObjectNames
 
 log = logging.getLogger("cri_shim.daemon")
 

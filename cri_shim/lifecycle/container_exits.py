@@ -61,7 +61,7 @@ class ContainerExits:
         else:
             reason = "Error"
         if backend.monitor_died(container.id):
-            # Written by the daemon in conmon's place (runtime/conmon.py): containerd and
+            # Written by the daemon in conmon's place (runtime/conmon_watch.py): containerd and
             # CRI-O report such an exit as 255, "Error"; the message says why.
             message = MONITOR_DIED_MESSAGE if container.started_at else MONITOR_DIED_BEFORE_START
         changed = self._rows.mark_exited(container.id, code, finished, reason, message)

@@ -9,7 +9,7 @@ churns others, a manifest written and an older one removed as each new pod runs,
 the unit is restarted RESTARTS times. kubelet's pods run again after each restart: the
 steady pod's container never restarted, and new pods were made after the last one.
 
-What the count found before the daemon did its part (server/http2_drain.py): 148-224
+What the count found before the daemon did its part (transport/http2_drain.py): 148-224
 lines "error reading server preface" with socket activation. kubelet's gRPC client gives a
 new connection 5 s to answer its HTTP/2 preface; the connections it made at the stopping
 daemon's GOAWAY waited in the socket's backlog through the stop and the next daemon's

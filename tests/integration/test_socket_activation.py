@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
-from cri_shim.server.http2_drain import DATA, END_STREAM, HEADERS, PREFACE, frame
+from cri_shim.transport.http2_drain import DATA, END_STREAM, HEADERS, PREFACE, frame
 from tests.call_loop import LoopingClient
 from tests.harness import CniTestNetwork, Daemon, pod_config, wait_until
 
@@ -61,7 +61,7 @@ def test_calls_are_served_through_the_activated_socket(activated: Daemon) -> Non
 def test_a_restart_loses_no_call(activated: Daemon) -> None:
     """SIGTERM, as `systemctl restart` sends: the calls made while no daemon runs wait
     in the socket's backlog, those on a stopping daemon's connections are answered or
-    retried on the next one (server/http2_drain.py). Without the drain some come back
+    retried on the next one (transport/http2_drain.py). Without the drain some come back
     CANCELLED; without the held socket, UNAVAILABLE (the test below)."""
     with LoopingClient(activated.socket, pods=True) as clients:
         for _ in range(3):
@@ -197,7 +197,7 @@ def settled(daemon: Daemon, quiet: float = 0.5, timeout: float = 30) -> int:
 @pytest.mark.parametrize("kind", list(CLIENTS))
 def test_connections_that_end_leave_no_descriptor_open(activated: Daemon, kind: str) -> None:
     """Each client as people run it, CALLS times: the daemon's open descriptors come
-    back to what they were (server/relay.py closes both ends once both directions have
+    back to what they were (transport/relay.py closes both ends once both directions have
     ended, and connects no gRPC server for a client gone before it said anything)."""
     call = CLIENTS[kind]
     for _ in range(10):  # what a first call of the kind loads

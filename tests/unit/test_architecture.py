@@ -34,7 +34,11 @@ SERVER_MAY_IMPORT = (
     "cri_shim.server",
 )
 ROOT = ("cri_shim.cli", "cri_shim.daemon", "cri_shim.composition")
-EDGES = ("cri_shim.server", "cri_shim.metrics")
+# The CRI socket under the gRPC edge: bound, or passed by systemd and relayed.
+TRANSPORT = "cri_shim.transport"
+EDGES = ("cri_shim.server", TRANSPORT, "cri_shim.metrics")
+# What the transport may import: bytes and sockets, and the configuration's errors.
+TRANSPORT_MAY_IMPORT = (TRANSPORT, "cri_shim.config")
 DOMAIN = ("cri_shim.lifecycle", "cri_shim.inspection")
 # The packages below the domain: each wraps one part of the host or of the state.
 BELOW_DOMAIN = (
@@ -87,6 +91,9 @@ MAX_FUNCTION_LINES = 80
 GENERATED = ("cri_shim.api", "cri_shim.nri.api")
 # One operation a module in the lifecycle: none grows past this.
 MAX_LIFECYCLE_MODULE_LINES = 450
+# One concern a class in the runtime (how a container stops, how its exit is recorded):
+# none grows past this.
+MAX_RUNTIME_CLASS_LINES = 300
 
 
 def within(module: str, prefix: str) -> bool:
@@ -152,6 +159,19 @@ def imports_outside(prefix: str, allowed: tuple[str, ...]) -> list[str]:
 
 def test_the_edge_imports_only_the_domain_and_plain_records() -> None:
     assert imports_outside("cri_shim.server", SERVER_MAY_IMPORT) == []
+
+
+def test_the_transport_imports_only_the_configuration() -> None:
+    assert imports_outside(TRANSPORT, TRANSPORT_MAY_IMPORT) == []
+
+
+def test_only_the_root_imports_the_transport() -> None:
+    importers = {
+        importer
+        for importer, module in imports_of("cri_shim")
+        if within(module, TRANSPORT) and not within(importer, TRANSPORT)
+    }
+    assert importers <= set(ROOT)
 
 
 @pytest.mark.parametrize("importer", sorted(FORBIDDEN))
@@ -256,6 +276,35 @@ def test_each_lifecycle_module_holds_one_operation() -> None:
         and len(path.read_text().splitlines()) > MAX_LIFECYCLE_MODULE_LINES
     ]
     assert big == []
+
+
+def long_classes(tree: ast.AST, limit: int) -> list[str]:
+    """The classes in `tree` longer than `limit` lines, with their length."""
+    return [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_each_runtime_class_holds_one_concern() -> None:
+    big = [
+        f"{name}.{found}"
+        for name in modules()
+        if within(name, "cri_shim.runtime")
+        for found in long_classes(tree_of(name), MAX_RUNTIME_CLASS_LINES)
+    ]
+    assert big == []
+
+
+def test_a_class_past_the_limit_is_found() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_RUNTIME_CLASS_LINES))
+    source = f"class Short:\n    pass\n\n\nclass Backend:\n{body}"
+    assert long_classes(ast.parse(source), MAX_RUNTIME_CLASS_LINES) == [
+        f"Backend: {MAX_RUNTIME_CLASS_LINES + 1} lines"
+    ]
 
 
 # A comment says why; an issue number sends the reader elsewhere to find out.
@@ -398,7 +447,7 @@ HOST_READS = re.compile(
 # What the edge still reads itself, each with its reason.
 EDGE_HOST_READS = {
     # Its own socket: the directory's mode and a stale socket file (DESIGN §1).
-    "cri_shim.server.unix_socket",
+    "cri_shim.transport.unix_socket",
     # A mount's host path must exist (INVALID_ARGUMENT naming the field, before the
     # name is reserved); validation runs synchronously in server/limits.py.
     "cri_shim.server.validation._mount",

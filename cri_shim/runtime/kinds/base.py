@@ -4,7 +4,8 @@ runc-like OCI runtime (runc, crun, youki), which this class is.
 Everything that depends on what the runtime is goes through the kind: whether a pod gets
 a sandbox container its containers join and how that container's spec is made, how a
 container joins the pod's PID namespace, what conmon runs, how a container is started,
-signalled before its start, deleted and updated, the options of `exec` and its terminal,
+signalled before its start, deleted and updated (where a running container's limits go:
+ContainerLimits), the options of `exec` and its terminal,
 whether a process runs inside the runtime's own kernel (and how it is killed there), port
 forwarding into the pod, and the features Status advertises. A kind is decided once per
 runtime binary (probe.py); a new kind is a subclass in this package with its tests, and
@@ -19,7 +20,9 @@ from typing import Any, Protocol
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import CriError
+from cri_shim.runtime.container_files import ContainerFiles
 from cri_shim.runtime.features import HandlerFeatures, probe_features
+from cri_shim.runtime.host_limits import HostLimits
 
 # How a runtime that runs a pod as one sandbox tells the pod's sandbox container from the
 # containers that join it (`sandbox`, `container`), and which sandbox they join.
@@ -33,6 +36,40 @@ class OciCommands(Protocol):
     root: Path
 
     async def delete(self, container_id: str, *, force: bool = False) -> None: ...
+
+    async def update(self, container_id: str, resources: Mapping[str, Any]) -> None: ...
+
+
+class KindContext(Protocol):
+    """What a kind's parts may read of the handler they serve (runtime/handler_runtime.py's
+    HandlerRuntime)."""
+
+    handler_name: str
+    files: ContainerFiles
+    cgroup_root: Path
+
+    @property
+    def oci(self) -> OciCommands: ...
+
+    def host_limits(self) -> HostLimits: ...
+
+
+class ContainerLimits:
+    """Where a container's limits go: the runtime applies them, at its create and with
+    its `update`."""
+
+    def __init__(self, handler: KindContext) -> None:
+        self._handler = handler
+
+    async def created(self, spec: Mapping[str, Any]) -> None:
+        """A container was created with the limits of `spec`."""
+
+    async def update(self, container_id: str, resources: Mapping[str, Any]) -> None:
+        """New limits (OCI `linux.resources` fields) of a running container."""
+        await self._handler.oci.update(container_id, resources)
+
+    def forget(self, container_id: str) -> None:
+        """A container was deleted."""
 
 
 # Kills a process and its descendants by their pids in the runtime's own kernel:
@@ -51,9 +88,6 @@ class HandlerKind:
     # Whether the runtime makes a container's mounts when it starts it rather than when
     # it creates it, so the bind-mount sources staged for it must stay until its bundle goes.
     mounts_at_start = False
-    # Whether the runtime applies no limits of its own: the pod sandbox's host cgroup gets
-    # the sum of its containers' limits, and an update rewrites the host cgroups.
-    limits_on_pod_cgroup = False
     # Whether a container whose spec names no PID namespace is put in its sandbox's own
     # (where the sandbox container is PID 1), so a pod sharing one names none.
     pid_namespace_of_sandbox = False
@@ -108,6 +142,10 @@ class HandlerKind:
     async def delete(self, oci: OciCommands, container_id: str, bundle: Path | None) -> None:
         """`<runtime> delete --force`, and whatever the runtime leaves behind."""
         await oci.delete(container_id, force=True)
+
+    def limits(self, handler: KindContext) -> ContainerLimits:
+        """Where the limits of `handler`'s containers go."""
+        return ContainerLimits(handler)
 
     def exec_options(self, bundle: Path) -> list[str]:
         """Options of `<runtime> exec` that make the process the container's."""

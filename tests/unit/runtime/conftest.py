@@ -1,5 +1,7 @@
 """Fixtures for the runtime layer: a host with this machine's quirks, an image rootfs with
-its own /etc/passwd, and a backend over the conmon-stub and fake-oci-runtime test doubles."""
+its own /etc/passwd, and a backend over the conmon-stub and fake-oci-runtime test doubles
+(which keep conmon's and runc's contracts: sync pipe, pid files, exit file, CRI log,
+control FIFO; runc's verbs and error output), with the helpers its tests share."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from cri_shim.runtime.capabilities import ALL_CAPABILITIES
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
 from cri_shim.runtime.spec import ImageConfigView, SandboxContext, build_spec
+from tests.crilog import Stream, join_partials, read_records
 
 
 @pytest.fixture
@@ -116,3 +119,43 @@ def protected_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
     finally:
         own.write_text(before)
+
+
+def spec_for(tmp_path: Path, script: str) -> dict[str, Any]:
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir(exist_ok=True)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "args": ["/bin/sh", "-c", script],
+            "cwd": "/",
+            "env": ["PATH=/usr/bin:/bin", "GREETING=hello"],
+        },
+        "root": {"path": str(rootfs)},
+        "linux": {"cgroupsPath": "/cri-shim/c1"},
+    }
+
+
+async def create(
+    backend: RuntimeBackend, tmp_path: Path, script: str, cid: str = "c1", **kwargs: Any
+) -> int:
+    return await backend.create(
+        cid,
+        tmp_path / "bundles" / cid,
+        spec_for(tmp_path, script),
+        tmp_path / "logs" / f"{cid}.log",
+        kwargs.get("tty", False),
+        kwargs.get("stdin", False),
+    )
+
+
+def lines(path: Path) -> list[tuple[Stream, bytes]]:
+    return [(m.stream, m.content) for m in join_partials(read_records(path))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False

@@ -22,7 +22,7 @@ from cri_shim.runtime.cgroup_layout import (
     cgroup_layout,
     read_pressure,
 )
-from cri_shim.runtime.conmon import remove_cgroups
+from cri_shim.runtime.handler_runtime import remove_cgroups
 
 V1_HERE = (CGROUP_ROOT / "memory" / "memory.usage_in_bytes").exists() and os.geteuid() == 0
 V2_HERE = (CGROUP_ROOT / "cgroup.controllers").exists() and os.geteuid() == 0

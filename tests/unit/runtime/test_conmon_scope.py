@@ -15,8 +15,7 @@ from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.conmon_scope import ConmonScopes
 from cri_shim.runtime.host_limits import HostLimits
 from tests.fake_systemd import FakeSystemdBus, manager_on
-from tests.unit.runtime.conftest import backend_over_doubles
-from tests.unit.runtime.test_runtime_backend import spec_for
+from tests.unit.runtime.conftest import backend_over_doubles, spec_for
 
 POD_SLICE = "kubepods-besteffort-pod1.slice"
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,16 +17,16 @@ import pytest
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import FailedPrecondition, Internal
 from cri_shim.runtime.conmon import RuntimeBackend
+from cri_shim.runtime.container_files import ContainerFiles
 from cri_shim.runtime.features import HandlerFeatures
 from cri_shim.runtime.gvisor import kill_process_tree
 from cri_shim.runtime.host_limits import HostLimits
-from cri_shim.runtime.kinds.base import CONTAINER_TYPE, HandlerKind
-from cri_shim.runtime.kinds.gvisor import GVISOR, GVisorKind
+from cri_shim.runtime.kinds.base import CONTAINER_TYPE, ContainerLimits, HandlerKind
+from cri_shim.runtime.kinds.gvisor import GVISOR, GVisorKind, PodCgroupLimits
 from cri_shim.runtime.kinds.kata import KATA, KataKind
 from cri_shim.runtime.kinds.probe import kind_of
 from cri_shim.runtime.sandbox_cgroups import recorded_overhead
-from tests.unit.runtime.conftest import backend_over_doubles
-from tests.unit.runtime.test_runtime_backend import create
+from tests.unit.runtime.conftest import backend_over_doubles, create
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -96,15 +97,19 @@ def test_an_oci_daemon_does_not_load_the_gvisor_modules(tmp_path: Path) -> None:
     assert loaded.strip() == "[]"
 
 
+def _context(tmp_path: Path) -> Any:
+    """What a kind's limits are made from, without a runtime behind it."""
+    return SimpleNamespace(
+        handler_name="h", files=ContainerFiles(tmp_path), cgroup_root=tmp_path, oci=None
+    )
+
+
 def test_the_oci_kind_does_what_runc_does(tmp_path: Path) -> None:
     kind = HandlerKind(Path("/usr/bin/runc"))
     spec: dict[str, Any] = {"process": {"capabilities": {"bounding": ["CAP_BPF"]}}}
     assert kind.prepare_spec(spec) is spec
-    assert (kind.pod_sandbox, kind.mounts_at_start, kind.limits_on_pod_cgroup) == (
-        False,
-        False,
-        False,
-    )
+    assert (kind.pod_sandbox, kind.mounts_at_start) == (False, False)
+    assert type(kind.limits(_context(tmp_path))) is ContainerLimits  # the runtime's `update`
     assert kind.inside is None
     assert kind.tty_options == ("--tty",)
     assert kind.exec_options(tmp_path) == []
@@ -128,6 +133,7 @@ def test_gvisor_runs_exec_as_the_containers_user_and_kills_inside(tmp_path: Path
     assert kind.exec_options(bundle) == ["--user", "1000:10"]
     assert kind.inside is kill_process_tree
     assert kind.tty_options == ()  # runsc's console socket is its terminal option
+    assert isinstance(kind.limits(_context(tmp_path)), PodCgroupLimits)
 
 
 def test_gvisor_gives_runsc_a_spec_without_capabilities_it_does_not_know() -> None:

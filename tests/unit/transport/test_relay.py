@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cri_shim.server.activation import EarlyAcceptor
-from cri_shim.server.http2_drain import (
+from cri_shim.transport.activation import EarlyAcceptor
+from cri_shim.transport.http2_drain import (
     ACK,
     DATA,
     END_STREAM,
@@ -26,7 +26,7 @@ from cri_shim.server.http2_drain import (
     goaway_frame,
     settings_frame,
 )
-from cri_shim.server.relay import SocketRelay
+from cri_shim.transport.relay import SocketRelay
 from tests.waiting import until
 
 

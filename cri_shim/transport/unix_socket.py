@@ -88,7 +88,7 @@ def private_socket_dir(path: Path) -> Path:
 
 def bind_private_socket(server: grpc.aio.Server, path: Path) -> Path:
     """Bind `server` to a socket only this daemon reaches, for the relay from the socket
-    systemd passed (server/relay.py): the CRI socket's mode and group are the socket
+    systemd passed (transport/relay.py): the CRI socket's mode and group are the socket
     unit's, and the private one is never reachable by anyone else. Returns its path;
     the caller removes `private_socket_dir(path)` when the server has stopped."""
     prepare_socket_dir(path.parent)

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from cri_shim.server.http2_drain import (
+from cri_shim.transport.http2_drain import (
     DATA,
     END_STREAM,
     GOAWAY,

@@ -1,15 +1,15 @@
-"""The relay from the socket systemd passed (server/activation.py) to the gRPC server's
-private socket (server/unix_socket.py `bind_private_socket`).
+"""The relay from the socket systemd passed (transport/activation.py) to the gRPC server's
+private socket (transport/unix_socket.py `bind_private_socket`).
 
 grpcio cannot serve on a listening descriptor it did not bind, so the daemon relays:
 each connection accepted on the activated socket is joined to one of its own to the
 private socket, bytes copied both ways. The relay accepts from the daemon's start on and
-answers each connection's HTTP/2 handshake itself (server/http2_drain.py says why); the
+answers each connection's HTTP/2 handshake itself (transport/http2_drain.py says why); the
 connections are joined to the gRPC server, and their calls forwarded, only once the state
 is restored and the server serves (DESIGN §3). On stop, the calls forwarded are answered
 and the later ones held back; the relay goes on accepting, answering handshakes and
 holding calls, until the very end of the stop, and then tells each client (GOAWAY,
-server/http2_drain.py) to retry its held calls on a new connection. Those wait in the
+transport/http2_drain.py) to retry its held calls on a new connection. Those wait in the
 kernel's backlog of the socket systemd keeps open only while this process exits and the
 next one starts.
 
@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from cri_shim.server.http2_drain import (
+from cri_shim.transport.http2_drain import (
     FRAME_SIZE_ERROR,
     GRPC_UNAVAILABLE,
     ClientToServer,
@@ -40,7 +40,7 @@ from cri_shim.server.http2_drain import (
     status_frame,
 )
 
-log = logging.getLogger("cri_shim.server.relay")
+log = logging.getLogger("cri_shim.transport.relay")
 
 # How often a stopping daemon looks whether the last forwarded calls are answered.
 ANSWERED_POLL = 0.005

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cri_shim.config import ConfigError
-from cri_shim.server.activation import PassedFd, choose_socket, passed_fds
+from cri_shim.transport.activation import PassedFd, choose_socket, passed_fds
 from tests.harness import REPO, socket_activation
 
 
@@ -106,7 +106,7 @@ def test_a_process_given_the_socket_as_systemd_does_takes_it(
     variables gone from its environment afterwards."""
     program = (
         "import os, pathlib, sys\n"
-        "from cri_shim.server.activation import activated_socket\n"
+        "from cri_shim.transport.activation import activated_socket\n"
         "sock = activated_socket(pathlib.Path(sys.argv[1]))\n"
         "print(sock.fileno(), sorted(k for k in os.environ if k.startswith('LISTEN_')))\n"
     )

@@ -3,7 +3,7 @@
 With `cri-shim.socket`, systemd binds the CRI socket and holds it across restarts of the
 service: kubelet's connections made while the daemon restarts or is upgraded wait in the
 socket's backlog instead of being refused, and the daemon takes them once its state is
-restored (server/relay.py). The variables are taken out of the environment whatever they
+restored (transport/relay.py). The variables are taken out of the environment whatever they
 say, so that nothing the daemon starts (runc, conmon, CNI and NRI plugins) takes the
 sockets for its own.
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_shim.config import ConfigError
-from cri_shim.server.http2_drain import settings_frame
+from cri_shim.transport.http2_drain import settings_frame
 
-log = logging.getLogger("cri_shim.server.activation")
+log = logging.getLogger("cri_shim.transport.activation")
 
 # The first file descriptor systemd passes (SD_LISTEN_FDS_START).
 LISTEN_FDS_START = 3

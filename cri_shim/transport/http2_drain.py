@@ -1,7 +1,7 @@
 """Draining a relayed HTTP/2 connection: the frame boundaries in both directions, the
 GOAWAY the relay sends its client when the daemon stops, and the streams it then holds
 back; and the server's half of the connection preface, which the relay answers itself
-as soon as it accepts. Protocol logic only, no I/O (server/relay.py feeds it bytes).
+as soon as it accepts. Protocol logic only, no I/O (transport/relay.py feeds it bytes).
 
 Why the relay says GOAWAY itself rather than leaving it to gRPC's server: a client that
 opens a stream while the server is closing the connection behind the relay sees that
@@ -25,7 +25,7 @@ receive the server's preface (kubelet's cri-client: 5 s, its minimum connect tim
 grpc-go's default: 20 s), then closes it and fails the calls waiting for it UNAVAILABLE.
 A connection waiting in the activated socket's backlog while the daemon restarts and
 restores would be closed so whenever that takes longer (the daemon's modules alone took
-8 s to load under emulation: cli.py accepts before loading them, server/activation.py
+8 s to load under emulation: cli.py accepts before loading them, transport/activation.py
 `EarlyAcceptor`). Answered at once, the connection is ready for the client,
 which sends its calls; the relay forwards them once the gRPC server serves (after the
 restore). The server's own SETTINGS follow as an update of the relay's, empty ones (the
