@@ -241,7 +241,7 @@ class RuntimeBackend:
         conmon = self._record_conmon(cdir, meta)
         pid = _pid_from_report(container_id, cdir, report)
         if self._scopes is not None and conmon is not None:
-            await self._scopes.place(container_id, meta.cgroups_path, conmon.pid)
+            await self._scopes.place(container_id, meta.cgroups_path, conmon)
         return pid
 
     def _conmon_args(
