@@ -13,6 +13,7 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
+from cri_shim.host import mounts
 from cri_shim.lifecycle.container_rules import check_container
 from cri_shim.lifecycle.pod_resources import PodResources
 from cri_shim.lifecycle.resource_rules import check_pod_resources, check_resources
@@ -88,8 +89,14 @@ UNNAMEABLE_PARENTS = {
     [(driver, parent) for driver, parents in UNNAMEABLE_PARENTS.items() for parent in parents],
 )
 async def test_run_pod_sandbox_refuses_a_cgroup_parent_its_driver_cannot_name(
-    tmp_path: Path, driver: str, parent: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str, parent: str
 ) -> None:
+    def no_mount(*args: object, **kwargs: object) -> None:
+        # A creation that got this far (the check gone) mounts nothing its fake undo
+        # actions would leave mounted.
+        raise AssertionError("the pod's creation went on to mount its /dev/shm")
+
+    monkeypatch.setattr(mounts, "mount_tmpfs", no_mount)
     sandboxes, _bus = _sandboxes(tmp_path, [], cgroup_manager=driver)
     config = pod({})
     config.linux.cgroup_parent = parent
