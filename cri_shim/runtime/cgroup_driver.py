@@ -15,11 +15,13 @@ driver stays readable after the daemon restarts with the other.
 
 With both sides running a driver of their own, a node has two cgroup managers: kubelet
 (told the driver by RuntimeConfig) and the runtime must agree, so a `cgroup_parent` of the
-other driver's form is refused, naming both sides.
+other driver's form is refused, naming both sides; and so is a slice that systemd could not
+name, or that a cgroupsPath could only misread (below).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,14 @@ SYSTEMD_RUN_DIR = Path("/run/systemd/system")
 SCOPE_PREFIX = "cri-shim"
 # Where a container goes when kubelet gives no parent (CRI-O's choice too).
 DEFAULT_SYSTEMD_PARENT = "system.slice"
+# What a systemd-driver `cgroup_parent` may hold: systemd's unit-name characters
+# (unit_name_is_valid: letters, digits and ":-_.\\"), and '/' between the slices kubelet
+# expands it into; but not ':', which separates a cgroupsPath's slice from its prefix
+# and name (`slice:prefix:name`): the runtime splits on it, and is_systemd_path reads a
+# path with more than two as cgroupfs's, so a slice holding one is refused, never
+# reinterpreted. The slice's name is systemd's at most (UNIT_NAME_MAX, less its NUL).
+SLICE_CHARACTERS = re.compile(r"[A-Za-z0-9_.\\/-]*")
+UNIT_NAME_MAX = 255
 
 
 def systemd_booted(run_dir: Path = SYSTEMD_RUN_DIR) -> bool:
@@ -158,6 +168,7 @@ class CgroupDriver:
                 '--cgroup-driver=systemd, or set cgroup_manager = "cgroupfs"'
             )
         if self.systemd:
+            _check_slice_characters(cgroup_parent, field)
             try:
                 expand_slice(parent_slice(cgroup_parent))
             except ValueError as err:
@@ -179,6 +190,20 @@ class CgroupDriver:
         if not cgroup_parent:
             return f"/cri-shim/{container_id}"
         return f"{cgroup_parent.rstrip('/')}/cri-shim-{container_id}"
+
+
+def _check_slice_characters(cgroup_parent: str, field: str) -> None:
+    if not SLICE_CHARACTERS.fullmatch(cgroup_parent):
+        bad = next(c for c in cgroup_parent if not SLICE_CHARACTERS.fullmatch(c))
+        raise InvalidArgument(
+            f"{field}: {cgroup_parent!r} holds {bad!r}, which a slice's name cannot under "
+            "the systemd cgroup driver (letters, digits and '_.-\\' only; ':' separates the "
+            "slice from the container's scope in the runtime's cgroupsPath)"
+        )
+    if len(parent_slice(cgroup_parent)) > UNIT_NAME_MAX:
+        raise InvalidArgument(
+            f"{field}: the slice's name is longer than systemd's {UNIT_NAME_MAX} characters"
+        )
 
 
 CGROUPFS_DRIVER = CgroupDriver(CGROUPFS)

@@ -64,7 +64,7 @@ class ConmonLauncher:
         conmon = self._record_conmon(cdir, meta)
         pid = _pid_from_report(container_id, cdir, report)
         if self._runtime.scopes is not None and conmon is not None:
-            await self._runtime.scopes.place(container_id, meta.cgroups_path, conmon.pid)
+            await self._runtime.scopes.place(container_id, meta.cgroups_path, conmon)
         return pid
 
     def _conmon_args(

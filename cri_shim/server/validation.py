@@ -162,6 +162,22 @@ def _absolute_path(
         raise InvalidArgument(f"{field}: {_short(value)} must not contain '..'")
 
 
+def _cgroup_parent(value: str, field: str) -> None:
+    """A cgroup's path (cgroupfs) or slice (systemd; its own characters are the driver's
+    rule: runtime/cgroup_driver.py), under either driver: no '..', and nothing a
+    cgroup's name would carry into the lines of /proc/<pid>/cgroup and the files that
+    list cgroups, or that a person could not read back (whitespace, control characters)."""
+    _max_length(value, MAX_PATH, field)
+    if _has_dotdot(value):
+        raise InvalidArgument(f"{field}: must not contain '..'")
+    bad = next((c for c in value if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"{field}: {_short(value)} holds {bad!r} at {value.index(bad)}: a cgroup's "
+            "name takes no whitespace or control characters"
+        )
+
+
 def _id(value: str, field: str) -> None:
     _max_length(value, MAX_ID, field)
 
@@ -235,9 +251,7 @@ def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
     _string_map(config.annotations, f"{where}.annotations")
     linux = config.linux
     if linux.cgroup_parent:
-        _max_length(linux.cgroup_parent, MAX_PATH, f"{where}.linux.cgroup_parent")
-        if _has_dotdot(linux.cgroup_parent):
-            raise InvalidArgument(f"{where}.linux.cgroup_parent: must not contain '..'")
+        _cgroup_parent(linux.cgroup_parent, f"{where}.linux.cgroup_parent")
     sc = linux.security_context
     if sc.HasField("run_as_user"):
         _ids([sc.run_as_user.value], f"{where}.linux.security_context.run_as_user")

@@ -1,8 +1,9 @@
 """The cgroup drivers against the real daemon.
 
 Here (any host): the driver the daemon runs is the one RuntimeConfig and Status report, a
-pod whose cgroup parent is of the other driver's form is refused before anything is
-made, and `systemd` where systemd does not run stops the start.
+pod whose cgroup parent is of the other driver's form, or of its own but one it cannot
+name (a ':' in a slice, whitespace or control characters), is refused before anything
+is made, and `systemd` where systemd does not run stops the start.
 
 With cgroup v2 and systemd as PID 1 (the QEMU guest lane, scripts/guest): a pod under a
 kubelet-style slice runs with real runc `--systemd-cgroup` and real StartTransientUnit
@@ -82,6 +83,40 @@ def test_a_parent_of_the_other_drivers_form_is_refused_before_anything_is_made(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (info.value.details() or "").startswith("PodSandboxConfig.linux.cgroup_parent:")
     assert "--cgroup-driver=" in (info.value.details() or "")
+    listed = daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10)
+    assert not listed.items
+    assert not list((daemon.root / "sandboxes").glob("*"))
+
+
+# Parents of each driver's own form that it cannot name: a slice with ':' becomes a
+# cgroupsPath with three (`a:b.slice:cri-shim:<id>`) that is then read as a cgroupfs path.
+UNNAMEABLE_PARENTS = {
+    "systemd": [
+        "/kubepods.slice/a:b.slice",
+        "kubepods-a:b.slice",
+        "/kubepods.slice/kubepods besteffort.slice",
+        "kubepods-pod\x1b1.slice",
+    ],
+    "cgroupfs": [
+        "/kubepods/besteffort/pod 1",
+        "/kubepods/besteffort/pod1\n0::/elsewhere",
+        "/kubepods/besteffort/pod\t1",
+        "/kubepods/besteffort/pod\x7f1",
+    ],
+}
+
+
+def test_a_parent_its_driver_cannot_name_is_refused_before_anything_is_made(
+    daemon: Daemon,
+) -> None:
+    running = "systemd" if systemd_booted() else "cgroupfs"
+    for parent in UNNAMEABLE_PARENTS[running]:
+        config = pod_config(linux=api_pb2.LinuxPodSandboxConfig(cgroup_parent=parent))
+        with pytest.raises(grpc.RpcError) as info:
+            daemon.runtime().RunPodSandbox(api_pb2.RunPodSandboxRequest(config=config), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (parent, info.value)
+        details = info.value.details() or ""
+        assert details.startswith("PodSandboxConfig.linux.cgroup_parent: "), details
     listed = daemon.runtime().ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=10)
     assert not listed.items
     assert not list((daemon.root / "sandboxes").glob("*"))

@@ -81,12 +81,14 @@ class RecordingBus(EventBus):
         return None
 
 
-def _sandboxes(tmp_path: Path, calls: list[str]) -> tuple[SandboxLifecycle, RecordingBus]:
+def _sandboxes(
+    tmp_path: Path, calls: list[str], cgroup_manager: str = "auto"
+) -> tuple[SandboxLifecycle, RecordingBus]:
     db = Database(tmp_path / "state.db")
     bus = RecordingBus()
     journal = Journal(db, first_backoff=0.0)
     lifecycle = SandboxLifecycle(
-        Config(root=tmp_path / "root", run_root=tmp_path / "run"),
+        Config(root=tmp_path / "root", run_root=tmp_path / "run", cgroup_manager=cgroup_manager),
         Pods(SandboxRepository(db)),
         journal,
         Ledger(db),

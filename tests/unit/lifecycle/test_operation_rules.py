@@ -1,7 +1,8 @@
 """The rules each operation enforces before it makes or changes anything: a pod's
 sysctls (pod_rules.py), resources within the kernel's ranges and the CPUs online
-(lifecycle/resource_rules.py), a mount's host path (lifecycle/container_rules.py). Each
-is refused with INVALID_ARGUMENT naming the field, and no name is reserved for it."""
+(lifecycle/resource_rules.py), a mount's host path (lifecycle/container_rules.py), a
+cgroup parent each driver can name (runtime/cgroup_driver.py, with the edge's shape of it).
+Each is refused with INVALID_ARGUMENT naming the field, and no name is reserved for it."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pytest
 
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
+from cri_shim.host import mounts
 from cri_shim.lifecycle.container_rules import check_container
 from cri_shim.lifecycle.pod_resources import PodResources
 from cri_shim.lifecycle.resource_rules import check_pod_resources, check_resources
 from cri_shim.pod_rules import check_pod_sysctls
+from cri_shim.runtime.cgroup_driver import CGROUPFS_DRIVER, SYSTEMD_DRIVER
+from cri_shim.server.validation import validate_request
 from cri_shim.state.records import SandboxRecord
 from tests.unit.lifecycle.test_lifecycle_seams import _containers, _sandboxes
 from tests.unit.test_cpusets import host_with_two_cpus
@@ -55,6 +59,73 @@ def test_namespaced_sysctls_are_accepted() -> None:
     check_pod_sysctls(pod({"net.ipv4.ip_unprivileged_port_start": "0", "kernel.sem": "1 2 3 4"}))
     check_pod_sysctls(pod({"net/ipv4/conf/eth0.100/rp_filter": "1"}))
     check_pod_sysctls(pod({"kernel.shmmax": "1"}, HOST_NET))  # IPC stays the pod's own
+
+
+# cgroup parents of each driver's form that the driver cannot take as they are: the
+# systemd ones would become a cgroupsPath the runtime splits wrongly (`a:b.slice:cri-shim:ID`)
+# or a unit systemd refuses, the cgroupfs ones a cgroup whose name breaks the lines of
+# /proc/<pid>/cgroup.
+UNNAMEABLE_PARENTS = {
+    "systemd": [
+        "/kubepods.slice/a:b.slice",
+        "kubepods-a:b.slice",
+        "/kubepods.slice/kubepods-besteffort pod1.slice",
+        "kubepods-pod\t1.slice",
+        "kubepods-pod\x1b1.slice",
+        "kubepods-p\u00f6d1.slice",
+        "k" * 300 + ".slice",
+    ],
+    "cgroupfs": [
+        "/kubepods/besteffort/pod 1",
+        "/kubepods/besteffort/pod1\n0::/elsewhere",
+        "/kubepods/besteffort/pod\x7f1",
+        "/kubepods/besteffort/pod\u20281",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("driver", "parent"),
+    [(driver, parent) for driver, parents in UNNAMEABLE_PARENTS.items() for parent in parents],
+)
+async def test_run_pod_sandbox_refuses_a_cgroup_parent_its_driver_cannot_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str, parent: str
+) -> None:
+    def no_mount(*args: object, **kwargs: object) -> None:
+        # A creation that got this far (the check gone) mounts nothing its fake undo
+        # actions would leave mounted.
+        raise AssertionError("the pod's creation went on to mount its /dev/shm")
+
+    monkeypatch.setattr(mounts, "mount_tmpfs", no_mount)
+    sandboxes, _bus = _sandboxes(tmp_path, [], cgroup_manager=driver)
+    config = pod({})
+    config.linux.cgroup_parent = parent
+    with pytest.raises(InvalidArgument, match=r"^PodSandboxConfig\.linux\.cgroup_parent: "):
+        # As the daemon serves it: the edge's check of the field, then the operation's.
+        validate_request("RunPodSandbox", api_pb2.RunPodSandboxRequest(config=config))
+        await sandboxes.run(config, "", None)
+    assert sandboxes.rows.ids() == set()
+    assert sandboxes.rows._db.query("SELECT name FROM names") == []
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("driver", "parent"),
+    [
+        ("systemd", "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1_2.slice"),
+        ("systemd", "kubepods-burstable-pod0a1b.slice"),
+        ("systemd", "/test.slice"),
+        ("systemd", "a\\x2db.slice"),
+        ("cgroupfs", "/kubepods/besteffort/pod0a1b2c3d-0000-4000-8000-00000000cafe"),
+        ("cgroupfs", "/kubepods/pod:1"),
+    ],
+)
+def test_the_parents_kubelet_and_critest_send_are_accepted(driver: str, parent: str) -> None:
+    config = pod({})
+    config.linux.cgroup_parent = parent
+    validate_request("RunPodSandbox", api_pb2.RunPodSandboxRequest(config=config))
+    driver_of = {"systemd": SYSTEMD_DRIVER, "cgroupfs": CGROUPFS_DRIVER}[driver]
+    driver_of.check_parent(parent)
 
 
 async def test_run_pod_sandbox_refuses_a_node_wide_sysctl_before_reserving_a_name(
