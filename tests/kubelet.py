@@ -93,11 +93,18 @@ def delegate_every_controller(hierarchy: Path) -> None:
 
 def runtime_cgroup_driver(endpoint: str) -> str:
     """The cgroup driver the runtime at `endpoint` runs (its RuntimeConfig answer), which
-    kubelet must run too: `cgroupfs` or `systemd`."""
+    kubelet must run too: `cgroupfs` or `systemd`; `cgroupfs` from a runtime that predates
+    RuntimeConfig (containerd 1.6, the density benchmark's peer), as kubelet then keeps
+    its own `--cgroup-driver`, cgroupfs by default."""
     with grpc.insecure_channel(endpoint) as channel:
-        answer = api_pb2_grpc.RuntimeServiceStub(channel).RuntimeConfig(
-            api_pb2.RuntimeConfigRequest(), timeout=30
-        )
+        try:
+            answer = api_pb2_grpc.RuntimeServiceStub(channel).RuntimeConfig(
+                api_pb2.RuntimeConfigRequest(), timeout=30
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return "cgroupfs"
     return "systemd" if answer.linux.cgroup_driver == api_pb2.SYSTEMD else "cgroupfs"
 
 
