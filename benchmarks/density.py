@@ -664,6 +664,11 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
         shares = alone_pss(processes)
         result.alone = sum(share.mib for share in shares.values())
         result.daemon_alone = shares[processes[0]]
+        result.notes.append(
+            f"the daemon alone {result.daemon_alone.mib:.1f} MiB, of which "
+            f"{result.daemon_alone.system_libraries_mib:.1f} in system libraries that a "
+            "node's other processes map too"
+        )
         result.sandbox_pss = runtime.sandbox_pss_mib()
         if analyse:
             assert isinstance(runtime, ShimRuntime) and profiler is not None
