@@ -457,11 +457,17 @@ def container_id(status: dict[str, Any]) -> str:
 
 def remove_all_sandboxes(runtime: Any, timeout: float = 120) -> None:
     """Stop and remove every sandbox the runtime holds (`runtime`: a RuntimeService stub),
-    what kubelet's garbage collector would have done in its own time."""
+    what kubelet's garbage collector would have done in its own time. A sandbox that is
+    gone by the time it is stopped or removed (NOT_FOUND: containerd 1.6 lists one that it
+    is removing on its own) is passed over, not left with the rest behind it."""
     for sandbox in runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=30).items:
-        runtime.StopPodSandbox(
-            api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
-        )
-        runtime.RemovePodSandbox(
-            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
-        )
+        try:
+            runtime.StopPodSandbox(
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
+            )
+            runtime.RemovePodSandbox(
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise
