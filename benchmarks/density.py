@@ -17,10 +17,23 @@ says more; `--kubelet-arg=--node-ip=` with no value turns it off to measure that
   on cgroup v1, one of the unified tree on v2: `cpu.stat`'s `usage_usec`), and under
   systemd's cgroup driver the transient scope each conmon moves to once its container is
   made;
+  the daemon's own CPU (`dm CPU`, from /proc/PID/stat: the part the relay is in);
 - kubelet CPU (% of a core) in the same minute, with the children it reaped;
-- runtime PSS (MiB, and per pod) at the end of the minute: the daemon and its per-pod
+- runtime memory (MiB, and per pod) at the end of the minute: the daemon and its per-pod
   helpers (conmon; containerd's shims and the sandboxes' pause processes), not the runc
-  or plugin processes that happen to run at that moment;
+  or plugin processes that happen to run at that moment, and the daemon's own, two ways:
+  - `alone`: what it would be with the runtime alone on the node, the figure a user sees
+    there. Every resident page is divided among the runtime's processes that map it and
+    no others (runtime_cost.alone_pss, from /proc/PID/pagemap's frame numbers): the
+    runtime's distinct pages, once each. This is the figure to read;
+  - `PSS`: the kernel's proportional set size here (smaps_rollup), which divides a
+    shared page among every process on the machine that maps it. It is lower than
+    `alone` by what others share: this benchmark's own Python process, which imports
+    grpc and protobuf from the same venv and maps the same interpreter and system
+    libraries as the daemon, and any other process of the same interpreter (libpython
+    is a shared library; on a machine running other Python programs, such as other test
+    runs, its 5 MiB are divided among all of them), so it moves with whatever else runs.
+    The README explains the difference;
 - all removed (s): manifests deleted -> kubelet lists no pod and the runtime runs no
   container.
 
@@ -63,6 +76,15 @@ systemd as PID 1 on cgroup v2, as nodes run it: elsewhere it is refused. The QEM
 1800 s for many more pods). Under emulation every figure is several times the host's; the
 ratio between the drivers is the figure to read there (README, Benchmarks).
 
+`--mode` sets how cri-shim's daemon gets its socket: `relay` (the default) as the unit that
+`scripts/install` writes starts it, socket-activated (the socket held by this process as
+systemd holds it, descriptor 3), every kubelet call passing through the relay
+(server/relay.py); `bound`, the daemon binding the socket itself; `both`, one run of each,
+ending with the relay's figures over the bound socket's and the relay's share of the
+daemon's steady CPU. Either way the daemon runs with the installed unit's interpreter
+options (`python -OO -X no_debug_ranges`) from bytecode compiled so, as scripts/install
+compiles it.
+
 `--runtime containerd` runs the same against containerd 1.6 started by
 `../shared/peers/containerd/start.sh` (which installs it if missing); the images are
 imported with `ctr`, the pause image being the test busybox image sleeping forever (so
@@ -70,7 +92,7 @@ nothing is pulled). Never run it while another cri-shim run measures on the same
 
 Usage: sudo .venv/bin/python benchmarks/density.py [--pods 50,110] [--workloads plain,probe]
            [--runtime cri-shim|containerd|both] [--handler runc|runsc|both] [--steady 60]
-           [--cgroup-driver cgroupfs|systemd|both]
+           [--cgroup-driver cgroupfs|systemd|both] [--mode relay|bound|both]
            [--analyse] [--kubelet-arg=--FLAG=VALUE ...]
 
 The figures are printed, never asserted.
@@ -85,21 +107,25 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 import httpx
-from common import cpu_seconds, percentiles
+from common import BYTECODE, compile_as_installed, cpu_seconds, percentiles
 from runtime_cost import (
+    AloneShare,
     CpuAccount,
     Profiler,
+    alone_pss,
     children,
     comm,
     command_lines,
@@ -112,7 +138,14 @@ from runtime_cost import (
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.host.mounts import unmount_below
 from cri_shim.runtime.cgroup_driver import CGROUPFS, SYSTEMD, systemd_booted
-from tests.harness import BUSYBOX_IMAGE, REPO, Daemon, import_image, make_test_network
+from tests.harness import (
+    BUSYBOX_IMAGE,
+    INSTALLED_FLAGS,
+    REPO,
+    Daemon,
+    import_image,
+    make_test_network,
+)
 from tests.imagebuild import _write_tar, build_image, cached_oci_layout, layout_files
 from tests.kubelet import (
     KUBELET,
@@ -152,6 +185,7 @@ CRI_HANDLERS = {
 
 class Runtime(Protocol):
     name: str
+    mode: str
     driver: str
     endpoint: str
     cpu: CpuAccount
@@ -159,22 +193,38 @@ class Runtime(Protocol):
     def cpu_seconds(self) -> float: ...
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def pss_mib(self) -> float: ...
+    def processes(self) -> list[int]: ...
     def sandbox_pss_mib(self) -> float: ...
     def daemon_pid(self) -> int: ...
     def stub(self) -> api_pb2_grpc.RuntimeServiceStub: ...
 
 
+# How the daemon gets its socket: handed over by systemd's socket activation, as the unit
+# scripts/install writes by default starts it (every call then passes through the relay,
+# server/relay.py), or bound by the daemon itself.
+RELAY, BOUND = "relay", "bound"
+MODES = {RELAY: [RELAY], BOUND: [BOUND], "both": [RELAY, BOUND]}
+
+
 class ShimRuntime:
-    """cri-shim as an operator runs it (log level info), on a scratch root, with the
-    bridge and portmap plugins on a network of its own, under the cgroup driver given."""
+    """cri-shim as an operator runs it (log level info, the installed unit's interpreter
+    options, from bytecode compiled so), on a scratch root, with the bridge and portmap
+    plugins on a network of its own, under the cgroup driver given, its socket activated
+    (`mode` RELAY) or bound by itself (BOUND)."""
 
     def __init__(
-        self, base: Path, analyse: bool, handler: str = "runc", driver: str = CGROUPFS
+        self,
+        base: Path,
+        analyse: bool,
+        handler: str = "runc",
+        driver: str = CGROUPFS,
+        mode: str = RELAY,
     ) -> None:
         self.name = "cri-shim" if handler == "runc" else f"cri-shim/{handler}"
         self.driver = driver
+        self.mode = mode
         self.base = base
+        self.held: socket.socket | None = None
         self.network = make_test_network(base, 3, slow=False)
         settings: dict[str, Any] = {
             "log_level": "info",
@@ -184,11 +234,20 @@ class ShimRuntime:
         self.metrics_port = free_port() if analyse else 0
         if analyse:
             settings["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
-        self.daemon = Daemon(base, self.network, settings=settings)
+        self.daemon = Daemon(
+            base, self.network, settings=settings, env=BYTECODE, interpreter_flags=INSTALLED_FLAGS
+        )
         self.cpu = CpuAccount(f"crishim-density-{os.getpid()}")
         self.endpoint = f"unix://{self.daemon.socket}"
 
     def start(self) -> None:
+        if self.mode == RELAY:
+            # Held here as systemd holds it, the daemon getting it as descriptor 3.
+            self.daemon.socket.parent.mkdir(parents=True, exist_ok=True)
+            self.held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.held.bind(str(self.daemon.socket))
+            self.held.listen(socket.SOMAXCONN)
+            self.daemon.pass_fds = (self.held.fileno(),)
         self.daemon.start()
         import_image(self.daemon, cached_oci_layout(self.base / "images"))
         self.cpu.add(self.daemon_pid())
@@ -209,9 +268,9 @@ class ShimRuntime:
         """The account's, and under the systemd driver the conmons' own scopes'."""
         return self.cpu.seconds() + moved_out_seconds(self.cpu, self.conmons())
 
-    def pss_mib(self) -> float:
+    def processes(self) -> list[int]:
         """The daemon and its conmons (not a runc or CNI plugin that happens to run)."""
-        return sum(pss_mib(pid) for pid in [self.daemon_pid(), *self.conmons()])
+        return [self.daemon_pid(), *self.conmons()]
 
     def sandbox_pss_mib(self) -> float:
         """The gVisor pods' own host processes: Sentries, gofers, waiters."""
@@ -230,6 +289,8 @@ class ShimRuntime:
                 print(f"  {self.name} left behind: {leaks}")
         finally:
             self.daemon.stop()
+            if self.held is not None:
+                self.held.close()
             self.cpu.remove()
             self.network.remove()
 
@@ -249,6 +310,7 @@ class ContainerdRuntime:
 
     name = "containerd"
     driver = CGROUPFS  # the peer's configuration: SystemdCgroup = false
+    mode = "-"
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -282,12 +344,12 @@ class ContainerdRuntime:
             self._channel = grpc.insecure_channel(self.endpoint)
         return api_pb2_grpc.RuntimeServiceStub(self._channel)
 
-    def pss_mib(self) -> float:
+    def processes(self) -> list[int]:
         """containerd, its shims, and the sandboxes' pause processes (the shims' children
         named as the pause image's program); not a runc that happens to run."""
         shims = {pid for pid in self.cpu.pids() if comm(pid) == "containerd-shim"}
         pauses = [pid for pid in children(shims) if comm(pid) == "sleep"]
-        return sum(pss_mib(pid) for pid in [self.daemon_pid(), *shims, *pauses])
+        return [self.daemon_pid(), *shims, *pauses]
 
     def sandbox_pss_mib(self) -> float:
         return 0.0  # runc's pods: the pause processes are counted with the shims
@@ -308,14 +370,19 @@ class ContainerdRuntime:
 @dataclass
 class Result:
     runtime: str
+    mode: str
     driver: str
     workload: str
     pods: int
     start: list[float] = field(default_factory=list)
     not_ready: int = 0
     runtime_cpu: float = 0.0
+    daemon_cpu: float = 0.0
     kubelet_cpu: float = 0.0
-    pss: float = 0.0
+    pss: float = 0.0  # the runtime's, as the kernel counts it on this machine
+    alone: float = 0.0  # the runtime's, alone on the node (runtime_cost.alone_pss)
+    daemon_pss: float = 0.0
+    daemon_alone: AloneShare = field(default_factory=AloneShare)
     sandbox_pss: float = 0.0
     removed: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -324,18 +391,23 @@ class Result:
         p50, p99 = percentiles(self.start, 0.99) if self.start else (float("nan"),) * 2
         missing = f"  ({self.not_ready} never ready)" if self.not_ready else ""
         return (
-            f"{self.runtime:<14} {self.driver:<8} {self.workload:<6} {self.pods:>4}  "
-            f"{p50:7.1f} {p99:7.1f}  "
-            f"{self.runtime_cpu:8.1f} {self.kubelet_cpu:8.1f}  {self.pss:7.1f} "
-            f"{self.pss / self.pods:6.2f}  {self.sandbox_pss:7.1f} "
-            f"{self.sandbox_pss / self.pods:6.2f}  {self.removed:7.1f}{missing}"
+            f"{self.runtime:<14} {self.mode:<5} {self.driver:<8} {self.workload:<6} "
+            f"{self.pods:>4}  {p50:6.1f} {p99:6.1f}  "
+            f"{self.runtime_cpu:6.1f} {self.daemon_cpu:6.1f} {self.kubelet_cpu:6.1f}  "
+            f"{self.alone:6.1f} {self.alone / self.pods:5.2f} {self.daemon_alone.mib:6.1f}  "
+            f"{self.pss:6.1f} {self.pss / self.pods:5.2f} {self.daemon_pss:6.1f}  "
+            f"{self.sandbox_pss:6.1f} {self.sandbox_pss / self.pods:5.2f}  "
+            f"{self.removed:6.1f}{missing}"
         )
 
 
 HEADER = (
-    f"{'runtime':<14} {'cgroup':<8} {'load':<6} {'pods':>4}  {'p50 s':>7} {'p99 s':>7}  "
-    f"{'rt CPU%':>8} {'kl CPU%':>8}  {'PSS MiB':>7} {'/pod':>6}  {'sbx MiB':>7} {'/pod':>6}  "
-    f"{'rm s':>7}"
+    f"{'runtime':<14} {'mode':<5} {'cgroup':<8} {'load':<6} {'pods':>4}  "
+    f"{'p50 s':>6} {'p99 s':>6}  {'rt CPU':>6} {'dm CPU':>6} {'kl CPU':>6}  "
+    f"{'alone':>6} {'/pod':>5} {'daemon':>6}  {'PSS':>6} {'/pod':>5} {'daemon':>6}  "
+    f"{'sbx':>6} {'/pod':>5}  {'rm s':>6}\n"
+    f"{'':<44}{'(% of a core)':^22}  {'(MiB, alone on a node)':^20}  "
+    f"{'(MiB, the kernel PSS here)':^20}  {'(MiB)':^12}"
 )
 
 
@@ -519,7 +591,7 @@ def _epoch(stamp: str) -> float:
 
 
 def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -> Result:
-    result = Result(runtime.name, runtime.driver, workload, pods)
+    result = Result(runtime.name, runtime.mode, runtime.driver, workload, pods)
     node = f"dn{os.getpid() % 100000}{runtime.driver[0]}{workload}{pods}"
     runtime.start()
     kubelet = Kubelet(base / "node", runtime.endpoint, node, extra_args=list(args.kubelet_arg))
@@ -584,8 +656,19 @@ def run_one(runtime: Runtime, base: Path, pods: int, workload: str, args: Any) -
             process_cpu_seconds(runtime.daemon_pid()),
         )
         result.runtime_cpu = (cpu1 - cpu0) / took * 100
+        result.daemon_cpu = (daemon1[0] - daemon0[0]) / took * 100
         result.kubelet_cpu = (kl1 - kl0) / took * 100
-        result.pss = runtime.pss_mib()
+        processes = runtime.processes()
+        result.pss = sum(pss_mib(pid) for pid in processes)
+        result.daemon_pss = pss_mib(processes[0])
+        shares = alone_pss(processes)
+        result.alone = sum(share.mib for share in shares.values())
+        result.daemon_alone = shares[processes[0]]
+        result.notes.append(
+            f"the daemon alone {result.daemon_alone.mib:.1f} MiB, of which "
+            f"{result.daemon_alone.system_libraries_mib:.1f} in system libraries that a "
+            "node's other processes map too"
+        )
         result.sandbox_pss = runtime.sandbox_pss_mib()
         if analyse:
             assert isinstance(runtime, ShimRuntime) and profiler is not None
@@ -710,20 +793,55 @@ def driver_refusal(choice: str, runtime: str, *, systemd_running: bool, v2: bool
     return ""
 
 
-def driver_ratios(results: list[Result]) -> list[str]:
-    """Each run under systemd's driver against the same run under cgroupfs's: the ratios
-    of their start p50 and p99 and of their removal times (systemd's over cgroupfs's)."""
-    cgroupfs = {(r.runtime, r.workload, r.pods): r for r in results if r.driver == CGROUPFS}
-    lines = []
+def paired(
+    results: list[Result], attribute: str, over: str, base: str
+) -> Iterator[tuple[Result, Result, str]]:
+    """Each run whose `attribute` (driver or mode) is `over`, with the same run whose
+    `attribute` is `base`, and the ratios of their start p50 and p99 (over's over base's)."""
+    same = ("runtime", "mode", "driver", "workload", "pods")
+    key = [name for name in same if name != attribute]
+    bases = {
+        tuple(getattr(r, name) for name in key): r for r in results if getattr(r, attribute) == base
+    }
     for result in results:
-        other = cgroupfs.get((result.runtime, result.workload, result.pods))
-        if result.driver != SYSTEMD or other is None or not result.start or not other.start:
+        other = bases.get(tuple(getattr(result, name) for name in key))
+        if (
+            getattr(result, attribute) != over
+            or other is None
+            or not result.start
+            or not other.start
+        ):
             continue
         p50, p99 = percentiles(result.start, 0.99)
         base50, base99 = percentiles(other.start, 0.99)
+        yield result, other, f"start p50 x{p50 / base50:.2f}, p99 x{p99 / base99:.2f}"
+
+
+def driver_ratios(results: list[Result]) -> list[str]:
+    """Each run under systemd's driver against the same run under cgroupfs's: the ratios
+    of their start p50 and p99 and of their removal times (systemd's over cgroupfs's)."""
+    return [
+        f"{result.runtime} {result.workload} {result.pods} pods: {starts}, "
+        f"removal x{result.removed / other.removed:.2f}"
+        for result, other, starts in paired(results, "driver", SYSTEMD, CGROUPFS)
+    ]
+
+
+def mode_ratios(results: list[Result]) -> list[str]:
+    """Each cri-shim run through the relay against the same run on a bound socket: the
+    ratios of start p50 and p99, the runtime's and the daemon's steady CPU and the removal
+    (relay's over bound's), and the daemon's steady CPU the relay adds, as a share of the
+    relayed daemon's (what the daemon spends in the relay, as far as the two runs' noise
+    lets it show)."""
+    lines = []
+    for result, other, starts in paired(results, "mode", RELAY, BOUND):
+        share = (result.daemon_cpu - other.daemon_cpu) / result.daemon_cpu * 100
         lines.append(
-            f"{result.runtime} {result.workload} {result.pods} pods: "
-            f"start p50 x{p50 / base50:.2f}, p99 x{p99 / base99:.2f}, "
+            f"{result.runtime} {result.driver} {result.workload} {result.pods} pods: {starts}, "
+            f"runtime CPU x{result.runtime_cpu / other.runtime_cpu:.2f}, "
+            f"daemon CPU x{result.daemon_cpu / other.daemon_cpu:.2f} "
+            f"({result.daemon_cpu:.2f} against {other.daemon_cpu:.2f} % of a core: "
+            f"the relay's share {share:+.0f} %), alone PSS x{result.alone / other.alone:.2f}, "
             f"removal x{result.removed / other.removed:.2f}"
         )
     return lines
@@ -736,6 +854,13 @@ def main() -> None:
     parser.add_argument("--runtime", default="cri-shim", choices=["cri-shim", "containerd", "both"])
     parser.add_argument("--handler", default="runc", choices=["runc", "runsc", "both"])
     parser.add_argument("--cgroup-driver", default=CGROUPFS, choices=list(DRIVERS))
+    parser.add_argument(
+        "--mode",
+        default=RELAY,
+        choices=list(MODES),
+        help="cri-shim's socket: activated, through the relay, as the installed unit runs "
+        "it (relay), bound by the daemon (bound), or one run of each (both)",
+    )
     parser.add_argument("--steady", type=float, default=60.0)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--analyse", action="store_true")
@@ -758,20 +883,23 @@ def main() -> None:
     if refusal:
         sys.exit(refusal)
     handlers = ["runc", "runsc"] if args.handler == "both" else [args.handler]
-    runtimes = [f"cri-shim/{handler}" for handler in handlers]
+    runtimes = [f"cri-shim/{handler}/{mode}" for handler in handlers for mode in MODES[args.mode]]
     if args.runtime != "cri-shim":
         runtimes = ["containerd"] if args.runtime == "containerd" else [*runtimes, "containerd"]
+    if args.runtime != "containerd":
+        compile_as_installed()
     results = []
     for pods in [int(n) for n in args.pods.split(",")]:
         for workload in args.workloads.split(","):
             for name, driver in itertools.product(runtimes, DRIVERS[args.cgroup_driver]):
                 base = Path(tempfile.mkdtemp(prefix="csd-", dir="/tmp"))
                 base.chmod(0o711)
-                runtime: Runtime = (
-                    ShimRuntime(base, args.analyse, name.partition("/")[2], driver)
-                    if name.startswith("cri-shim/")
-                    else ContainerdRuntime(base)
-                )
+                runtime: Runtime
+                if name.startswith("cri-shim/"):
+                    _, handler, mode = name.split("/")
+                    runtime = ShimRuntime(base, args.analyse, handler, driver, mode)
+                else:
+                    runtime = ContainerdRuntime(base)
                 print(f"{name}, {driver} driver, {pods} pods, {workload}:", flush=True)
                 try:
                     results.append(run_one(runtime, base, pods, workload, args))
@@ -794,6 +922,11 @@ def main() -> None:
     ratios = driver_ratios(results)
     if ratios:
         print("\nsystemd's driver over cgroupfs's (start p50, p99; all removed):")
+        for line in ratios:
+            print(f"  {line}")
+    ratios = mode_ratios(results)
+    if ratios:
+        print("\nthe relay over a bound socket:")
         for line in ratios:
             print(f"  {line}")
 

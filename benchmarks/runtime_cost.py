@@ -4,17 +4,21 @@ CPU is read from a cgroup of its own that the runtime's daemon is moved into (cg
 cpuacct hierarchy, or the unified tree on cgroup v2), so that every helper it starts and
 every child it reaps is counted, and nothing else; a single process's from /proc/PID/stat
 (its own time and that of the children it reaped). Memory is the proportional set size of
-the processes that make up the runtime.
+the processes that make up the runtime, as the kernel counts it (`pss_mib`) and with the
+runtime alone on the node (`alone_pss`).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -112,6 +116,75 @@ def pss_mib(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
     return 0.0
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PFN_MASK = (1 << 55) - 1
+# Where the distribution's shared libraries are: the C library, OpenSSL, SQLite, libstdc++,
+# which a node's other processes (systemd, journald, a containerd) map too.
+SYSTEM_LIBRARIES = ("/usr/lib/", "/lib/", "/lib64/", "/usr/lib64/")
+
+
+def resident_pages(pid: int) -> list[tuple[int, str]]:
+    """(page frame number, mapped file or "" for anonymous memory) of each of the process's
+    resident pages, from /proc/PID/maps and /proc/PID/pagemap (frame numbers need root)."""
+    found: list[tuple[int, str]] = []
+    try:
+        with (
+            open(f"/proc/{pid}/maps") as maps,
+            open(f"/proc/{pid}/pagemap", "rb") as pagemap,
+        ):
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                name = fields[5].strip() if len(fields) > 5 else ""
+                if name == "[vsyscall]":
+                    continue  # not in the page tables
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                pagemap.seek(start // PAGE * 8)
+                entries = pagemap.read((end - start) // PAGE * 8)
+                found.extend(
+                    (entry & PFN_MASK, name)
+                    for (entry,) in struct.iter_unpack("<Q", entries)
+                    if entry >> 63  # present (a swapped page is not in PSS either)
+                )
+    except (FileNotFoundError, ProcessLookupError):
+        return []  # it exited while we looked
+    return found
+
+
+@dataclass
+class AloneShare:
+    """A process's share of the pages its runtime maps, each page divided only among the
+    runtime's processes that map it (MiB), and the part of it in system libraries."""
+
+    mib: float = 0.0
+    system_libraries_mib: float = 0.0
+
+
+def alone_pss(pids: list[int]) -> dict[int, AloneShare]:
+    """The PSS each of `pids` would have if the runtime they make up were alone on the node:
+    every resident page divided among the processes of `pids` that map it, and no others.
+
+    The kernel's PSS divides a shared page among every process that maps it: a benchmark's
+    own Python process that imported grpc and protobuf, or another Python process of the
+    same interpreter (libpython is a shared library), takes part of the daemon's pages and
+    makes it look smaller than on a node where the daemon is the only one. Here nothing
+    outside the runtime counts. The pages of system libraries (libc, OpenSSL, SQLite,
+    libstdc++), which a node's other processes map too, are given apart: with those, the
+    figure is what the runtime costs at most; a node's other processes take a part of that
+    part."""
+    pages = {pid: resident_pages(pid) for pid in pids}
+    mappers = collections.Counter(frame for found in pages.values() for frame, _ in found)
+    shares = {}
+    for pid, found in pages.items():
+        share = AloneShare()
+        for frame, name in found:
+            mib = PAGE / mappers[frame] / 2**20
+            share.mib += mib
+            if name.startswith(SYSTEM_LIBRARIES):
+                share.system_libraries_mib += mib
+        shares[pid] = share
+    return shares
 
 
 def comm(pid: int) -> str:

@@ -93,11 +93,18 @@ def delegate_every_controller(hierarchy: Path) -> None:
 
 def runtime_cgroup_driver(endpoint: str) -> str:
     """The cgroup driver the runtime at `endpoint` runs (its RuntimeConfig answer), which
-    kubelet must run too: `cgroupfs` or `systemd`."""
+    kubelet must run too: `cgroupfs` or `systemd`; `cgroupfs` from a runtime that predates
+    RuntimeConfig (containerd 1.6, the density benchmark's peer), as kubelet then keeps
+    its own `--cgroup-driver`, cgroupfs by default."""
     with grpc.insecure_channel(endpoint) as channel:
-        answer = api_pb2_grpc.RuntimeServiceStub(channel).RuntimeConfig(
-            api_pb2.RuntimeConfigRequest(), timeout=30
-        )
+        try:
+            answer = api_pb2_grpc.RuntimeServiceStub(channel).RuntimeConfig(
+                api_pb2.RuntimeConfigRequest(), timeout=30
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return "cgroupfs"
     return "systemd" if answer.linux.cgroup_driver == api_pb2.SYSTEMD else "cgroupfs"
 
 
@@ -450,11 +457,17 @@ def container_id(status: dict[str, Any]) -> str:
 
 def remove_all_sandboxes(runtime: Any, timeout: float = 120) -> None:
     """Stop and remove every sandbox the runtime holds (`runtime`: a RuntimeService stub),
-    what kubelet's garbage collector would have done in its own time."""
+    what kubelet's garbage collector would have done in its own time. A sandbox that is
+    gone by the time it is stopped or removed (NOT_FOUND: containerd 1.6 lists one that it
+    is removing on its own) is passed over, not left with the rest behind it."""
     for sandbox in runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=30).items:
-        runtime.StopPodSandbox(
-            api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
-        )
-        runtime.RemovePodSandbox(
-            api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
-        )
+        try:
+            runtime.StopPodSandbox(
+                api_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
+            )
+            runtime.RemovePodSandbox(
+                api_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                raise

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from density import Result, driver_ratios, driver_refusal
+from density import Result, driver_ratios, driver_refusal, mode_ratios
 from runtime_cost import CpuAccount, cgroup_cpu_seconds, moved_out_seconds, unified_cgroup
 
 
@@ -69,7 +69,7 @@ def test_systemds_driver_is_refused_for_the_containerd_peer() -> None:
 
 def test_each_systemd_run_is_set_against_the_same_run_under_cgroupfs() -> None:
     def run(driver: str, start: list[float], removed: float, pods: int = 4) -> Result:
-        return Result("cri-shim", driver, "plain", pods, start=start, removed=removed)
+        return Result("cri-shim", "relay", driver, "plain", pods, start=start, removed=removed)
 
     results = [
         run("cgroupfs", [1.0, 2.0, 2.0, 4.0], 10.0),
@@ -79,6 +79,33 @@ def test_each_systemd_run_is_set_against_the_same_run_under_cgroupfs() -> None:
     ]
     assert driver_ratios(results) == [
         "cri-shim plain 4 pods: start p50 x1.50, p99 x1.50, removal x1.20"
+    ]
+
+
+def test_each_relay_run_is_set_against_the_same_bound_run() -> None:
+    def run(mode: str, start: list[float], daemon_cpu: float, pods: int = 4) -> Result:
+        return Result(
+            "cri-shim",
+            mode,
+            "cgroupfs",
+            "plain",
+            pods,
+            start=start,
+            runtime_cpu=2 * daemon_cpu,
+            daemon_cpu=daemon_cpu,
+            alone=60.0,
+            removed=2.0,
+        )
+
+    results = [
+        run("bound", [1.0, 2.0, 2.0, 4.0], 2.0),
+        run("relay", [1.0, 2.2, 2.2, 4.4], 2.5),
+        run("relay", [1.0] * 8, 9.0, pods=8),  # not paired: no bound run of 8 pods
+    ]
+    assert mode_ratios(results) == [
+        "cri-shim cgroupfs plain 4 pods: start p50 x1.10, p99 x1.10, runtime CPU x1.25, "
+        "daemon CPU x1.25 (2.50 against 2.00 % of a core: the relay's share +20 %), "
+        "alone PSS x1.00, removal x1.00"
     ]
 
 
