@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from common import BYTECODE, compile_as_installed
@@ -113,7 +112,7 @@ def main() -> int:
         registry = settings["images"]["insecure_registries"][0]  # type: ignore[index]
         daemon = Daemon(work, network, settings=settings, env=BYTECODE, interpreter_flags=flags)
         daemon.start()
-        peer_state = Path(tempfile.mkdtemp(prefix="ctd-", dir="/tmp"))
+        peer_state = work / "containerd"  # removed with the work directory
         try:
             peer = start_containerd(peer_state, registry) if args.containerd else None
             for run in range(args.runs):
