@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cri_shim import __version__
 from cri_shim.config import BUNDLED_CNI_DIR, Config, TracingConfig
+from cri_shim.host.heap import HeapTrimmer
 from cri_shim.host.systemd_manager import SystemdManager
 from cri_shim.images.on_demand import PullerOnDemand
 from cri_shim.images.policy import UnpackPolicy
@@ -84,6 +85,9 @@ class Graph:
     monitors: MonitorWatch
     # Every container's memory.events on cgroup v2, for its OOM kills (runtime/oom_watch.py).
     oom_watch: OomWatch
+    # Gives malloc's free pages back to the kernel (host/heap.py), soon after replies that
+    # waited for their clients are let go.
+    heap: HeapTrimmer
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,8 @@ def build_graph(config: Config) -> Graph:
         config.streaming.tls_key,
         lambda: _streaming_backend(containers, storage, forwarding),
     )
-    limiter = RequestLimiter(config.requests, census.creations_in_flight)
+    heap = HeapTrimmer()
+    limiter = RequestLimiter(config.requests, census.creations_in_flight, heap.freed)
     puller = PullerOnDemand(storage.images, config.images)
     runtime_view = RuntimeView(
         config=config,
@@ -160,6 +165,7 @@ def build_graph(config: Config) -> Graph:
         tracer=tracer,
         monitors=monitors,
         oom_watch=oom_watch,
+        heap=heap,
         image_view=ImageView(
             config=config,
             limiter=limiter,

@@ -22,7 +22,7 @@ import grpc
 from cri_shim import logcontext
 from cri_shim.composition import Graph, build_graph
 from cri_shim.config import Config
-from cri_shim.host.heap import HeapTrimmer, limit_arenas
+from cri_shim.host.heap import limit_arenas, map_large_blocks
 from cri_shim.host.process import set_child_subreaper
 from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
@@ -167,7 +167,7 @@ class Daemon:
         self._background.add(asyncio.create_task(checkpoints, name="db-checkpoint"))
         # What malloc holds free after a burst (gRPC's and protobuf's buffers) goes back
         # to the kernel rather than staying resident (host/heap.py).
-        self._background.add(asyncio.create_task(HeapTrimmer().run(), name="heap-trimmer"))
+        self._background.add(asyncio.create_task(graph.heap.run(), name="heap-trimmer"))
         if graph.census.loop_monitor is not None:
             monitor = graph.census.loop_monitor.run()
             self._background.add(asyncio.create_task(monitor, name="loop-monitor"))
@@ -325,6 +325,9 @@ async def serve(config: Config, acceptor: EarlyAcceptor | None = None) -> None:
     # Before gRPC's threads start: each thread that finds the arenas busy would otherwise
     # get one of its own, up to eight per core, each keeping its free memory.
     limit_arenas()
+    # A reply of megabytes (its bytes, gRPC core's copy) goes back to the kernel when the
+    # reply is let go, not to the heap (server/limits.py).
+    map_large_blocks()
     daemon = Daemon(config, acceptor)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

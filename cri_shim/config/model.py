@@ -111,10 +111,10 @@ class RequestsConfig:
     # Streaming lists (StreamContainers, ...) open at once: apart from the reads, as a
     # client that does not read holds its stream open.
     max_streams_in_flight: int = 64
-    # How long one message of such a stream (or a unary call's reply) may wait for the
-    # client to read.
+    # How long one message of such a stream may wait for the client to read.
     stream_write_timeout: float = 30.0
-    # Bytes of unary replies being sent at once, all calls together.
+    # Memory held for unary replies gRPC has not sent yet, all calls together
+    # (server/limits.py hold_reply).
     max_reply_bytes_in_flight: int = 64 << 20
 
 

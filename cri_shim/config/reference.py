@@ -125,13 +125,14 @@ KEY_DOCS: dict[str, str] = {
     "`StreamContainers`, `StreamContainerStats`, ...) open at once, counted apart from the "
     "reads so that streams a client leaves unread never hold up Version, Status or a list; "
     "more are refused with RESOURCE_EXHAUSTED",
-    "requests.stream_write_timeout": "how long one message of a streaming list, or the reply "
-    "of any other call, may wait for the client to read it; a call whose client reads "
-    "nothing for this long is cancelled (logged naming this key), and its place given back",
-    "requests.max_reply_bytes_in_flight": "bytes of replies being sent at once, all calls "
-    "together: a call keeps its place until its reply has left, and a reply that would pass "
-    "this while others wait for their clients is refused with RESOURCE_EXHAUSTED naming this "
-    "key (a single reply always goes)",
+    "requests.stream_write_timeout": "how long one message of a streaming list may wait "
+    "for the client to read it; a stream whose client reads nothing for this long is "
+    "cancelled (logged naming this key), and its place given back",
+    "requests.max_reply_bytes_in_flight": "memory held for replies gRPC has not yet sent, "
+    "all calls together, counted at what the daemon holds for each (twice its bytes, its "
+    "serialization and gRPC core's copy, and about 20 KiB for the call) until its call "
+    "ends; a reply that would pass this while others wait for their clients is refused "
+    "with RESOURCE_EXHAUSTED naming this key (a single reply always goes)",
     "events.max_subscribers": "`GetContainerEvents` streams open at once (kubelet opens one, "
     "`crictl events` one each); one more is refused with RESOURCE_EXHAUSTED naming this key",
     "events.max_backlog_bytes": "bytes of events one stream may leave unread (each event is "

@@ -17,17 +17,19 @@ split by what they cost:
   freed by a timed-out request must not let the next one start yet another creation
   without bound, so a new creation is refused while `max_in_flight` creations are still
   running, attached or not.
-- A call keeps its place until its reply has left: a client that sends calls and reads
-  none of their replies would otherwise keep every reply in memory outside every limit
-  (50 ListPodSandbox replies of 8 MiB on one connection: the daemon grew by 1.2 GiB).
-  grpcio's asyncio server sends a unary handler's return value after the handler has
-  returned, out of our reach; so every method is served as unary-stream (services.py),
-  which is the same on the wire: the handler writes its one reply itself with
-  `context.write`, which returns once the transport has taken it, within
-  `stream_write_timeout` (else the call is cancelled). The bytes of replies being sent
-  are capped overall at `max_reply_bytes_in_flight` (a unix socket's peers cannot be told
-  apart, so there is no cap per connection); a reply beyond it is refused with
-  RESOURCE_EXHAUSTED, except the only one: a single reply always goes.
+- A reply nobody reads must not be kept outside every limit (50 ListPodSandbox replies
+  of 8 MiB on one connection: the daemon grew by 1.2 GiB). The replies that gRPC holds
+  for their clients are capped overall at `max_reply_bytes_in_flight`, counted at what
+  the daemon holds for each (`hold_reply`): the bytes serialized, gRPC core's copy of
+  them and the call's own state, from the moment the reply is made until gRPC has let
+  the call go (its reply taken by the transport, or the call ended by its deadline or
+  its client). A reply beyond the cap is refused with RESOURCE_EXHAUSTED, except the
+  only one: a single reply always goes. A unary call's place (above) ends with its
+  handler: places bound the work, the cap the memory. (A unix socket's peers cannot be
+  told apart, so there is no cap per connection.) Unary calls are served as unary
+  (services.py), their reply sent with their status in one batch: served as a stream of
+  one message, each call cost the event loop a round more, and the status reads under
+  load twice their time.
 - The event stream (GetContainerEvents) lives as long as its client: it takes no slot;
   the event bus caps the streams and their backlogs (`[events]`, lifecycle/events.py).
 """
@@ -35,6 +37,7 @@ split by what they cost:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -87,22 +90,35 @@ LIST_STREAM_RPCS = frozenset(
 STREAM_RPCS = frozenset({"GetContainerEvents"})
 CREATION_RPCS = frozenset({"RunPodSandbox", "CreateContainer"})
 
+# While gRPC sends a unary reply, the daemon holds it twice: the serialized bytes (grpcio
+# keeps them until the send completes) and gRPC core's copy of them.
+REPLY_COPIES = 2
+# What a call whose reply waits for its client holds besides the reply: gRPC core's call
+# and grpcio's state and tasks for it (19.7 KiB a call, measured with 2000 Version calls
+# on 20 connections whose clients gave them no window to send in).
+CALL_BYTES = 20 << 10
+
 
 class RequestLimiter:
     """The admission state of one daemon; see the module docstring."""
 
     def __init__(
-        self, config: RequestsConfig, creations_in_flight: Callable[[], int] = lambda: 0
+        self,
+        config: RequestsConfig,
+        creations_in_flight: Callable[[], int] = lambda: 0,
+        replies_let_go: Callable[[int], None] = lambda size: None,
     ) -> None:
         self.config = config
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._creations_in_flight = creations_in_flight
+        # Told the bytes of replies gRPC has let go (the heap gives them back, host/heap.py).
+        self._replies_let_go = replies_let_go
         self.working = 0
         self.queued = 0
         self.reading = 0
         self.streaming = 0
         self.refused = 0
-        self.reply_bytes = 0  # of replies being sent
+        self.reply_bytes = 0  # held for replies gRPC has not let go (hold_reply)
 
     def admit(self, rpc: str, deadline: float | None) -> AbstractAsyncContextManager[None]:
         """Hold a place for the call `rpc` while its handler runs. `deadline` is on the
@@ -129,15 +145,26 @@ class RequestLimiter:
                 "allowed ([requests] max_reply_bytes_in_flight); retry shortly"
             )
 
-    async def send_reply(self, rpc: str, reply: Any, context: grpc.aio.ServicerContext) -> None:
-        """Send the one reply of a unary call (see the module docstring)."""
+    def hold_reply(self, rpc: str, reply: Any, context: grpc.aio.ServicerContext) -> bytes:
+        """The serialized `reply` of a unary call, for gRPC to send as it is, counted in
+        `reply_bytes` at what the daemon holds for it until gRPC has let the call go (see
+        the module docstring). The message itself is dropped once serialized."""
         data: bytes = reply.SerializeToString()
-        self.check_replies(rpc, len(data))
-        self.reply_bytes += len(data)
+        del reply  # the caller drops it too; a refusal's traceback keeps this frame
+        cost = REPLY_COPIES * len(data) + CALL_BYTES
         try:
-            await StreamContext(context, rpc, self.config.stream_write_timeout).write(data)
-        finally:
-            self.reply_bytes -= len(data)
+            self.check_replies(rpc, cost)
+        except ResourceExhausted:
+            # The refusal waits for its client as long as a reply would: not with this.
+            del data
+            raise
+        self.reply_bytes += cost
+        context.add_done_callback(functools.partial(self._let_go, cost))
+        return data
+
+    def _let_go(self, cost: int, context: object) -> None:
+        self.reply_bytes -= cost
+        self._replies_let_go(cost)
 
     @asynccontextmanager
     async def _work(self, rpc: str, deadline: float | None) -> AsyncIterator[None]:
@@ -246,9 +273,7 @@ async def admitted(
             context = StreamContext(context, rpc, timeout if rpc in LIST_STREAM_RPCS else None)
             return await handler(services, request, context)
         services.limiter.check_replies(rpc)
-        reply = await handler(services, request, context)
-        await services.limiter.send_reply(rpc, reply, context)  # within the call's place
-        return reply
+        return await handler(services, request, context)
 
 
 _VALIDATED_OFF_LOOP = frozenset({"CreateContainer"})

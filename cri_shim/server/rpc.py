@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cri_shim import errors, logcontext, tracing
-from cri_shim.server.limits import STREAM_RPCS, admitted
+from cri_shim.server.limits import LIST_STREAM_RPCS, STREAM_RPCS, admitted
 from cri_shim.server.listing import StreamStalled
 from cri_shim.server.wire import LargeRequest
 
@@ -91,6 +91,7 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
     name: `view` is the servicer's (server/views.py)."""
     name = cri_method_name(handler.__name__)
     long_lived = name in STREAM_RPCS
+    streams = long_lived or name in LIST_STREAM_RPCS
 
     @functools.wraps(handler)
     async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -119,14 +120,19 @@ def rpc(handler: Handler) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awai
                 bind_request_objects(view.names, request)
                 # Validated and admitted first: a bad or surplus call does nothing, not even
                 # reserve a name or hold a slot that a good call needs.
-                # A unary call's reply is written by `admitted`, within its place.
                 response = await admitted(
                     handler, name, view, request, context, request_deadline(context), large
                 )
-                return None
+                if streams:
+                    return None  # its handler wrote its messages
+                # Counted until gRPC lets the call go, serialized: the message goes now.
+                return view.limiter.hold_reply(name, response, context)
             except errors.CriError as exc:
                 code = status_code(exc)
                 log.info("%s: %s: %s", name, code.name, exc)
+                # The status waits for a client that reads nothing as long as a reply
+                # would: a reply refused for the memory replies hold is not kept for it.
+                response = None
                 await context.abort(code, str(exc))
             except asyncio.CancelledError as exc:
                 # The client went away, or a stream's client stopped reading (logged).

@@ -135,8 +135,9 @@ _fill_unimplemented()
 
 
 def _serializer(message_class: Any) -> Callable[[Any], bytes]:
-    """Replies as protobuf serializes them; a reply already serialized (an event sent to
-    every subscriber, lifecycle/statuses.py) goes as it is."""
+    """Replies as protobuf serializes them; a reply already serialized (a unary reply,
+    server/limits.py hold_reply; an event sent to every subscriber, lifecycle/statuses.py)
+    goes as it is."""
     serialize = message_class.SerializeToString
 
     def serialized(reply: Any) -> bytes:
@@ -154,10 +155,13 @@ def add_to_server(server: grpc.aio.Server, runtime: RuntimeService, image: Image
         handlers: dict[str, Any] = {}
         for method in descriptor.methods:
             assert not method.client_streaming, f"{method.full_name} streams requests"
-            # Unary methods too: their handler writes the one reply itself, so that the
-            # call's admission lasts until the reply has left (server/limits.py). On the
-            # wire a unary reply and a stream of one message are the same.
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+            # A unary reply is counted until gRPC lets its call go (server/limits.py).
+            kind = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
+            )
+            handlers[method.name] = kind(
                 getattr(servicer, method.name),
                 request_deserializer=deserializer(getattr(api_pb2, method.input_type.name)),
                 response_serializer=_serializer(getattr(api_pb2, method.output_type.name)),

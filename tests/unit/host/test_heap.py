@@ -3,6 +3,7 @@ the heap stays resident until a trim gives its pages back."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cri_shim.host import heap
+from tests.waiting import until
 
 pytestmark = pytest.mark.skipif(heap.free_bytes() is None, reason="not glibc 2.33 or later")
 
@@ -59,3 +61,19 @@ def test_no_trim_below_the_threshold(freed_in_the_middle: None) -> None:
 
 def test_the_arenas_can_be_limited() -> None:
     assert heap.limit_arenas(heap.ARENAS)
+
+
+async def test_a_large_free_is_trimmed_within_the_settle_not_the_interval(
+    freed_in_the_middle: None,
+) -> None:
+    resident = anonymous_rss()
+    trimmer = heap.HeapTrimmer(interval=3600, threshold=BLOCK * BLOCKS, settle=0.05)
+    running = asyncio.create_task(trimmer.run())
+    try:
+        trimmer.freed(BLOCK)  # a small free: no trim before the interval
+        await asyncio.sleep(0.3)
+        assert anonymous_rss() > resident - BLOCK * BLOCKS // 2
+        trimmer.freed(BLOCK * BLOCKS)
+        await until(lambda: anonymous_rss() < resident - BLOCK * BLOCKS // 2, timeout=5)
+    finally:
+        running.cancel()

@@ -14,7 +14,7 @@ from cri_shim.api.v1 import api_pb2
 from cri_shim.config import RequestsConfig
 from cri_shim.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from cri_shim.server import validation
-from cri_shim.server.limits import READ_RPCS, RequestLimiter
+from cri_shim.server.limits import CALL_BYTES, READ_RPCS, REPLY_COPIES, RequestLimiter
 from cri_shim.server.rpc import cri_method_name
 from cri_shim.server.services import ImageService, RuntimeService
 from cri_shim.server.validation import validate_request
@@ -245,6 +245,44 @@ async def test_work_calls_queue_then_are_refused_and_reads_pass() -> None:
     await asyncio.gather(*running)
     assert order == [0, 1, 2, 3]  # queued calls run in arrival order
     assert (limiter.working, limiter.queued, limiter.refused) == (0, 0, 1)
+
+
+class _Call:
+    """A call's context as gRPC's: its done callbacks run when gRPC lets the call go."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[object] = []
+
+    def add_done_callback(self, callback: object) -> None:
+        self.callbacks.append(callback)
+
+    def let_go(self) -> None:
+        for callback in self.callbacks:
+            callback(self)  # type: ignore[operator]
+
+
+def test_replies_are_counted_at_what_they_hold_until_their_call_is_let_go() -> None:
+    reply = api_pb2.VersionResponse(version="x" * 1000)
+    size = len(reply.SerializeToString())
+    cost = REPLY_COPIES * size + CALL_BYTES
+    freed: list[int] = []
+    limiter = RequestLimiter(
+        RequestsConfig(max_reply_bytes_in_flight=2 * cost), replies_let_go=freed.append
+    )
+    first, second = _Call(), _Call()
+    assert limiter.hold_reply("Version", reply, first) == reply.SerializeToString()  # type: ignore[arg-type]
+    limiter.hold_reply("Version", reply, second)  # type: ignore[arg-type]
+    assert limiter.reply_bytes == 2 * cost
+    with pytest.raises(ResourceExhausted, match="max_reply_bytes_in_flight"):
+        limiter.hold_reply("Version", reply, _Call())  # type: ignore[arg-type]
+    with pytest.raises(ResourceExhausted, match="max_reply_bytes_in_flight"):
+        limiter.check_replies("Version")  # refused before its handler builds anything
+    first.let_go()
+    assert (limiter.reply_bytes, freed) == (cost, [cost])
+    second.let_go()
+    assert limiter.reply_bytes == 0
+    # A single reply always goes, whatever its size.
+    limiter.hold_reply("Version", api_pb2.VersionResponse(version="x" * 10 * cost), _Call())  # type: ignore[arg-type]
 
 
 async def test_reads_are_capped_and_streams_are_not() -> None:
