@@ -29,7 +29,7 @@ async def container_status(
             "pid": container.pid,
             "bundle": str(container.bundle_dir),
             "rootfs": str(container.rootfs),
-            # On the loop, as runtime/conmon.py writes it: a small file of the daemon's own
+            # On the loop, as runtime/conmon_launch.py writes it: a small file of the daemon's own
             # state root. A worker thread cost a call under load half a millisecond more
             # (critest's benchmark: the status right after the start, beside three others).
             "runtimeSpec": runtime_spec_of(container),

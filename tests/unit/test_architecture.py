@@ -459,7 +459,7 @@ EDGE_HOST_READS = {
 # recorded it.
 EDGE_MAY_CALL_ON_THE_LOOP: set[tuple[str, str]] = {
     # ContainerStatus verbose: the config.json the daemon wrote (on the loop too,
-    # runtime/conmon.py) in its own state root; a worker thread cost more than the read.
+    # runtime/conmon_launch.py) in its own state root; a worker thread cost more than the read.
     ("cri_shim.server.container_status", "runtime_spec_of"),
 }
 
