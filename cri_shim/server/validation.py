@@ -31,8 +31,8 @@ from google.protobuf.message import Message
 from cri_shim.api.v1 import api_pb2
 from cri_shim.errors import InvalidArgument
 
-# Kubernetes' own limit on the total size of an object's annotations (and we hold labels
-# to it too): both go into the state database and the OCI spec of every container.
+# Kubernetes' own limit on the total size of an object's annotations: they go into the
+# state database and the OCI spec of every container. Labels have no such limit.
 MAX_MAP_BYTES = 256 * 1024
 MAX_KEY_LENGTH = 253 + 1 + 63  # DNS prefix, "/", name
 # The longest string any field may hold (an annotation value can use the whole budget).
@@ -42,16 +42,22 @@ MAX_PATH = 4096  # PATH_MAX
 MAX_NAME = 253  # metadata names, namespaces, UIDs: DNS subdomains at most
 MAX_ID = 128  # object IDs are 64 hex digits; prefixes are shorter
 MAX_IMAGE_REF = 4096
-MAX_HOSTNAME = 64  # HOST_NAME_MAX: sethostname refuses more
+MAX_HOSTNAME = 64  # HOST_NAME_MAX: sethostname refuses more bytes
+# Nameservers and search domains: above kubelet's own limits (3 and 32); it sends no more.
 MAX_DNS_ENTRIES = 64
+# kubelet's limit on the whole search line (MaxDNSSearchListChars): no one domain is longer.
+MAX_DNS_SEARCH_CHARS = 2048
 MAX_ID_VALUE = 2**32 - 2  # the largest uid/gid; 2**32-1 is "no id"
 
-_HOSTNAME = re.compile(
-    r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
-)
-_SEARCH_DOMAIN = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*)$")
-_DNS_OPTION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+-]*$")
-# Kubernetes' sysctl name format, with "/" allowed as a separator (interface names with dots).
+# A hostname is one word on a line of /etc/hosts and /etc/hostname: no space, no control
+# character. Anything else the kernel takes, so does the daemon: kubelet sends an FQDN whose
+# cluster domain is its own configuration, and with an empty one ends it with a dot.
+_NOT_IN_A_HOSTNAME = re.compile(r"[\s\x00-\x1f\x7f]")
+# resolv.conf's search and options lines are words: one may hold anything but a space or a
+# control character (the resolver reads the host's search domains, which kubelet passes on,
+# and the pod's options, which Kubernetes leaves free, the same way).
+_RESOLV_CONF_WORD = re.compile(r"^[^\s\x00-\x1f\x7f]+$")
+# Kubernetes' sysctl name format (its SysctlContainSlashFmt), "/" or "." as the separator.
 _SYSCTL_SEGMENT = r"[a-z0-9]([-_a-z0-9]*[a-z0-9])?"
 _SYSCTL = re.compile(rf"^({_SYSCTL_SEGMENT}[./])*{_SYSCTL_SEGMENT}$")
 
@@ -142,7 +148,9 @@ def _has_dotdot(path: str) -> bool:
     return ".." in PurePosixPath(path).parts
 
 
-def _absolute_path(value: str, field: str, *, allow_empty: bool = True) -> None:
+def _absolute_path(
+    value: str, field: str, *, allow_empty: bool = True, allow_dotdot: bool = False
+) -> None:
     if not value:
         if allow_empty:
             return
@@ -150,7 +158,7 @@ def _absolute_path(value: str, field: str, *, allow_empty: bool = True) -> None:
     _max_length(value, MAX_PATH, field)
     if not value.startswith("/"):
         raise InvalidArgument(f"{field}: {_short(value)} must be an absolute path")
-    if _has_dotdot(value):
+    if not allow_dotdot and _has_dotdot(value):
         raise InvalidArgument(f"{field}: {_short(value)} must not contain '..'")
 
 
@@ -158,7 +166,7 @@ def _id(value: str, field: str) -> None:
     _max_length(value, MAX_ID, field)
 
 
-def _string_map(items: Mapping[str, str], field: str) -> None:
+def _string_map(items: Mapping[str, str], field: str, *, total_limit: bool = True) -> None:
     total = 0
     for key, value in items.items():
         if not key:
@@ -166,17 +174,23 @@ def _string_map(items: Mapping[str, str], field: str) -> None:
         if len(key) > MAX_KEY_LENGTH:
             raise InvalidArgument(f"{field}: key {_short(key)} is longer than {MAX_KEY_LENGTH}")
         total += len(key.encode()) + len(value.encode())
-    if total > MAX_MAP_BYTES:
+    if total_limit and total > MAX_MAP_BYTES:
         raise InvalidArgument(
             f"{field}: {total} bytes of keys and values, more than the {MAX_MAP_BYTES} allowed"
         )
 
 
 def _hostname(value: str, field: str) -> None:
-    if len(value) > MAX_HOSTNAME or not _HOSTNAME.match(value):
+    size = len(value.encode())
+    if size > MAX_HOSTNAME:
         raise InvalidArgument(
-            f"{field}: {_short(value)} is not a valid hostname (letters, digits, '-' and '.', "
-            f"at most {MAX_HOSTNAME} characters)"
+            f"{field}: {_short(value)} is {size} bytes; the kernel takes at most "
+            f"{MAX_HOSTNAME} (HOST_NAME_MAX)"
+        )
+    if _NOT_IN_A_HOSTNAME.search(value):
+        raise InvalidArgument(
+            f"{field}: {_short(value)} is not a valid hostname: it holds a space or a "
+            "control character"
         )
 
 
@@ -215,7 +229,9 @@ def check_pod_sandbox_config(config: api_pb2.PodSandboxConfig) -> None:
                 raise InvalidArgument(f"{field}.{name}: {value} is not a port number")
         if mapping.host_ip:
             _ip(mapping.host_ip, f"{field}.host_ip")
-    _string_map(config.labels, f"{where}.labels")
+    # Kubernetes bounds each label (a 317-byte key, a 63-byte value) but not their number:
+    # only the message's limit bounds their sum (kubelet sends at most 16 MiB).
+    _string_map(config.labels, f"{where}.labels", total_limit=False)
     _string_map(config.annotations, f"{where}.annotations")
     linux = config.linux
     if linux.cgroup_parent:
@@ -241,32 +257,45 @@ def _ip(value: str, field: str) -> None:
 def _dns(dns: api_pb2.DNSConfig, field: str) -> None:
     """resolv.conf is written from these verbatim: a newline or space would add lines or
     words of the caller's choosing to every container's resolver configuration."""
-    for name in ("servers", "searches", "options"):
+    for name in ("servers", "searches"):
         if len(getattr(dns, name)) > MAX_DNS_ENTRIES:
             raise InvalidArgument(f"{field}.{name}: more than {MAX_DNS_ENTRIES} entries")
     for index, server in enumerate(dns.servers):
         _ip(server, f"{field}.servers[{index}]")
     for index, domain in enumerate(dns.searches):
-        if len(domain) > MAX_NAME or not _SEARCH_DOMAIN.match(domain):
+        if len(domain) > MAX_DNS_SEARCH_CHARS:
             raise InvalidArgument(
-                f"{field}.searches[{index}]: {_short(domain)} is not a domain name"
+                f"{field}.searches[{index}]: longer than {MAX_DNS_SEARCH_CHARS} characters"
+            )
+        if not _RESOLV_CONF_WORD.match(domain):
+            raise InvalidArgument(
+                f"{field}.searches[{index}]: {_short(domain)} is not a domain name: it is "
+                "empty or holds a space or a control character"
             )
     for index, option in enumerate(dns.options):
-        if len(option) > MAX_NAME or not _DNS_OPTION.match(option):
+        if not _RESOLV_CONF_WORD.match(option):
             raise InvalidArgument(
                 f"{field}.options[{index}]: {_short(option)} is not a resolver option "
-                "(such as ndots:5)"
+                "(such as ndots:5): it is empty or holds a space or a control character"
             )
 
 
 def _sysctls(config: api_pb2.PodSandboxConfig, field: str) -> None:
-    """Names and values a sysctl file takes; which of them the pod's namespaces isolate
-    is pod_rules.check_pod_sysctls', at the sandbox's creation."""
-    for name, value in config.linux.sysctls.items():
+    """Names a sysctl file has; which of them the pod's namespaces isolate is
+    pod_rules.check_pod_sysctls', at the sandbox's creation. A value is written to its
+    file as it is, whatever its size, and the kernel parses it, a newline being a space
+    like any other (kernel.sem takes "250\n32000\n32\n128"): nothing to check here."""
+    for name in config.linux.sysctls:
         if len(name) > MAX_NAME or not _SYSCTL.match(name):
             raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl name")
-        if "\n" in value or len(value) > MAX_PATH:
-            raise InvalidArgument(f"{field}[{_short(name)}]: not a sysctl value")
+        # With both separators, one of them is part of a component (an interface such as
+        # eth0.100): runc 1.1 writes every '.' of a name as a '/', so it would open the
+        # wrong file at the pod's first container, after the pod was made.
+        if "." in name and "/" in name:
+            raise InvalidArgument(
+                f"{field}[{_short(name)}]: a '.' inside a name's component (an interface "
+                "name such as eth0.100) cannot be set: runc writes every '.' as a '/'"
+            )
 
 
 @_validates(
@@ -323,9 +352,9 @@ def check_container_config(config: api_pb2.ContainerConfig) -> None:
     _max_length(config.image.image, MAX_IMAGE_REF, f"{where}.image.image")
     _argv(config.command, f"{where}.command")
     _argv(config.args, f"{where}.args")
-    # runc resolves the working directory inside the root filesystem (a symlink in the
-    # image cannot lead out of it); it must only be a path there.
-    _absolute_path(config.working_dir, f"{where}.working_dir")
+    # runc resolves the working directory inside the root filesystem, '..' and symlinks
+    # in the image included (none leads out of it), and refuses a relative one.
+    _absolute_path(config.working_dir, f"{where}.working_dir", allow_dotdot=True)
     for index, pair in enumerate(config.envs):
         field = f"{where}.envs[{index}]"
         if not pair.key or "=" in pair.key:
@@ -345,7 +374,7 @@ def check_container_config(config: api_pb2.ContainerConfig) -> None:
         _absolute_path(device.container_path, f"{field}.container_path", allow_empty=False)
         if not set(device.permissions) <= set("rwm"):
             raise InvalidArgument(f"{field}.permissions: {_short(device.permissions)} is not rwm")
-    _string_map(config.labels, f"{where}.labels")
+    _string_map(config.labels, f"{where}.labels", total_limit=False)
     _string_map(config.annotations, f"{where}.annotations")
     _log_path(config.log_path, f"{where}.log_path")
     sc = config.linux.security_context
