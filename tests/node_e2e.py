@@ -25,7 +25,8 @@ Without --subset, --serial or --focus: the whole [NodeConformance] set without F
 and Serial (the 212 of the kit's nodeconformance-specs.txt), each of which must be in the
 report. Options, for CI and for the cgroup v2 guest (scripts/guest, tests/guest/lane.sh):
 
-- `--subset ci`: the fixed, named list CI runs (CI_SUBSET); `--subset cgroup`: the specs
+- `--subset ci`: what CI runs, the whole set but the specs CI_LEFT_OUT names (the two
+  private-registry pulls, 15 minutes each of showing a pull fail); `--subset cgroup`: the specs
   that exercise cgroups (resource limits, QoS, stats, OOM, the downward API's resource
   fields, pod resources), chosen by name (CGROUP_SUBSET), for the guest, where the whole
   set does not fit under emulation.
@@ -226,9 +227,13 @@ CGROUP_SUBSET = (
     "RuntimeClass should schedule a Pod requesting a RuntimeClass and initialize its Overhead",
     "RuntimeClass should schedule a Pod requesting a RuntimeClass without PodOverhead",
 )
-# What CI runs when the whole set does not fit in its budget (see the README's figures):
-# None means the whole set.
-CI_SUBSET: tuple[str, ...] | None = None
+# What CI leaves out of the whole set to fit its budget (the README has the whole set's
+# figures): the two private-registry specs, which only show for 15 minutes each that an
+# image needing Google's credentials is not pulled offline.
+CI_LEFT_OUT = (
+    "with a new image should be able to pull from private registry with secret",
+    "with a new image should be able to pull from private registry with credential provider",
+)
 
 
 # --- the pure logic: spec lists, the JUnit report, the verdict -------------------------
@@ -884,12 +889,13 @@ def plan_runs(args: argparse.Namespace, specs: list[str]) -> list[Run]:
             Run(f"serial-{index}", focus_of([name]), "", [name], 1)
             for index, name in enumerate(SERIAL_SPECS, 1)
         ]
-    if args.subset:
-        chosen = CGROUP_SUBSET if args.subset == "cgroup" else CI_SUBSET
-        if chosen is None:
-            return [Run("all", FOCUS, SKIP, specs, args.nodes)]
-        names = select_subset(specs, chosen)
-        return [Run(args.subset, focus_of(names), SKIP, names, args.nodes)]
+    if args.subset == "cgroup":
+        names = select_subset(specs, CGROUP_SUBSET)
+        return [Run("cgroup", focus_of(names), SKIP, names, args.nodes)]
+    if args.subset == "ci":
+        left_out = select_subset(specs, CI_LEFT_OUT)
+        names = [name for name in specs if name not in left_out]
+        return [Run("ci", focus_of(names), SKIP, names, args.nodes)]
     if args.focus or args.skip:
         names = [
             name
