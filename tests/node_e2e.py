@@ -30,9 +30,9 @@ report. Options, for CI and for the cgroup v2 guest (scripts/guest, tests/guest/
   that exercise cgroups (resource limits, QoS, stats, OOM, the downward API's resource
   fields, pod resources), chosen by name (CGROUP_SUBSET), for the guest, where the whole
   set does not fit under emulation.
-- `--cgroup-driver systemd`: the daemon's `cgroup_manager` and kubelet's `cgroupDriver`
-  both systemd (where systemd is PID 1; kubelet is then started through systemd-run, which
-  must be on PATH: it is kept on PATH only with this driver).
+- `--cgroup-driver systemd`: kubelet's `cgroupDriver` systemd, the daemon's its default
+  (`cgroup_manager = "auto"`: systemd's where systemd is PID 1, as in the guest); kubelet
+  is then started through systemd-run, kept on PATH only with this driver.
 - `--serial`: the three [NodeConformance] [Serial] specs, one at a time (--nodes=1, one
   ginkgo run each, SERIAL_SPECS). One ("MirrorPodWithGracePeriod ... the container runtime
   is temporarily down") stops and starts the runtime's systemd unit over D-Bus (the unit
