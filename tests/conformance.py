@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cri_shim.api.v1 import api_pb2
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
 from cri_shim.host.mounts import unmount_below
 from cri_shim.runtime.features import kernel_version
 from cri_shim.runtime.userns import IDMAP_KERNEL
@@ -425,6 +425,16 @@ class Verdict:
     unexpected: list[Spec] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
+    def add_passed(self, spec: Spec, expectation: Expected | None) -> None:
+        """A spec that passed: one the table expects not to is a problem (the table is
+        to be read again), unless it may pass where the outside world is reachable."""
+        self.passed.append(spec)
+        if expectation is not None and not expectation.may_pass:
+            self.problems.append(
+                f"{spec.name}: passed, though expected not to ({expectation.reason}): "
+                "the table is to be updated"
+            )
+
 
 def judge(
     report: Report,
@@ -442,12 +452,7 @@ def judge(
         seen.add(spec.name)
         expectation = table.get(spec.name)
         if spec.state == "passed":
-            verdict.passed.append(spec)
-            if expectation is not None and not expectation.may_pass:
-                verdict.problems.append(
-                    f"{spec.name}: passed, though expected not to ({expectation.reason}): "
-                    "the table is to be updated"
-                )
+            verdict.add_passed(spec, expectation)
         elif spec.state == "skipped" and spec.message.startswith(DISCREPANCY):
             verdict.unexpected.append(spec)
         elif spec.state == "skipped" and not spec.message and not whole_run:
@@ -526,23 +531,22 @@ def build_images(kit: Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     out.mkdir(parents=True)
     started = time.monotonic()
-    _run([str(builder / "build.sh"), str(out)], CACHE / "build.log")
+    run_logged([str(builder / "build.sh"), str(out)], CACHE / "build.log")
     print(f"conformance: images built in {time.monotonic() - started:.0f} s", flush=True)
     return out
 
 
-def _run(command: list[str], log: Path, timeout: float = 600) -> None:
+def run_logged(command: list[str], log: Path, timeout: float = 600) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
     if result.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"conformance: {command[0]} failed ({result.returncode}):\n{tail}")
+        raise SystemExit(f"{command[0]} failed ({result.returncode}):\n{tail}")
 
 
-def remove_leftovers(daemon: Daemon) -> list[str]:
-    """Pods and containers critest left behind, removed; what they were."""
-    runtime = daemon.runtime()
+def remove_leftovers(runtime: api_pb2_grpc.RuntimeServiceStub) -> list[str]:
+    """Pods and containers a suite left behind, removed through the CRI; what they were."""
     pods = runtime.ListPodSandbox(api_pb2.ListPodSandboxRequest(), timeout=30).items
     containers = runtime.ListContainers(api_pb2.ListContainersRequest(), timeout=30).containers
     for container in containers:
@@ -614,7 +618,7 @@ def critest_site(
     registry = network = None
     try:
         registry = start_registry(work / "registry")
-        _run([str(kit / "images" / "push.sh"), str(images), registry.host], work / "push.log")
+        run_logged([str(kit / "images" / "push.sh"), str(images), registry.host], work / "push.log")
         network = make_test_network(work, 0, slow=False)
         mirrors = {name: [registry.url] for name in MIRRORED}
         settings: dict[str, object] = {
@@ -704,7 +708,7 @@ def run_critest(
         verdict = judge(report, expected, whole_run=whole_run, critest_exit=critest_exit)
         print_tally(verdict, report, seconds)
         problems = verdict.problems
-        if left := remove_leftovers(daemon):
+        if left := remove_leftovers(daemon.runtime()):
             problems.append(f"critest left {len(left)} objects behind: {', '.join(left)}")
         daemon.stop()
         shutil.copy(daemon.log_path, CACHE / "daemon.log")

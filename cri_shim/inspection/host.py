@@ -97,6 +97,25 @@ class HostReader:
             self._cgroups[container.id] = path
         return path
 
+    def pod_usage(
+        self,
+        sandbox: SandboxRecord,
+        containers: list[tuple[ContainerRecord, RuntimeBackend | None]],
+    ) -> CgroupStats | None:
+        """The counters of the pod's own cgroup, the one kubelet made and named in
+        `cgroup_parent` (holding its containers' and bounded by the pod's limits), read
+        where its running containers' cgroups are. None for a pod without a parent of
+        its own (its containers' cgroups share a directory with other pods') or without
+        a running container."""
+        if not sandbox.config.linux.cgroup_parent:
+            return None
+        for container, backend in containers:
+            if backend is not None and (path := self._cgroup_of(container, backend)):
+                parent = os.path.dirname(path.rstrip("/"))
+                if parent and parent != "/":
+                    return backend.cgroup_layout.stats(parent)
+        return None
+
     def retain(self, live: Collection[str]) -> None:
         """Forget what was kept of containers not in `live` (removed ones)."""
         self.layers.retain(live)

@@ -82,6 +82,9 @@ class PodUsage:
     cpu_nano_cores: int | None
     memory_working_set_bytes: int
     network: PodNetwork | None  # None for a host-network or stopped pod
+    # The pod's own cgroup (memory, its limit, processes): None where there is none to
+    # read (HostReader.pod_usage).
+    cgroup: CgroupStats | None = None
 
 
 @dataclass(frozen=True)
@@ -167,14 +170,25 @@ class UsageCollector:
         backends = self._with_backends(containers)
         reader = self._reader
 
-        def read() -> tuple[list[tuple[ContainerRecord, Read]], dict[str, NetnsCounters]]:
-            return self._read_usage(backends), reader.pods_interfaces(networked)
+        def read() -> tuple[
+            list[tuple[ContainerRecord, Read]],
+            dict[str, NetnsCounters],
+            dict[str, CgroupStats | None],
+        ]:
+            pods = {
+                s.id: reader.pod_usage(s, [b for b in backends if b[0].sandbox_id == s.id])
+                for s in sandboxes
+            }
+            return self._read_usage(backends), reader.pods_interfaces(networked), pods
 
-        usages, networks = await asyncio.to_thread(read)
+        usages, networks, pod_cgroups = await asyncio.to_thread(read)
         by_pod: dict[str, list[ContainerUsage]] = {s.id: [] for s in sandboxes}
         for container, (cgroup, layer) in usages:
             by_pod[container.sandbox_id].append(self._container_usage(container, cgroup, layer))
-        return [self._pod_usage(s, by_pod[s.id], networks.get(s.id)) for s in sandboxes]
+        return [
+            self._pod_usage(s, by_pod[s.id], networks.get(s.id), pod_cgroups[s.id])
+            for s in sandboxes
+        ]
 
     def _with_backends(
         self, containers: list[ContainerRecord]
@@ -201,6 +215,7 @@ class UsageCollector:
         sandbox: SandboxRecord,
         containers: list[ContainerUsage],
         network: NetnsCounters | None,
+        cgroup: CgroupStats | None = None,
     ) -> PodUsage:
         sampled = [c.cgroup for c in containers if c.cgroup is not None]
         cpu = sum(c.cpu_usage_ns or 0 for c in sampled)
@@ -213,6 +228,7 @@ class UsageCollector:
             cpu_nano_cores=self._rates.rate(sandbox.id, read_at, cpu) if read_at else None,
             memory_working_set_bytes=sum(c.memory_working_set_bytes or 0 for c in sampled),
             network=self._pod_network(sandbox, network),
+            cgroup=cgroup,
         )
 
     def _pod_network(self, sandbox: SandboxRecord, read: NetnsCounters | None) -> PodNetwork | None:

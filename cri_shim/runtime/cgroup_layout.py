@@ -108,6 +108,8 @@ class CgroupV1(CgroupLayout):
                 if swap_limit is not None and limit is not None and swap_limit < _V1_UNLIMITED
                 else None
             ),
+            memory_limit_bytes=limit if limit is not None and limit < _V1_UNLIMITED else None,
+            process_count=read_int(self.root / "pids" / relative / "pids.current"),
         )
 
     def oom_kills(self, group: str) -> int:
@@ -144,6 +146,8 @@ class CgroupV2(CgroupLayout):
             major_page_faults=memory.get("pgmajfault"),
             swap_usage_bytes=read_int(directory / "memory.swap.current"),
             swap_limit_bytes=read_int(directory / "memory.swap.max"),  # "max": None
+            memory_limit_bytes=read_int(directory / "memory.max"),  # "max": None
+            process_count=read_int(directory / "pids.current"),
             pressure={
                 resource: stall
                 for resource in ("cpu", "memory", "io")

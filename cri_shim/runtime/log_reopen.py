@@ -26,6 +26,15 @@ async def reopen_log(runtime: HandlerRuntime, container_id: str) -> None:
         raise NotFound(
             f"container {container_id} is not known to runtime handler {runtime.handler_name}"
         )
+    log_path = Path(meta.log_path)
+    if not log_path.parent.is_dir():
+        # conmon cannot open a file there: it would exit without recording the
+        # container's exit, and the container be killed as unmonitored.
+        raise FailedPrecondition(
+            f"the log directory {log_path.parent} of container {container_id} no longer "
+            "exists (removed since the container started): its log cannot be reopened "
+            "there; the container goes on writing to the file it has open"
+        )
     try:
         # Non-blocking: with no reader (conmon gone) open fails with ENXIO instead of
         # hanging for ever.
@@ -40,7 +49,6 @@ async def reopen_log(runtime: HandlerRuntime, container_id: str) -> None:
         os.write(fd, _REOPEN_LOG_MESSAGE)
     finally:
         os.close(fd)
-    log_path = Path(meta.log_path)
     deadline = time.monotonic() + REOPEN_TIMEOUT
     while not _exists(log_path):
         if time.monotonic() > deadline:

@@ -26,6 +26,8 @@ class CgroupStats:
     major_page_faults: int | None
     swap_usage_bytes: int | None = None
     swap_limit_bytes: int | None = None  # None: no limit of its own
+    memory_limit_bytes: int | None = None  # None: no limit of its own
+    process_count: int | None = None  # the pids controller's count, threads included
     # "cpu", "memory", "io" -> their pressure stall figures (cgroup v2 only).
     pressure: Mapping[str, PressureStall] = field(default_factory=dict)
 

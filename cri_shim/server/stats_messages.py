@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from cri_shim.api.v1 import api_pb2
 
 if TYPE_CHECKING:
-    from cri_shim.inspection.host import PressureStall
+    from cri_shim.inspection.host import CgroupStats, PressureStall
     from cri_shim.inspection.usage import ContainerUsage, PodNetwork, PodUsage
     from cri_shim.server.views import RuntimeView
 
@@ -39,17 +39,7 @@ def container_stats_message(view: RuntimeView, usage: ContainerUsage) -> api_pb2
                 psi=_psi(cg.pressure.get("cpu")),
             )
         )
-        stats.memory.CopyFrom(
-            api_pb2.MemoryUsage(
-                timestamp=cg.timestamp_ns,
-                working_set_bytes=_u64(cg.memory_working_set_bytes),
-                usage_bytes=_u64(cg.memory_usage_bytes),
-                rss_bytes=_u64(cg.memory_rss_bytes),
-                page_faults=_u64(cg.page_faults),
-                major_page_faults=_u64(cg.major_page_faults),
-                psi=_psi(cg.pressure.get("memory")),
-            )
-        )
+        stats.memory.CopyFrom(_memory_usage(cg))
         if cg.swap_usage_bytes is not None:
             available = None
             if cg.swap_limit_bytes is not None:
@@ -77,6 +67,27 @@ def container_stats_message(view: RuntimeView, usage: ContainerUsage) -> api_pb2
     return stats
 
 
+def _memory_usage(cg: CgroupStats) -> api_pb2.MemoryUsage:
+    return api_pb2.MemoryUsage(
+        timestamp=cg.timestamp_ns,
+        working_set_bytes=_u64(cg.memory_working_set_bytes),
+        usage_bytes=_u64(cg.memory_usage_bytes),
+        rss_bytes=_u64(cg.memory_rss_bytes),
+        page_faults=_u64(cg.page_faults),
+        major_page_faults=_u64(cg.major_page_faults),
+        available_bytes=_u64(_available(cg)),
+        psi=_psi(cg.pressure.get("memory")),
+    )
+
+
+def _available(cg: CgroupStats) -> int | None:
+    """What the cgroup may still use before its memory limit, as kubelet's summary API
+    counts it (limit minus working set); None without a limit of its own."""
+    if cg.memory_limit_bytes is None or cg.memory_working_set_bytes is None:
+        return None
+    return max(0, cg.memory_limit_bytes - cg.memory_working_set_bytes)
+
+
 def _psi(stall: PressureStall | None) -> api_pb2.PsiStats | None:
     """cgroup v2's pressure stall figures (total in microseconds, as the kernel counts)."""
     if stall is None:
@@ -92,7 +103,20 @@ def _psi(stall: PressureStall | None) -> api_pb2.PsiStats | None:
 
 
 def pod_stats_message(view: RuntimeView, usage: PodUsage) -> api_pb2.PodSandboxStats:
+    """A pod's stats: CPU summed over its containers; memory and processes those of the
+    pod's own cgroup where it has one (PodUsage.cgroup), else the containers' working
+    sets summed."""
     sandbox = usage.record
+    memory = api_pb2.MemoryUsage(
+        timestamp=usage.read_at, working_set_bytes=_u64(usage.memory_working_set_bytes)
+    )
+    process = None
+    if (cg := usage.cgroup) is not None:
+        memory = _memory_usage(cg)
+        if cg.process_count is not None:
+            process = api_pb2.ProcessUsage(
+                timestamp=cg.timestamp_ns, process_count=_u64(cg.process_count)
+            )
     return api_pb2.PodSandboxStats(
         attributes=api_pb2.PodSandboxAttributes(
             id=sandbox.id,
@@ -106,10 +130,9 @@ def pod_stats_message(view: RuntimeView, usage: PodUsage) -> api_pb2.PodSandboxS
                 usage_core_nano_seconds=_u64(usage.cpu_usage_ns),
                 usage_nano_cores=_u64(usage.cpu_nano_cores),
             ),
-            memory=api_pb2.MemoryUsage(
-                timestamp=usage.read_at, working_set_bytes=_u64(usage.memory_working_set_bytes)
-            ),
+            memory=memory,
             network=_network_usage(usage.network),
+            process=process,
             containers=[container_stats_message(view, c) for c in usage.containers],
         ),
     )

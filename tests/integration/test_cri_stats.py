@@ -172,3 +172,88 @@ def test_one_listing_reports_each_pods_own_network(daemon: Daemon, short_tmp: Pa
         }
         assert received[pinged[0]] >= 5 * payload
         assert received[quiet[0]] < 5 * payload
+
+
+def _pod_cgroup(name: str, memory_limit: int) -> list[Path]:
+    """A pod cgroup as kubelet makes one under the cgroupfs driver (in each hierarchy,
+    with the pod's memory limit), for a pod whose cgroup_parent names it."""
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():
+        made = [root / name]
+        made[0].mkdir()
+        (made[0] / "memory.max").write_text(str(memory_limit))
+    else:
+        made = [hierarchy / name for hierarchy in root.iterdir() if hierarchy.is_dir()]
+        for directory in made:
+            directory.mkdir()
+        (root / "memory" / name / "memory.limit_in_bytes").write_text(str(memory_limit))
+    return made
+
+
+def test_pod_stats_carry_the_pods_own_memory_limit_and_processes(
+    make_daemon: type, busybox_layout: Path, short_tmp: Path
+) -> None:
+    """kubelet's summary API (PodAndContainerStatsFromCRI) takes a pod's memory and
+    process count from ListPodSandboxStats and a container's available memory from its
+    stats: the pod's own cgroup (its cgroup_parent) holds its containers and its limit."""
+    daemon = make_daemon(settings={"cgroup_manager": "cgroupfs"})
+    daemon.start()
+    import_image(daemon, busybox_layout)
+    pod_limit, container_limit = 256 << 20, 64 << 20
+    name = f"cri-shim-test-pod-{short_tmp.name}"
+    made = _pod_cgroup(name, pod_limit)
+    try:
+        linux = api_pb2.LinuxPodSandboxConfig(cgroup_parent=f"/{name}")
+        with pod(daemon, "limited", short_tmp, linux=linux) as p:
+            resources = api_pb2.LinuxContainerResources(memory_limit_in_bytes=container_limit)
+            container_id = create(
+                daemon,
+                p,
+                container_config(
+                    "sleeper",
+                    "sleep 300 & sleep 300",
+                    linux=api_pb2.LinuxContainerConfig(resources=resources),
+                ),
+            )
+            start(daemon, container_id)
+            stats = pod_stats(daemon, p[0])
+            memory = stats.linux.memory
+            assert memory.usage_bytes.value > 0
+            assert memory.rss_bytes.value > 0
+            assert memory.page_faults.value > 0
+            assert memory.HasField("major_page_faults")
+            assert memory.working_set_bytes.value > 0
+            # read together: what the pod may still use is its limit minus its working set
+            assert memory.available_bytes.value + memory.working_set_bytes.value == pod_limit
+            # two sleeps (the shell became the second)
+            assert stats.linux.process.process_count.value == 2
+            (container,) = stats.linux.containers
+            figures = container.memory
+            assert figures.available_bytes.value + figures.working_set_bytes.value == (
+                container_limit
+            )
+            request = api_pb2.ContainerStatsRequest(container_id=container_id)
+            alone = daemon.runtime().ContainerStats(request, timeout=10).stats.memory
+            assert 0 < alone.available_bytes.value < container_limit
+    finally:
+        for directory in made:
+            directory.rmdir()
+
+
+def test_a_pod_without_a_parent_of_its_own_reports_its_containers_working_set(
+    daemon: Daemon, busybox_layout: Path, short_tmp: Path
+) -> None:
+    """Without a cgroup_parent, pods' containers share one directory: no pod figure of
+    the pod's own is read, its working set is its containers' and no limit is claimed."""
+    import_image(daemon, busybox_layout)
+    with pod(daemon, "parentless", short_tmp) as p:
+        container_id = create(daemon, p, container_config("sleeper", "sleep 300"))
+        start(daemon, container_id)
+        stats = pod_stats(daemon, p[0])
+        (container,) = stats.linux.containers
+        assert stats.linux.memory.working_set_bytes.value == (
+            container.memory.working_set_bytes.value
+        )
+        assert not stats.linux.memory.HasField("available_bytes")
+        assert not stats.linux.HasField("process")
+        assert not container.memory.HasField("available_bytes")  # no limit of its own

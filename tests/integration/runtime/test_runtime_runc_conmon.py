@@ -18,7 +18,7 @@ import pytest
 from runc_harness import Runtime, shell
 
 from cri_shim.api.v1 import api_pb2
-from cri_shim.errors import Internal
+from cri_shim.errors import FailedPrecondition, Internal
 from cri_shim.runtime.capabilities import ALL_CAPABILITIES, capabilities_from_mask
 from cri_shim.runtime.conmon import RuntimeBackend
 from cri_shim.runtime.host_limits import HostLimits
@@ -243,6 +243,32 @@ async def test_reopen_log(runtime: Runtime) -> None:
     assert before and after
     numbers = [int(line.split()[-1]) for line in before + after]
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+
+async def test_reopening_a_log_whose_directory_is_gone_leaves_the_container_running(
+    runtime: Runtime,
+) -> None:
+    """Another kubelet's log garbage collection (or a person) removed the pod's log
+    directory: kubelet asks to reopen the log it no longer finds. conmon cannot open a
+    file there and would exit without recording the container's exit, and the container
+    would be killed as unmonitored; the request is refused instead, naming the directory,
+    and the container runs on."""
+    cid = await runtime.create(shell("exec sleep 1001"))
+    await runtime.backend.start(cid)
+    log = runtime.log_path(cid)
+    await until(log.exists)
+    hidden = log.parent.with_name(log.parent.name + ".gone")
+    log.parent.rename(hidden)
+    try:
+        with pytest.raises(FailedPrecondition, match="no longer exists"):
+            await runtime.backend.reopen_log(cid)
+        await asyncio.sleep(1)  # conmon, had it been asked, would have exited by now
+        assert runtime.backend.exit_status(cid) is None
+        assert not runtime.backend.monitor_died(cid)
+    finally:
+        hidden.rename(log.parent)
+    await runtime.backend.reopen_log(cid)  # the directory back: reopened as ever
+    await runtime.backend.stop(cid, 0, signal.SIGKILL)
 
 
 async def test_delete_leaves_no_process_no_runc_state_no_conmon(runtime: Runtime) -> None:
