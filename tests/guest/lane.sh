@@ -33,6 +33,17 @@
 #                     kubelet's log reports no CRI call unavailable, without it it does
 #                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`;
 #                     about 5 minutes: `scripts/guest --lane kubelet-restart leftovers`)
+#   node-e2e          Kubernetes' node conformance suite (tests/node_e2e.py) against the
+#                     daemon installed as its unit (socket-activated, `cgroup_manager`
+#                     auto: systemd's), kubelet with cgroupDriver systemd, started by the
+#                     suite through systemd-run: the specs that exercise cgroups
+#                     (CGROUP_SUBSET there, by name), GUEST_NODE_E2E_NODES (default 2)
+#                     at a time
+#   node-e2e-serial   the suite's Serial spec that stops and starts the runtime through
+#                     its systemd unit (MirrorPodWithGracePeriod ... the container
+#                     runtime is temporarily down), with the unit as scripts/install
+#                     writes it; node-e2e-serial-no-socket the same, installed with
+#                     --no-socket-activation
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
@@ -80,6 +91,13 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
             # shellcheck disable=SC2086 # the arguments are words
             step density env -u PYTHONDONTWRITEBYTECODE .venv/bin/python benchmarks/density.py \
                 ${GUEST_DENSITY_ARGS:---pods 20 --workloads plain --cgroup-driver both --steady 30} ;;
+        node-e2e) step node-e2e .venv/bin/python -m tests.node_e2e --as-installed-unit \
+            --cgroup-driver systemd --subset cgroup --nodes "${GUEST_NODE_E2E_NODES:-2}" ;;
+        node-e2e-serial) step node-e2e-serial .venv/bin/python -m tests.node_e2e \
+            --as-installed-unit --cgroup-driver systemd --serial --focus MirrorPodWithGracePeriod ;;
+        node-e2e-serial-no-socket) step node-e2e-serial-no-socket .venv/bin/python -m \
+            tests.node_e2e --as-installed-unit --no-socket-activation --cgroup-driver systemd \
+            --serial --focus MirrorPodWithGracePeriod ;;
         leftovers) step leftovers .venv/bin/python -m tests.guest.leftovers ;;
         *) echo "lane: unknown step $name"; failed+=("$name") ;;
     esac
