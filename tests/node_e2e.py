@@ -761,7 +761,10 @@ def run_suite(
                 check=False,
                 # The suite and the kubelet it starts in the kubelet's system cgroup: this
                 # kubelet cannot move itself where it cannot read PID 1's namespaces.
-                preexec_fn=lambda: move_into_cgroup(KUBELET_CGROUP, os.getpid()),
+                # Under systemd the suite starts kubelet in a unit of its own instead.
+                preexec_fn=None
+                if systemd
+                else lambda: move_into_cgroup(KUBELET_CGROUP, os.getpid()),
             )
         except subprocess.TimeoutExpired:
             pass

@@ -92,12 +92,13 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
             step density env -u PYTHONDONTWRITEBYTECODE .venv/bin/python benchmarks/density.py \
                 ${GUEST_DENSITY_ARGS:---pods 20 --workloads plain --cgroup-driver both --steady 30} ;;
         node-e2e) step node-e2e .venv/bin/python -m tests.node_e2e --as-installed-unit \
-            --cgroup-driver systemd --subset cgroup --nodes "${GUEST_NODE_E2E_NODES:-2}" ;;
-        node-e2e-serial) step node-e2e-serial .venv/bin/python -m tests.node_e2e \
-            --as-installed-unit --cgroup-driver systemd --serial --focus MirrorPodWithGracePeriod ;;
-        node-e2e-serial-no-socket) step node-e2e-serial-no-socket .venv/bin/python -m \
-            tests.node_e2e --as-installed-unit --no-socket-activation --cgroup-driver systemd \
-            --serial --focus MirrorPodWithGracePeriod ;;
+            --cgroup-driver systemd --subset cgroup --nodes "${GUEST_NODE_E2E_NODES:-1}" ;;
+        node-e2e-serial | node-e2e-serial-no-socket)
+            unit=(--as-installed-unit)
+            [ "$name" = node-e2e-serial ] || unit+=(--no-socket-activation)
+            # The spec reads kubelet's metrics at localhost:10255.
+            step "$name" .venv/bin/python -m tests.node_e2e "${unit[@]}" --cgroup-driver systemd \
+                --serial --focus MirrorPodWithGracePeriod --kubelet-address 0.0.0.0 ;;
         leftovers) step leftovers .venv/bin/python -m tests.guest.leftovers ;;
         *) echo "lane: unknown step $name"; failed+=("$name") ;;
     esac
