@@ -706,6 +706,8 @@ def ginkgo_command(
         f"--nodes={run.nodes}",
         f"--timeout={SUITE_TIMEOUT // 60}m",
         "--no-color",
+        # A Serial spec's steps as they happen: it runs alone, for minutes.
+        *(["-v"] if run.label.startswith("serial") else []),
         f"--focus={run.focus}",
         *([f"--skip={run.skip}"] if run.skip else []),
         "--junit-report=junit.xml",
