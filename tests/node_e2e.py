@@ -38,7 +38,15 @@ report. Options, for CI and for the cgroup v2 guest (scripts/guest, tests/guest/
   is temporarily down") stops and starts the runtime's systemd unit over D-Bus (the unit
   of the pid in --container-runtime-pid-file): the daemon this runner starts is no unit,
   so that spec is in the table as failing (RUNTIME_DOWN); it is for a lane whose daemon is
-  the installed unit (scripts/install) to run it.
+  the installed unit (scripts/install) to run it. With --focus, only the Serial specs it
+  names.
+- `--as-installed-unit`: the daemon installed by scripts/install as its systemd unit
+  (socket-activated unless `--no-socket-activation`; tests/guest/node_e2e_site.py), not
+  one started here: the cgroup v2 guest's (tests/guest/lane.sh, steps node-e2e and
+  node-e2e-serial). `--kubelet-address 0.0.0.0`: kubelet's --address, for the specs that
+  read kubelet's metrics at localhost:10255 (the two Serial ones that do) rather than at
+  the node's address. `--prepare`: only unpack the binaries and build the images, where
+  their tools are (scripts/guest runs it on the host before a node-e2e step).
 - `--runtime containerd`: the same specs on the same harness against containerd 1.6
   (`../shared/peers/containerd`), for side-by-side figures: tallied, never gated.
 """
@@ -58,6 +66,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tests.conformance import (
@@ -211,8 +220,7 @@ CGROUP_SUBSET = (
     # stats
     "Summary API [NodeConformance] when querying /stats/summary should report resource usage",
     # QoS
-    "Kubelet Cgroup Manager QOS containers On enabling QOS cgroup hierarchy Top level QoS "
-    "containers should have been created",
+    "Kubelet Cgroup Manager",  # the QoS cgroups, and each QoS class's pods in theirs
     "Swap [NodeConformance][LinuxOnly] with configuration QOS",
     # OOM
     "OOMKiller [LinuxOnly] [NodeConformance] single process container The containers "
@@ -494,7 +502,7 @@ def kubelet_state() -> list[str]:
 def kubepods_cgroups() -> list[str]:
     """kubelet's cgroups (cgroupfs: kubepods/…, systemd: kubepods.slice/…), top ones."""
     found = []
-    for controller in CGROUP_ROOT.iterdir():
+    for controller in (CGROUP_ROOT, *CGROUP_ROOT.iterdir()):  # v2's one, v1's each
         for name in ("kubepods", "kubepods.slice"):
             if (controller / name).is_dir():
                 found.append(str(controller / name))
@@ -616,6 +624,7 @@ class Runtime:
     socket: Path
     pid_file: Path
     stop: object  # () -> list[str]: stops it, returns what it still held
+    cgroup: str = RUNTIME_CGROUP  # kubelet's --runtime-cgroups
 
 
 def channel_to(socket: Path) -> object:
@@ -653,13 +662,25 @@ def cri_shim_runtime(work: Path, registry: object) -> Iterator[Runtime]:
         daemon.start()
         assert daemon.proc is not None
         pid_file = work / "cri-shim.pid"
-        pid_file.write_text(f"{daemon.proc.pid}\n")
+        pid_file.write_text(str(daemon.proc.pid))  # the suite's Atoi takes no newline
         move_into_cgroup(RUNTIME_CGROUP, daemon.proc.pid)
         yield Runtime("cri-shim", daemon.socket, pid_file, stop)
     finally:
         if not stopped:
             daemon.stop()
         network.remove()
+
+
+@contextmanager
+def installed_cri_shim_runtime(
+    work: Path, registry: object, socket_activation: bool = True
+) -> Iterator[Runtime]:
+    """The daemon the system runs: installed as its unit (tests/guest/node_e2e_site.py)."""
+    from tests.guest.node_e2e_site import SOCKET, UNIT, installed_unit
+
+    host = registry.host  # type: ignore[attr-defined]
+    with installed_unit(work, host, MIRRORED, socket_activation) as pid_file:
+        yield Runtime("cri-shim", SOCKET, pid_file, list, f"/system.slice/{UNIT}.service")
 
 
 @contextmanager
@@ -702,11 +723,18 @@ class Run:
 
 
 def ginkgo_command(
-    binaries: Path, run: Run, artifacts: Path, runtime: Runtime, config: Path, node_ip: str
+    binaries: Path,
+    run: Run,
+    artifacts: Path,
+    runtime: Runtime,
+    config: Path,
+    node_ip: str,
+    address: str | None = None,
 ) -> list[str]:
     kubelet_flags = (
-        f"--cgroups-per-qos=true --cgroup-root=/ --node-ip={node_ip} --address={node_ip} "
-        f"--runtime-cgroups={RUNTIME_CGROUP} --kubelet-cgroups={KUBELET_CGROUP} "
+        f"--cgroups-per-qos=true --cgroup-root=/ --node-ip={node_ip} "
+        f"--address={address or node_ip} "
+        f"--runtime-cgroups={runtime.cgroup} --kubelet-cgroups={KUBELET_CGROUP} "
         # Not --system-cgroups: kubelet would move every process of the host's root
         # cgroup into it (the Summary API spec's "misc" system container).
         "--system-cgroups= --fail-swap-on=false"
@@ -716,6 +744,8 @@ def ginkgo_command(
         f"--nodes={run.nodes}",
         f"--timeout={SUITE_TIMEOUT // 60}m",
         "--no-color",
+        # A Serial spec's steps as they happen: it runs alone, for minutes.
+        *(["-v"] if run.label.startswith("serial") else []),
         f"--focus={run.focus}",
         *([f"--skip={run.skip}"] if run.skip else []),
         "--junit-report=junit.xml",
@@ -744,11 +774,12 @@ def run_suite(
     config: Path,
     node_ip: str,
     systemd: bool,
+    address: str | None = None,
 ) -> tuple[Junit | None, float, list[str]]:
     """One ginkgo run; its report (None where it wrote none), wall time and problems."""
     artifacts = work / f"artifacts-{run.label}"
     artifacts.mkdir(parents=True, exist_ok=True)
-    command = ginkgo_command(binaries, run, artifacts, runtime, config, node_ip)
+    command = ginkgo_command(binaries, run, artifacts, runtime, config, node_ip, address)
     log = CACHE / f"ginkgo-{run.label}.log"
     env = dict(os.environ, TMPDIR=str(work))
     if not systemd:
@@ -771,7 +802,10 @@ def run_suite(
                 check=False,
                 # The suite and the kubelet it starts in the kubelet's system cgroup: this
                 # kubelet cannot move itself where it cannot read PID 1's namespaces.
-                preexec_fn=lambda: move_into_cgroup(KUBELET_CGROUP, os.getpid()),
+                # Under systemd the suite starts kubelet in a unit of its own instead.
+                preexec_fn=None
+                if systemd
+                else lambda: move_into_cgroup(KUBELET_CGROUP, os.getpid()),
             )
         except subprocess.TimeoutExpired:
             pass
@@ -837,6 +871,18 @@ def clean_node(runtime: Runtime, pod_logs_before: dict[Path, bool]) -> list[str]
     return found
 
 
+def prepare_images(kit: Path, binaries: Path) -> Path:
+    """The images built (their builder pushes them to a registry of its own), cached."""
+    from tests.registry import start_registry
+
+    with tempfile.TemporaryDirectory(prefix="cs-e2e-prepare-") as work:
+        registry = start_registry(Path(work))
+        try:
+            return build_node_images(kit, binaries, registry.host)
+        finally:
+            registry.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/node-e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--kit", type=Path, default=KIT, help="the node e2e kit")
@@ -847,15 +893,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--focus", action="append", default=[], help="only matching specs")
     parser.add_argument("--skip", action="append", default=[], help="leave matching specs out")
     parser.add_argument("--nodes", type=int, default=4, help="ginkgo's parallel processes")
+    parser.add_argument(
+        "--as-installed-unit",
+        action="store_true",
+        help="the daemon installed as its systemd unit (scripts/install), not one started here",
+    )
+    parser.add_argument(
+        "--no-socket-activation",
+        action="store_true",
+        help="with --as-installed-unit: installed without cri-shim.socket",
+    )
+    parser.add_argument(
+        "--kubelet-address",
+        help="kubelet's --address (default the node's): 0.0.0.0 for the specs that read "
+        "kubelet's metrics at localhost:10255",
+    )
+    parser.add_argument(
+        "--prepare", action="store_true", help="unpack the binaries, build the images, stop"
+    )
     args = parser.parse_args(argv)
     if not (args.kit / "unpack").exists():
         print(f"node-e2e: no node e2e kit at {args.kit}")
         return 2
     CACHE.mkdir(parents=True, exist_ok=True)
     binaries = unpack_binaries(args.kit)
+    if args.prepare:  # where the image tools are (the guest has none): scripts/guest
+        prepare_images(args.kit, binaries)
+        return 0
     specs = read_spec_list(args.kit / "nodeconformance-specs.txt")
     runs = plan_runs(args, specs)
-    expected = [*EXPECTED, SERIAL_EXPECTED_ELSEWHERE]
+    # The runtime-down spec can pass only with the installed unit.
+    expected = [*EXPECTED, *([] if args.as_installed_unit else [SERIAL_EXPECTED_ELSEWHERE])]
     if kubelet_state() or kubepods_cgroups():
         print(
             f"node-e2e: {KUBELET_ROOT} holds a kubelet's state, or kubepods cgroups exist: "
@@ -882,6 +950,10 @@ def main(argv: list[str] | None = None) -> int:
         push_images(layout, registry.host, CACHE / "push.log")
         node_ip = stack.enter_context(node_address())
         site = cri_shim_runtime if args.runtime == "cri-shim" else containerd_runtime
+        if args.as_installed_unit:
+            site = partial(
+                installed_cri_shim_runtime, socket_activation=not args.no_socket_activation
+            )
         runtime = stack.enter_context(site(work, registry))
         config = kubelet_config(args.kit, work, args.cgroup_driver)
         channel = channel_to(runtime.socket)
@@ -900,6 +972,7 @@ def main(argv: list[str] | None = None) -> int:
                     config,
                     node_ip,
                     systemd=args.cgroup_driver == "systemd",
+                    address=args.kubelet_address,
                 )
                 problems += found
                 if report is not None:
@@ -930,10 +1003,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_runs(args: argparse.Namespace, specs: list[str]) -> list[Run]:
     """The ginkgo runs the options ask for."""
-    if args.serial:
+    if args.serial:  # each, or those --focus names
         return [
             Run(f"serial-{index}", focus_of([name]), "", [name], 1)
             for index, name in enumerate(SERIAL_SPECS, 1)
+            if not args.focus or any(re.search(f, name) for f in args.focus)
         ]
     if args.subset == "cgroup":
         names = select_subset(specs, CGROUP_SUBSET)

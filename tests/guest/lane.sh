@@ -33,6 +33,20 @@
 #                     kubelet's log reports no CRI call unavailable, without it it does
 #                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`;
 #                     about 5 minutes: `scripts/guest --lane kubelet-restart leftovers`)
+#   node-e2e          Kubernetes' node conformance suite (tests/node_e2e.py) against the
+#                     daemon installed as its unit (socket-activated, `cgroup_manager`
+#                     auto: systemd's), kubelet with cgroupDriver systemd, started by the
+#                     suite through systemd-run: the specs that exercise cgroups
+#                     (CGROUP_SUBSET there, by name), GUEST_NODE_E2E_NODES (default 1)
+#                     at a time: at 2 the emulated kube-apiserver timed out its own
+#                     requests. About 2 minutes a spec: not for the default lane
+#   node-e2e-serial   the suite's Serial spec that stops and starts the runtime through
+#                     its systemd unit (MirrorPodWithGracePeriod ... the container
+#                     runtime is temporarily down), with the unit as scripts/install
+#                     writes it; node-e2e-serial-no-socket the same, installed with
+#                     --no-socket-activation. Neither passes yet (README); run with a
+#                     --timeout of scripts/guest: the spec waits for the unit's jobs
+#                     without a limit
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #
@@ -80,6 +94,14 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
             # shellcheck disable=SC2086 # the arguments are words
             step density env -u PYTHONDONTWRITEBYTECODE .venv/bin/python benchmarks/density.py \
                 ${GUEST_DENSITY_ARGS:---pods 20 --workloads plain --cgroup-driver both --steady 30} ;;
+        node-e2e) step node-e2e .venv/bin/python -m tests.node_e2e --as-installed-unit \
+            --cgroup-driver systemd --subset cgroup --nodes "${GUEST_NODE_E2E_NODES:-1}" ;;
+        node-e2e-serial | node-e2e-serial-no-socket)
+            unit=(--as-installed-unit)
+            [ "$name" = node-e2e-serial ] || unit+=(--no-socket-activation)
+            # The spec reads kubelet's metrics at localhost:10255.
+            step "$name" .venv/bin/python -m tests.node_e2e "${unit[@]}" --cgroup-driver systemd \
+                --serial --focus MirrorPodWithGracePeriod --kubelet-address 0.0.0.0 ;;
         leftovers) step leftovers .venv/bin/python -m tests.guest.leftovers ;;
         *) echo "lane: unknown step $name"; failed+=("$name") ;;
     esac
