@@ -336,6 +336,9 @@ def test_stopping_the_pod_stops_its_containers_and_removal_leaves_nothing(
 def test_bad_input(
     daemon: Daemon, pod: tuple[str, api_pb2.PodSandboxConfig], short_tmp: Path
 ) -> None:
+    plain_file = short_tmp / "plain-file"
+    plain_file.write_text("")
+
     def code(config: api_pb2.ContainerConfig, sandbox: str | None = None) -> grpc.StatusCode:
         with pytest.raises(grpc.RpcError) as info:
             create(daemon, (sandbox or pod[0], pod[1]), config)
@@ -356,7 +359,8 @@ def test_bad_input(
             container_config(
                 "x",
                 ["true"],
-                mounts=[api_pb2.Mount(container_path="/m", host_path=str(short_tmp / "missing"))],
+                # Below a file: no directory can be made there (a missing one would be).
+                mounts=[api_pb2.Mount(container_path="/m", host_path=str(plain_file / "below"))],
             )
         )
         == grpc.StatusCode.INVALID_ARGUMENT

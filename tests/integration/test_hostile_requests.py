@@ -128,6 +128,9 @@ def pod(
 def container_cases(
     short_tmp: Path,
 ) -> list[tuple[str, api_pb2.ContainerConfig, str]]:
+    plain_file = short_tmp / "plain-file"
+    plain_file.write_text("")
+
     def ctr(**kwargs: object) -> api_pb2.ContainerConfig:
         return container_config("hostile", "true", **kwargs)
 
@@ -153,7 +156,9 @@ def container_cases(
         ("log-through-symlink-dir", with_log("evil/x.log"), "log_path"),
         ("log-symlink-file", with_log("planted.log"), "log_path"),
         ("mount-host-relative", mount("/data", "tmp"), "mounts[0].host_path"),
-        ("mount-host-missing", mount("/data", str(short_tmp / "missing")), "mounts[0].host_path"),
+        # A missing host path is made a directory, as containerd does; one below a file
+        # cannot be.
+        ("mount-host-unmakeable", mount("/data", str(plain_file / "below")), "mounts[0].host_path"),
         ("mount-container-relative", mount("data", str(short_tmp)), "mounts[0].container_path"),
         ("mount-container-dotdot", mount("/../../etc", str(short_tmp)), "container_path"),
         ("workdir-relative", ctr(working_dir="tmp"), "working_dir"),
