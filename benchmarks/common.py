@@ -142,3 +142,29 @@ def pod_with_container(daemon: Daemon, name: str) -> str:
     ).container_id
     rt.StartContainer(api_pb2.StartContainerRequest(container_id=container_id), timeout=60)
     return str(sandbox_id)
+
+
+def run_critest_benchmark(
+    critest: Path, endpoint: str, work: Path, log: Path, args: list[str], *, append: bool = False
+) -> int:
+    """critest's `-benchmark` against `endpoint` from `work` (its temporary files there
+    too), its output into `log`; critest's exit status. `args` are critest's further
+    arguments (a focus, the parameters file, the output directory)."""
+    command = [
+        str(critest),
+        "-benchmark",
+        f"--runtime-endpoint={endpoint}",
+        f"--image-endpoint={endpoint}",
+        "--ginkgo.no-color",
+        *args,
+    ]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab" if append else "wb") as sink:
+        return subprocess.run(
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=dict(os.environ, TMPDIR=str(work)),
+            check=False,
+        ).returncode

@@ -17,13 +17,11 @@ never asserted.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import BYTECODE, compile_as_installed
+from common import BYTECODE, compile_as_installed, run_critest_benchmark
 from memory import Footprint
 
 from tests.conformance import CACHE, DEFAULT_HANDLER, DEFAULT_KIT, critest_site, remove_leftovers
@@ -43,27 +41,9 @@ def report(label: str, pid: int) -> None:
 
 
 def run_benchmarks(critest: Path, daemon: Daemon, work: Path, extra: list[str]) -> int:
-    endpoint = f"unix://{daemon.socket}"
+    args = [f"-benchmarking-output-dir={work / 'results'}", *extra]
     log = CACHE / "critest-benchmark.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(critest),
-        "-benchmark",
-        f"--runtime-endpoint={endpoint}",
-        f"--image-endpoint={endpoint}",
-        "--ginkgo.no-color",
-        f"-benchmarking-output-dir={work / 'results'}",
-        *extra,
-    ]
-    with log.open("wb") as out:
-        return subprocess.run(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            env=dict(os.environ, TMPDIR=str(work)),
-            check=False,
-        ).returncode
+    return run_critest_benchmark(critest, f"unix://{daemon.socket}", work, log, args)
 
 
 def main() -> int:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from common import BYTECODE, compile_as_installed
+from common import BYTECODE, compile_as_installed, run_critest_benchmark
 
 from tests.conformance import CACHE, DEFAULT_HANDLER, DEFAULT_KIT, critest_site
 from tests.harness import INSTALLED_FLAGS, REPO, Daemon
@@ -40,26 +39,13 @@ RESULTS = {
 
 def run_critest(critest: Path, endpoint: str, work: Path, params: Path, out: Path) -> int:
     out.mkdir(parents=True)
-    command = [
-        str(critest),
-        "-benchmark",
-        f"--runtime-endpoint={endpoint}",
-        f"--image-endpoint={endpoint}",
-        "--ginkgo.no-color",
+    args = [
         f"--ginkgo.focus={FOCUS}",
         f"-benchmarking-params-file={params}",
         f"-benchmarking-output-dir={out}",
     ]
     log = CACHE / "critest-reads.log"
-    with log.open("ab") as sink:
-        return subprocess.run(
-            command,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            env=dict(os.environ, TMPDIR=str(work)),
-            check=False,
-        ).returncode
+    return run_critest_benchmark(critest, endpoint, work, log, args, append=True)
 
 
 def medians(out: Path) -> dict[str, float]:
