@@ -3,7 +3,10 @@ each), and across many pod cycles (a leak test: RSS sampled every 100 cycles, af
 warm-up).
 
 Usage: sudo .venv/bin/python benchmarks/memory.py [--held 50,110] [--cycles 1000]
-                                                  [--as-installed]
+                                                  [--as-installed] [--burst]
+
+--burst starts each count's new pods all at once, as kubelet does with its static pods
+(by default one after another): a burst leaves the daemon's heaps more fragmented.
 
 --as-installed runs the daemon as the installed unit does (`python -OO -X no_debug_ranges`,
 from bytecode compiled under those options, as scripts/install compiles it): the figures
@@ -13,7 +16,9 @@ For the daemon it prints the proportional set size (PSS: shared pages divided am
 processes that map them), the unique set size (USS: pages no other process maps), the
 anonymous part (the heap: what the daemon's own code and data cost) and its threads; for
 the conmons (one per container) their PSS, in all and per pod; and the runtime side's
-PSS (the daemon plus every conmon, what the density benchmark counts) per pod. Pods are
+PSS (the daemon plus every conmon, what the density benchmark counts) per pod, and the
+same as if the runtime were alone on the node (`alone`: runtime_cost.alone_pss, the
+figure density.py gives). Pods are
 held while kubelet-like reads run (lists, statuses and stats, as its relist does), so
 that what those reads keep is counted too.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +42,7 @@ from common import (
     pod_with_container,
     rss_mib,
 )
-from runtime_cost import children, comm
+from runtime_cost import alone_pss, children, comm
 
 from cri_shim.api.v1 import api_pb2
 from tests.harness import INSTALLED_FLAGS, Daemon, import_image
@@ -102,17 +108,22 @@ def remove_pod(daemon: Daemon, sandbox_id: str) -> None:
 
 def report(label: str, daemon_pid: int, pods: int) -> None:
     own = Footprint.of(daemon_pid)
-    helpers = [Footprint.of(pid) for pid in conmons(daemon_pid)]
+    helper_pids = conmons(daemon_pid)
+    helpers = [Footprint.of(pid) for pid in helper_pids]
     helpers_pss = sum(h.pss for h in helpers)
     line = (
         f"{label:<20} daemon RSS {own.rss:5.1f}  PSS {own.pss:5.1f}  USS {own.uss:5.1f}"
         f"  anonymous {own.anonymous:5.1f}  threads {own.threads:3d}"
     )
+    shares = alone_pss([daemon_pid, *helper_pids])
+    alone = sum(share.mib for share in shares.values())
+    line += f"  alone {shares[daemon_pid].mib:5.1f}"
     if pods:
         runtime_side = own.pss + helpers_pss
         line += (
             f" | {len(helpers)} conmons PSS {helpers_pss:5.1f} ({helpers_pss / pods:.2f}/pod)"
-            f" | runtime side {runtime_side:5.1f} ({runtime_side / pods:.2f}/pod)"
+            f" | runtime side {runtime_side:5.1f} ({runtime_side / pods:.2f}/pod),"
+            f" alone {alone:5.1f} ({alone / pods:.2f}/pod)"
         )
     print(line, flush=True)
 
@@ -123,6 +134,9 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--settle", type=float, default=2.0, help="seconds before a sample")
+    parser.add_argument(
+        "--burst", action="store_true", help="start each count's new pods all at once"
+    )
     parser.add_argument(
         "--env", action="append", default=[], help="NAME=VALUE in the daemon's environment"
     )
@@ -154,8 +168,12 @@ def main() -> None:
         import_image(daemon, cached_oci_layout(Path(scratch)))
         held: list[str] = []
         for count in counts:
-            while len(held) < count:
-                held.append(pod_with_container(daemon, f"held-{len(held)}"))
+            names = [f"held-{n}" for n in range(len(held), count)]
+            if args.burst:
+                with ThreadPoolExecutor(max(1, len(names))) as pool:
+                    held.extend(pool.map(lambda name: pod_with_container(daemon, name), names))
+            else:
+                held.extend(pod_with_container(daemon, name) for name in names)
             kubelet_reads(daemon)
             time.sleep(args.settle)
             report(f"with {count} pods", pid, count)

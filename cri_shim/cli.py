@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -14,8 +13,8 @@ from cri_shim.config import (
     apply_overrides,
     load_config,
 )
+from cri_shim.host.ssl_on_demand import load_ssl_on_first_use
 from cri_shim.logsetup import setup_logging
-from cri_shim.state.db import DamagedDatabase
 
 # Exit statuses a service manager must not restart on: the next start fails the same way.
 EXIT_CONFIG = 2
@@ -109,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     acceptor = EarlyAcceptor(activated) if activated is not None else None
+    # Before asyncio is imported (by what follows): OpenSSL loads with the first TLS
+    # connection or image digest, not with asyncio (host/ssl_on_demand.py).
+    load_ssl_on_first_use()
+    import asyncio
+
     from cri_shim.daemon import serve
+    from cri_shim.state.db import DamagedDatabase
 
     try:
         asyncio.run(serve(cfg, acceptor))

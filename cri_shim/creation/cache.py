@@ -5,9 +5,9 @@ that ends after its request has gone is kept here, invisible, until a retry clai
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-
-import anyio
 
 from cri_shim.creation.entry import STAGE_CLEANUP, Entry, Phase, abandoned_error
 from cri_shim.creation.reservation import HeldNames
@@ -102,9 +102,10 @@ class UnclaimedCache:
     async def claimed_in_time(self, entry: Entry) -> bool:
         """Wait for a retry to claim the cached object (`claim`) until it expires."""
         assert entry.expires_at is not None
-        entry.claimed = anyio.Event()
-        with anyio.move_on_after(max(0.0, entry.expires_at - self._names.clock())):
-            await entry.claimed.wait()
+        entry.claimed = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, entry.expires_at - self._names.clock())):
+                await entry.claimed.wait()
         # Whichever came first decides; from here to CLEANING nothing else runs, so no
         # claim can slip in between.
         return entry.phase is not Phase.CACHED
@@ -112,5 +113,5 @@ class UnclaimedCache:
     def expire(self, entry: Entry) -> None:
         entry.enter(Phase.CLEANING, STAGE_CLEANUP, self._names.clock())
         # Duplicates arriving during the cleanup wait for the name to be free again.
-        entry.settled = anyio.Event()
+        entry.settled = asyncio.Event()
         self._names.count("expired", entry, "never claimed; cleaning up")

@@ -32,8 +32,6 @@ import os
 from collections import Counter
 from collections.abc import Callable
 
-import anyio
-
 from cri_shim import logcontext, tracing
 from cri_shim.creation import restore
 from cri_shim.creation.cache import UnclaimedCache
@@ -174,7 +172,7 @@ class CreationCoordinator:
         if entry is None:
             return
         entry.enter(Phase.CLEANING, STAGE_REMOVAL, self._names.clock())
-        entry.settled = anyio.Event()
+        entry.settled = asyncio.Event()
         self._names.count("removing", entry, "removed; tearing down in the background")
         self._tasks.start(entry, None)
 

@@ -13,12 +13,11 @@ A name is in one of four phases:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-import anyio
 
 from cri_shim import tracing
 from cri_shim.errors import DeadlineExceeded
@@ -102,6 +101,35 @@ class NameInfo:
     expires_at: float | None
 
 
+class CreatorScope:
+    """The creator's cancellation by an abandonment, told apart from the daemon's shutdown.
+
+    Made in the task that runs the creator; `cancel` (from a request's task) cancels that
+    task once. Where the CancelledError is caught, `withdraw` takes the request back, as
+    asyncio.timeout does with its own, so that the task's later timeouts and cancellations
+    work as if there had been none; it says whether this was the only cancellation (False:
+    the task is being cancelled by someone else too, and must end).
+    """
+
+    def __init__(self) -> None:
+        self._task = asyncio.current_task()
+        self.cancelled = False
+        self._withdrawn = False
+
+    def cancel(self) -> None:
+        if not self.cancelled and self._task is not None:
+            self.cancelled = True
+            self._task.cancel()
+
+    def withdraw(self) -> bool:
+        if not self.cancelled or self._task is None:
+            return False
+        if self._withdrawn:
+            return self._task.cancelling() == 0
+        self._withdrawn = True
+        return self._task.uncancel() == 0
+
+
 @dataclass(eq=False)
 class Entry:
     """One held name and what is happening to it."""
@@ -113,7 +141,7 @@ class Entry:
     reserved_at: float
     stage_since: float
     # Set when the current creation (or expiry cleanup) settles; what requests wait on.
-    settled: anyio.Event | None = None
+    settled: asyncio.Event | None = None
     # The error of a failed creation, handed to every request waiting on it.
     error: BaseException | None = None
     requester_waiting: bool = False
@@ -123,8 +151,8 @@ class Entry:
     expires_at: float | None = None
     # keep_on_timeout is off and the request gave up: the creation is rolled back.
     abandoned: bool = False
-    creator_scope: anyio.CancelScope | None = None  # while the creator runs
-    claimed: anyio.Event | None = None  # while the object waits in the cache
+    creator_scope: CreatorScope | None = None  # while the creator runs
+    claimed: asyncio.Event | None = None  # while the object waits in the cache
     # The creation's trace (its root span open until the object is visible or released).
     trace: tracing.CreationTrace = tracing.NO_CREATION_TRACE
 

@@ -9,12 +9,19 @@ daemon shutdown cancels the whole life wherever it is, without cleanup.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-import anyio
-
 from cri_shim.creation.cache import UnclaimedCache
-from cri_shim.creation.entry import STAGE_CLEANUP, Creator, Entry, Phase, Stage, abandoned_error
+from cri_shim.creation.entry import (
+    STAGE_CLEANUP,
+    Creator,
+    CreatorScope,
+    Entry,
+    Phase,
+    Stage,
+    abandoned_error,
+)
 from cri_shim.creation.reservation import HeldNames
 
 log = logging.getLogger("cri_shim.creation")
@@ -67,16 +74,19 @@ class DetachedCreations:
             return abandoned_error(self._names.kind, entry)
         stage = Stage(lambda new: self._stage_changed(entry, new))
         error: BaseException | None = None
-        with anyio.CancelScope() as scope:
-            entry.creator_scope = scope
-            try:
-                await run(entry.object_id, stage)
-            except Exception as exc:
-                error = exc
+        scope = entry.creator_scope = CreatorScope()
+        try:
+            await run(entry.object_id, stage)
+        except asyncio.CancelledError:
+            if not scope.withdraw():
+                raise  # shutdown (too): the whole life ends here
+        except Exception as exc:
+            error = exc
         entry.creator_scope = None
         # The last stage ends with the creation, whatever its outcome.
         self._names.observer.stage_left(entry.stage, self._names.clock() - entry.stage_since)
-        if scope.cancelled_caught:
+        if scope.cancelled:
+            scope.withdraw()  # a creator that finished despite it is rolled back all the same
             return abandoned_error(self._names.kind, entry)
         return error
 
@@ -117,7 +127,7 @@ class DetachedCreations:
         happened; failures are logged and counted, not raised."""
         names = self._names
         try:
-            with anyio.fail_after(self._cleanup_timeout):
+            async with asyncio.timeout(self._cleanup_timeout):
                 await names.hooks.cleanup(entry.object_id)
         except TimeoutError:
             names.observer.counted("cleanup_failed")

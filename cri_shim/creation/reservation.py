@@ -9,10 +9,9 @@ can see it free in between (DESIGN §2, rule 1).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
-
-import anyio
 
 from cri_shim import logcontext, tracing
 from cri_shim.creation.entry import STAGE_RESERVED, CreationHooks, Entry, NameInfo, Phase
@@ -67,7 +66,7 @@ class HeldNames:
             self._registrar.release(name)
             raise
         entry = self._hold(name, object_id, Phase.IN_FLIGHT, STAGE_RESERVED)
-        entry.settled = anyio.Event()
+        entry.settled = asyncio.Event()
         entry.requester_waiting = True
         entry.trace = self._tracer.creation(self.kind, name, object_id)
         logcontext.bind_object(self.kind, object_id, name)

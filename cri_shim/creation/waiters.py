@@ -11,10 +11,9 @@ with `keep_on_timeout` off, the creation is abandoned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import NoReturn
-
-import anyio
 
 from cri_shim.creation.entry import Entry, Phase
 from cri_shim.creation.reservation import HeldNames
@@ -130,12 +129,13 @@ class Waiters:
             f"(stage: {entry.stage}); retry to get it once done"
         )
 
-    async def _wait(self, settled: anyio.Event | None, deadline: float | None) -> bool:
+    async def _wait(self, settled: asyncio.Event | None, deadline: float | None) -> bool:
         """Wait for `settled` until `deadline`; True if it was set."""
         assert settled is not None, "only in-flight and cleaning names are waited on"
         if settled.is_set():
             return True
         timeout = None if deadline is None else max(0.0, deadline - self._names.clock())
-        with anyio.move_on_after(timeout):
-            await settled.wait()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await settled.wait()
         return settled.is_set()

@@ -8,7 +8,6 @@ tmp/                        partial blobs
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -75,6 +74,8 @@ class ContentStore:
             algorithm = expected_digest.partition(":")[0]
             if self.has_blob(expected_digest):
                 return expected_digest
+        import hashlib  # OpenSSL's: loaded with the first blob stored (host/ssl_on_demand.py)
+
         hasher = hashlib.new(algorithm)
         temp = self.tmp_dir / temp_name()
         written = 0

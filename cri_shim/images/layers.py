@@ -11,7 +11,6 @@ uses is the image's (`catalog`); which of them a container still uses is the cal
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -45,6 +44,8 @@ class LayerBlob:
 def chain_ids(diff_ids: Iterable[str]) -> list[str]:
     """OCI chain IDs: ChainID(L0) = DiffID(L0); ChainID(L0..n) =
     sha256(ChainID(L0..n-1) + " " + DiffID(Ln))."""
+    import hashlib  # OpenSSL's: loaded with the first image stored (host/ssl_on_demand.py)
+
     result: list[str] = []
     for diff_id in diff_ids:
         if not result:

@@ -54,6 +54,11 @@ OPTIONAL = (
     "cri_shim.images.pull",
     "httpx",
     "google.protobuf.json_format",
+    # OpenSSL, loaded by the first TLS connection or image stored (host/ssl_on_demand.py).
+    "ssl",
+    "_ssl",
+    "_hashlib",
+    "anyio",
 )
 
 

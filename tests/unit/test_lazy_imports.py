@@ -32,12 +32,22 @@ LAZY = {
     "cri_shim.tracing.otel": "[tracing] endpoint",
     "tempfile": "the first image unpacked (with the random module it loads)",
     "cri_shim.server.metrics_messages": "the first ListMetricDescriptors or ListPodSandboxMetrics",
+    # OpenSSL (host/ssl_on_demand.py): asyncio is imported without it.
+    "ssl": "the first TLS connection (a pull, streams or traces over TLS)",
+    "_hashlib": "the first image stored (its digests)",
+    "anyio": "the first PullImage (httpx's)",
 }
 
 
 @pytest.mark.parametrize("flags", [[], ["-OO"]], ids=["plain", "as installed"])
 def test_serving_imports_no_optional_subsystem(flags: list[str]) -> None:
-    probe = "import sys, cri_shim.cli, cri_shim.daemon; print('\\n'.join(sys.modules))"
+    # As `cri-shim serve` imports them: the command first, OpenSSL deferred, the daemon.
+    probe = (
+        "import sys, cri_shim.cli\n"
+        "from cri_shim.host.ssl_on_demand import load_ssl_on_first_use\n"
+        "if 'asyncio' in sys.modules or not load_ssl_on_first_use(): sys.exit(3)\n"
+        "import cri_shim.daemon; print('\\n'.join(sys.modules))"
+    )
     loaded = subprocess.run(
         [sys.executable, *flags, "-c", probe], capture_output=True, text=True, check=True
     ).stdout.split()

@@ -654,6 +654,54 @@ async def test_without_keep_on_timeout_a_cancelled_request_cancels_its_creation(
     await coordinator.aclose()
 
 
+class CreatorFinishingDespiteCancel(FakeCreator):
+    """Catches its cancellation and goes on: `after` more seconds, then returns."""
+
+    def __init__(self, after: float) -> None:
+        super().__init__(steps=[("sandbox network", 10.0)])
+        self.after = after
+
+    async def __call__(self, object_id: str, stage: Stage) -> None:
+        try:
+            await super().__call__(object_id, stage)
+        except asyncio.CancelledError:
+            await asyncio.sleep(self.after)
+            self.finished.append(object_id)
+
+
+@in_virtual_time
+async def test_without_keep_on_timeout_a_creator_finishing_despite_its_cancel_is_undone() -> None:
+    hooks = FakeHooks(default_cleanup=CleanupPlan(hangs=True))
+    coordinator, _ = make(hooks, keep_on_timeout=False, cleanup_timeout=30.0)
+    creator = CreatorFinishingDespiteCancel(after=1.0)
+
+    failed, at = await outcome(coordinator.create(NAME, 3.0, creator))
+
+    assert isinstance(failed, DeadlineExceeded) and at == 3.0
+    await advance_to(5.0)
+    assert creator.finished == ["id1"]
+    assert hooks.count("publish") == 0
+    # The cleanup's own budget still cuts it off: the cancel was taken back.
+    await advance_to(40.0)
+    assert hooks.released_names == [(NAME, "id1")]
+    await coordinator.aclose()
+
+
+@in_virtual_time
+async def test_shutdown_during_an_abandoned_creators_cancel_ends_its_life() -> None:
+    coordinator, hooks = make(keep_on_timeout=False)
+    creator = CreatorFinishingDespiteCancel(after=100.0)
+    failed, _ = await outcome(coordinator.create(NAME, 3.0, creator))
+    assert isinstance(failed, DeadlineExceeded)
+    await advance_to(4.0)
+
+    await coordinator.aclose()
+
+    assert creator.finished == []
+    assert hooks.count("cleanup") == 0 and hooks.released_names == []
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
 # ---- release and restore ----------------------------------------------------------------------
 
 
