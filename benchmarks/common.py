@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -18,6 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cri_shim.api.v1 import api_pb2
 from tests.churn import IMAGE
 from tests.harness import INSTALLED_FLAGS, REPO, Daemon, make_test_network, pod_config
+
+
+def activation_socket(path: Path) -> socket.socket:
+    """A listening socket at `path`, to hand a daemon as systemd's socket activation does
+    (`Daemon(..., pass_fds=(held.fileno(),))`): its calls then pass through the relay."""
+    held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    held.bind(str(path))
+    held.listen(socket.SOMAXCONN)
+    return held
+
 
 # An installed daemon loads its modules' bytecode; one that compiles them at every start,
 # as under PYTHONDONTWRITEBYTECODE=1, keeps ~1.7 MiB more of the compiler's leftovers on

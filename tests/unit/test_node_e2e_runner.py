@@ -236,3 +236,51 @@ def test_the_summary_api_row_holds_only_what_no_runtime_passes_here() -> None:
         summary_message().replace("}\n\t, ", "}\n\t, .Pods[x].ProcessStats: nil, "),
     ):
         assert not row.matches(Spec(row.name, "failed", message, SUMMARY_WHERE))
+
+
+def test_the_suite_finds_a_sudo_that_runs_its_command(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    (empty / "sh").symlink_to("/bin/sh")
+    path = node_e2e.path_with_sudo(str(empty), tmp_path / "shims")
+    sudo = node_e2e.shutil.which("sudo", path=path)
+    assert sudo == str(tmp_path / "shims" / "sudo")
+    ran = node_e2e.subprocess.run(
+        [sudo, "sh", "-c", "echo $0 ran", "it"], capture_output=True, text=True, env={"PATH": path}
+    )
+    assert (ran.returncode, ran.stdout) == (0, "it ran\n")
+    # one on PATH already is the one the suite uses
+    assert node_e2e.path_with_sudo(path, tmp_path / "other") == path
+
+
+def test_the_serial_rows_hold_only_where_the_host_lacks_what_they_need(monkeypatch) -> None:
+    nfs, restart = node_e2e.SERIAL_EXPECTED_HERE
+    assert (nfs.name, restart.name) == SERIAL_SPECS[1:]
+    monkeypatch.setattr(node_e2e, "kernel_has_nfs", lambda: True)
+    monkeypatch.setattr(node_e2e, "systemd_runs_host", lambda: True)
+    assert not nfs.applies() and not restart.applies()
+    monkeypatch.setattr(node_e2e, "kernel_has_nfs", lambda: False)
+    monkeypatch.setattr(node_e2e, "systemd_runs_host", lambda: False)
+    assert nfs.applies() and restart.applies()
+    timed_out = 'Timed out after 300.001s.\nExpected Pod to be in <v1.PodPhase>: "Running"\nGot'
+    assert nfs.matches(
+        Spec(
+            nfs.name,
+            "failed",
+            timed_out,
+            "/opt/node-e2e/src/test/e2e/framework/volume/fixtures.go:363",
+        )
+    )
+    # the static pod not coming back is the node's failure, not the host's
+    assert not nfs.matches(Spec(nfs.name, "failed", timed_out, "/opt/node-e2e/src/x.go:1"))
+    assert restart.matches(
+        Spec(restart.name, "failed", "exit status 1", "/opt/node-e2e/src/test/e2e_node/util.go:359")
+    )
+    assert not restart.matches(
+        Spec(
+            restart.name,
+            "failed",
+            "metrics not found",
+            "/opt/node-e2e/src/test/e2e_node/util.go:359",
+        )
+    )
