@@ -4,11 +4,16 @@ what /proc/self/mountinfo says is mounted."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from cri_shim.host.libc import check, last_errno, libc
+
+log = logging.getLogger(__name__)
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -131,3 +136,31 @@ def unmount_below(root: Path) -> None:
     }
     for point in sorted(below, key=lambda p: p.count("/"), reverse=True):
         unmount(Path(point))
+
+
+# How long a removal waits before it tries again a tree that something wrote into (or held
+# a mount in) while it was being removed.
+REMOVE_RETRY_DELAY = 0.5
+
+
+def remove_tree(root: Path) -> bool:
+    """Remove the directory `root` and everything in it, its mounts unmounted first (a
+    mount left inside would make the removal delete a live filesystem's files). A tree a
+    late writer put something in meanwhile (a monitor's file, a runtime's pid file) is
+    tried once more; what is still there after that is logged, with why, rather than left
+    silently. Whether `root` is gone."""
+    failures: list[str] = []
+
+    def failed(_function: object, path: str, exc: tuple[object, BaseException, object]) -> None:
+        failures.append(f"{path}: {exc[1]}")
+
+    for attempt in range(2):
+        unmount_below(root)
+        failures.clear()
+        shutil.rmtree(root, onerror=failed)
+        if not os.path.lexists(root):
+            return True
+        if attempt == 0:
+            time.sleep(REMOVE_RETRY_DELAY)
+    log.warning("%s could not be removed: %s", root, "; ".join(failures) or "written into again")
+    return False

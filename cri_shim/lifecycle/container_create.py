@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -334,8 +333,7 @@ class ContainerCreate:
         # Staging mounts first, severed from what they copy: unmounted one by one, the
         # copies inside them would take the host's own mounts with them.
         await asyncio.to_thread(release_staging, path / "mounts")
-        await asyncio.to_thread(mounts.unmount_below, path)
-        await asyncio.to_thread(shutil.rmtree, path, True)
+        await asyncio.to_thread(mounts.remove_tree, path)
 
     async def _gc_layers(self, object_id: str) -> None:
         # Layers of an image removed while this container used them can go now.

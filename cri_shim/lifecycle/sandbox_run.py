@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -308,9 +307,7 @@ class SandboxRun:
 
     async def _undo_remove_dir(self, args: dict[str, Any]) -> None:
         path = Path(args["path"])
-        # A mount left inside would make rmtree delete a live filesystem's files.
-        await asyncio.to_thread(mounts.unmount_below, path)
-        await asyncio.to_thread(shutil.rmtree, path, True)
+        await asyncio.to_thread(mounts.remove_tree, path)
 
     # ---- published ----------------------------------------------------------------
 

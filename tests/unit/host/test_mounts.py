@@ -57,3 +57,52 @@ def test_unmount_below_takes_every_mount_under_a_directory_and_nothing_beside_it
     finally:
         unmount_below(tmp_path)
     assert not mounted([sibling])
+
+
+def test_a_tree_written_into_while_it_is_removed_is_removed_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cri_shim.host import mounts
+
+    root = tmp_path / "bundle"
+    (root / "rootfs").mkdir(parents=True)
+    (root / "config.json").write_text("{}")
+    real_rmtree = mounts.shutil.rmtree
+    removals = []
+
+    def rmtree_then_a_late_writer(path: Path, **kwargs: object) -> None:
+        real_rmtree(path, **kwargs)
+        removals.append(path)
+        if len(removals) == 1:  # a monitor writes its file just after the first removal
+            root.mkdir()
+            (root / "pidfile").write_text("1")
+
+    monkeypatch.setattr(mounts.shutil, "rmtree", rmtree_then_a_late_writer)
+    monkeypatch.setattr(mounts, "REMOVE_RETRY_DELAY", 0)
+    assert mounts.remove_tree(root)
+    assert not root.exists() and len(removals) == 2
+    assert not caplog.records
+
+
+def test_a_tree_that_cannot_be_removed_is_logged_with_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cri_shim.host import mounts
+
+    root = tmp_path / "bundle"
+    (root / "upper").mkdir(parents=True)
+
+    def refused(path: Path, onerror: object) -> None:
+        onerror(mounts.os.rmdir, str(root / "upper"), (OSError, OSError(16, "busy"), None))  # type: ignore[operator]
+
+    monkeypatch.setattr(mounts.shutil, "rmtree", refused)
+    monkeypatch.setattr(mounts, "REMOVE_RETRY_DELAY", 0)
+    assert not mounts.remove_tree(root)
+    assert root.exists()
+    assert f"{root} could not be removed: {root / 'upper'}: [Errno 16] busy" in caplog.text
+
+
+def test_a_tree_already_gone_is_removed(tmp_path: Path) -> None:
+    from cri_shim.host import mounts
+
+    assert mounts.remove_tree(tmp_path / "never-made")
