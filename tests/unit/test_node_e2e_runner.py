@@ -76,6 +76,7 @@ def test_the_report_gives_each_spec_its_state_message_and_place(tmp_path: Path) 
             succeeded=False,
         )
     )
+    assert report is not None
     assert report.specs == [
         Spec(PASSING, "passed", ""),
         Spec(
@@ -97,9 +98,17 @@ def test_a_failed_setup_node_is_a_spec_that_did_not_pass(tmp_path: Path) -> None
             succeeded=False,
         )
     )
+    assert report is not None
     assert [(s.name, s.state) for s in report.specs] == [("[SynchronizedBeforeSuite]", "failed")]
     verdict = judge(report, EXPECTED, None)
     assert verdict.unexpected and verdict.problems
+
+
+def test_a_report_of_no_suite_is_none(tmp_path: Path) -> None:
+    # What ginkgo writes when the suite's process died before it reported.
+    path = tmp_path / "junit.xml"
+    path.write_text("<?xml version='1.0' encoding='UTF-8'?><testsuites></testsuites>")
+    assert read_junit(path) is None
 
 
 def report_of(specs: list[Spec], *, succeeded: bool | None = None) -> node_e2e.Junit:
@@ -177,6 +186,8 @@ def test_serial_specs_run_one_at_a_time() -> None:
     assert [(run.wanted, run.nodes, run.skip) for run in runs] == [
         ([name], 1, "") for name in SERIAL_SPECS
     ]
+    # Each bounded well below the whole set's run: one spec can wait for ever.
+    assert all(run.timeout == node_e2e.SERIAL_TIMEOUT < node_e2e.SUITE_TIMEOUT for run in runs)
 
 
 def test_the_ci_subset_is_the_whole_set_but_what_it_names() -> None:
