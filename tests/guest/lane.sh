@@ -33,8 +33,9 @@
 #                     kubelet's log reports no CRI call unavailable, without it it does
 #                     (tests/guest/test_kubelet_restart.py, marked slow: not in `unit`;
 #                     about 5 minutes: `scripts/guest --lane kubelet-restart leftovers`);
-#                     and a stop of the unit takes its socket down, a restart keeps it
-#                     (tests/guest/test_socket_activation.py, the test marked slow)
+#                     and a stop of the unit takes its socket down, a restart keeps it,
+#                     and a stop does not wait for a call in flight as a restart does
+#                     (tests/guest/test_socket_activation.py, the tests marked slow)
 #   node-e2e          Kubernetes' node conformance suite (tests/node_e2e.py) against the
 #                     daemon installed as its unit (socket-activated, `cgroup_manager`
 #                     auto: systemd's), kubelet with cgroupDriver systemd, started by the
@@ -90,7 +91,7 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
             "tests/scenarios/test_kubelet_static_pods.py::test_kubelet_runs_static_pods[generic-pleg]" ;;
         kubelet-restart) step kubelet-restart "${pytest[@]}" -s --durations=0 \
             tests/guest/test_kubelet_restart.py \
-            tests/guest/test_socket_activation.py::test_a_stop_takes_the_socket_down_and_a_restart_keeps_it ;;
+            tests/guest/test_socket_activation.py -m slow ;;
         density)
             # Its daemons load their modules' bytecode, as an installed daemon does,
             # rather than compiling them at each start (which would weigh on their PSS).

@@ -16,10 +16,15 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import pytest
 
+from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from cri_shim.daemon import DRAIN_TIMEOUT
 from tests.call_loop import LoopingClient
 from tests.guest.test_unit import pytestmark as guest_only
 from tests.harness import REPO
@@ -148,3 +153,45 @@ def test_a_stop_takes_the_socket_down_and_a_restart_keeps_it(units: None) -> Non
         assert time.monotonic() < deadline, "the killed daemon did not come back with its socket"
         time.sleep(1)
     assert not refused()
+
+
+@contextmanager
+def silent_registry() -> Iterator[str]:
+    """A registry that takes connections and never answers: a pull from it waits."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.slow
+def test_a_stop_leaves_a_call_in_flight_only_its_grace(units: None) -> None:
+    """A pull from a registry that never answers would hold a restart up to
+    DRAIN_TIMEOUT (the next daemon takes the calls held meanwhile); a stop, which takes
+    the socket with it, gives it gRPC's 5 s only, as a daemon binding its own socket does
+    (Kubernetes' node e2e suite, v1.28.4, waits 10 s for the stop job's end)."""
+    install()
+    started = time.monotonic()
+    systemctl("start", "cri-shim")  # the start job: until the daemon's READY=1
+    print(f"the start took {time.monotonic() - started:.1f} s", file=sys.stderr)
+    since = f"@{int(time.time())}"
+    with silent_registry() as registry, ThreadPoolExecutor(1) as pool:
+        channel = grpc.insecure_channel(f"unix://{SOCKET}")
+        image = api_pb2.ImageSpec(image=f"{registry}/held:1")
+        pull = pool.submit(
+            api_pb2_grpc.ImageServiceStub(channel).PullImage,
+            api_pb2.PullImageRequest(image=image),
+            timeout=120,
+        )
+        deadline = time.monotonic() + 60
+        while f"PullImage {registry}/held:1" not in unit_journal(since):
+            assert time.monotonic() < deadline, "the pull did not reach the daemon"
+            time.sleep(1)
+        started = time.monotonic()
+        systemctl("stop", "cri-shim")  # the stop job: until the daemon has exited
+        took = time.monotonic() - started
+        error = pull.exception(timeout=60)
+        channel.close()
+    print(f"a stop with a pull in flight took {took:.1f} s", file=sys.stderr)
+    assert isinstance(error, grpc.RpcError), error
+    assert took < DRAIN_TIMEOUT, took
