@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    acceptor = EarlyAcceptor(activated) if activated is not None else None
+    acceptor = EarlyAcceptor(*activated) if activated is not None else None
     # Before asyncio is imported (by what follows): OpenSSL loads with the first TLS
     # connection or image digest, not with asyncio (host/ssl_on_demand.py).
     load_ssl_on_first_use()

@@ -22,8 +22,10 @@ import grpc
 from cri_shim import logcontext
 from cri_shim.composition import Graph, build_graph
 from cri_shim.config import Config
+from cri_shim.errors import Internal, Unavailable
 from cri_shim.host.heap import limit_arenas, map_large_blocks
 from cri_shim.host.process import set_child_subreaper
+from cri_shim.host.systemd_manager import SystemdManager
 from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
 from cri_shim.metrics import MetricsExporter
@@ -255,9 +257,13 @@ class Daemon:
         if self._relay is not None:
             # New calls are held, for the next daemon (relay.aclose, last); the calls
             # forwarded already are answered before gRPC's server stops (which would
-            # cancel those it had not yet taken up).
+            # cancel those it had not yet taken up). A stop that takes the socket with it
+            # has no next daemon to wait for: the calls in flight get gRPC's STOP_GRACE
+            # only, as where the daemon binds its socket itself.
             self._relay.drain()
-            if not await self._relay.answered(DRAIN_TIMEOUT):
+            if await self._socket_stops():
+                log.info("the socket stops with the daemon: calls in flight get %.0fs", STOP_GRACE)
+            elif not await self._relay.answered(DRAIN_TIMEOUT):
                 log.warning("stopping with calls not answered within %.0fs", DRAIN_TIMEOUT)
         if self._server is not None:
             await self._server.stop(grace=STOP_GRACE)
@@ -276,6 +282,14 @@ class Daemon:
                 # closes one left unanswered 5 s, failing its calls).
                 await self._relay.aclose()
         log.info("stopped")
+
+    async def _socket_stops(self) -> bool:
+        assert self._acceptor is not None
+        systemd = SystemdManager(connect_timeout=QUERY_TIMEOUT, call_timeout=QUERY_TIMEOUT)
+        try:
+            return await socket_stops(self._acceptor.unit, systemd)
+        finally:
+            await systemd.close()
 
     async def _release(self) -> None:
         """What the daemon holds besides its sockets, let go once its server stopped."""
@@ -309,6 +323,24 @@ STOP_GRACE = 5.0
 DRAIN_TIMEOUT = 30.0
 # How long a stopping daemon waits for its last spans to reach the collector.
 TRACE_FLUSH_TIMEOUT = 2.0
+# How long a stopping daemon behind an activated socket gives systemd to say whether the
+# socket stops too (each of the connection and its calls).
+QUERY_TIMEOUT = 2.0
+
+
+async def socket_stops(unit: str, systemd: SystemdManager) -> bool:
+    """Whether systemd stops the activated socket `unit` once this daemon has stopped,
+    rather than keeping it for the next one: `systemctl stop cri-shim` (the service's
+    PropagatesStopTo= queues the socket's stop with its own) and `systemctl stop
+    cri-shim.socket` do; a restart does not. Where systemd cannot tell, the socket is
+    taken to stay (the longer wait, a restart's)."""
+    if not unit.endswith(".socket"):
+        return False  # a name the socket unit set (FileDescriptorName=): no unit to ask
+    try:
+        return await systemd.queued_job(unit) == "stop"
+    except (Unavailable, Internal) as err:
+        log.info("could not ask systemd whether %s stops: %s", unit, err)
+        return False
 
 
 def reload_network(daemon: Daemon) -> None:

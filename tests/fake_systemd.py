@@ -26,9 +26,11 @@ from dbus_fast import Message, Variant
 from dbus_fast._private.unmarshaller import Unmarshaller
 
 from cri_shim.host.systemd_manager import (
+    JOB,
     MANAGER,
     NO_SUCH_UNIT,
     PROPERTIES,
+    UNIT,
     SystemdManager,
     connect_system_bus,
 )
@@ -48,6 +50,9 @@ class _Systemd:
     def __init__(self, job_result: str, version: str) -> None:
         self.calls: list[Message] = []
         self.units: dict[str, dict[str, Any]] = {}
+        # The type of the job queued for a unit ("" none), as GetUnit and the unit's and
+        # job's properties tell it; a unit named here is loaded.
+        self.queued: dict[str, str] = {}
         self.job_result = job_result
         self.version = version
         self._jobs = 0
@@ -70,6 +75,19 @@ class _Systemd:
             return self._job(message, unit)
         if message.interface == PROPERTIES and message.body == [MANAGER, "Version"]:
             return Message.new_method_return(message, "v", [Variant("s", self.version)]), None
+        if message.member == "GetUnit":
+            unit = message.body[0]
+            if unit not in self.queued:
+                return Message.new_error(message, NO_SUCH_UNIT, f"Unit {unit} not loaded."), None
+            path = f"/unit/{list(self.queued).index(unit)}"  # no dot or dash in a path
+            return Message.new_method_return(message, "o", [path]), None
+        if message.interface == PROPERTIES and message.body == [UNIT, "Job"]:
+            queued = list(self.queued.values())[int(message.path.removeprefix("/unit/"))]
+            job = [7, f"/job/{queued}"] if queued else [0, "/"]
+            return Message.new_method_return(message, "v", [Variant("(uo)", job)]), None
+        if message.interface == PROPERTIES and message.body == [JOB, "JobType"]:
+            queued = message.path.removeprefix("/job/")
+            return Message.new_method_return(message, "v", [Variant("s", queued)]), None
         if message.member == "Hello":
             return Message.new_method_return(message, "s", [":1.42"]), None
         return Message.new_method_return(message), None

@@ -100,6 +100,12 @@ NODE_IP = "10.254.77.1"
 FOCUS = r"\[NodeConformance\]"
 SKIP = r"\[Flaky\]|\[Slow\]|\[Serial\]"
 SUITE_TIMEOUT = 120 * 60
+# A Serial spec's run. The one that stops and starts the runtime's unit waits for each of
+# the two jobs without a bound in this suite (v1.28.4): its D-Bus connection lives 10 s,
+# and a job that ends later is never reported (kubernetes/kubernetes#116872, bounded in
+# 1.29 by #119197). ginkgo's timeout ends such a run with a report, and the node is
+# cleaned; the spec itself takes 3-8 minutes in the emulated guest.
+SERIAL_TIMEOUT = 20 * 60
 # kubelet reads container and pod figures from the CRI (ContainerStats,
 # ListPodSandboxStats) instead of cAdvisor, which knows only docker's, containerd's and
 # CRI-O's cgroups.
@@ -156,7 +162,9 @@ SUMMARY_API = Expected(
     "runs the host the spec expects no misc). Pod memory, processes, CPU, network, volumes "
     "and the kubelet, runtime and pods system containers must match",
     r"Timed out after \d+\.\d+s\.\nExpected\n    <string>: Summary\nto match fields: \{\n"
-    r"\[?\.Node\.SystemContainers:\n\tmissing expected element misc\]?\n"
+    # misc is missing only where systemd does not run the host (the guest's kubelet
+    # expects none)
+    r"(?:\[?\.Node\.SystemContainers:\n\tmissing expected element misc\]?\n)?"
     rf"(?:{_BETWEEN}{_CONTAINER_MEMORY}){{2}}{_BETWEEN}\}}",
     where="/opt/node-e2e/src/test/e2e_node/summary_test.go:336",
 )
@@ -331,12 +339,16 @@ class Junit:
     tests: int
 
 
-def read_junit(path: Path) -> Junit:
+def read_junit(path: Path) -> Junit | None:
     """ginkgo's JUnit report: its `[It]` specs (setup nodes that did not pass count as
     specs), each with its state, message and the file:line it failed at. Specs that were
-    not selected show as skipped with the bare message `skipped`: left out."""
+    not selected show as skipped with the bare message `skipped`: left out. None for a
+    report of no suite, which ginkgo writes when the suite's process died before it
+    reported (killed, or crashed)."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
+        return None
     if len(suites) != 1:
         raise ValueError(f"{len(suites)} suites in the JUnit report, not one")
     (suite,) = suites
@@ -770,6 +782,7 @@ class Run:
     skip: str
     wanted: list[str] | None
     nodes: int
+    timeout: int = SUITE_TIMEOUT  # ginkgo's --timeout, in seconds
 
 
 def ginkgo_command(
@@ -792,7 +805,7 @@ def ginkgo_command(
     return [
         str(binaries / "ginkgo"),
         f"--nodes={run.nodes}",
-        f"--timeout={SUITE_TIMEOUT // 60}m",
+        f"--timeout={run.timeout // 60}m",
         "--no-color",
         # A Serial spec's steps as they happen: it runs alone, for minutes.
         *(["-v"] if run.label.startswith("serial") else []),
@@ -849,7 +862,7 @@ def run_suite(
                 stderr=subprocess.STDOUT,
                 cwd=work,
                 env=env,
-                timeout=SUITE_TIMEOUT + 600,
+                timeout=run.timeout + 600,
                 check=False,
                 # The suite and the kubelet it starts in the kubelet's system cgroup: this
                 # kubelet cannot move itself where it cannot read PID 1's namespaces.
@@ -885,7 +898,10 @@ def run_suite(
         print(log.read_text(errors="replace")[-5000:])
         return None, seconds, [*problems, f"{run.label}: ginkgo wrote no JUnit report"]
     shutil.copy(junit, CACHE / f"junit-{run.label}.xml")
-    return read_junit(junit), seconds, problems
+    if (report := read_junit(junit)) is None:
+        print(log.read_text(errors="replace")[-5000:])
+        problems.append(f"{run.label}: the suite's process ended without reporting its specs")
+    return report, seconds, problems
 
 
 def clean_node(runtime: Runtime, pod_logs_before: dict[Path, bool]) -> list[str]:
@@ -1060,7 +1076,7 @@ def plan_runs(args: argparse.Namespace, specs: list[str]) -> list[Run]:
     """The ginkgo runs the options ask for."""
     if args.serial:  # each, or those --focus names
         return [
-            Run(f"serial-{index}", focus_of([name]), "", [name], 1)
+            Run(f"serial-{index}", focus_of([name]), "", [name], 1, SERIAL_TIMEOUT)
             for index, name in enumerate(SERIAL_SPECS, 1)
             if not args.focus or any(re.search(f, name) for f in args.focus)
         ]

@@ -45,6 +45,8 @@ DESTINATION = "org.freedesktop.systemd1"
 PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 PROPERTIES = "org.freedesktop.DBus.Properties"
+UNIT = "org.freedesktop.systemd1.Unit"
+JOB = "org.freedesktop.systemd1.Job"
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 # The bounds (module docstring). sd-bus gives a call 25 s; systemd answers a call in
 # milliseconds unless it is wedged, and a create that waits for it holds kubelet's call.
@@ -181,6 +183,20 @@ class SystemdManager:
             return False
         return True
 
+    async def queued_job(self, unit: str) -> str:
+        """The type of the job systemd has queued for `unit` ("stop", "restart", ...): ""
+        when it has none, or knows no such unit."""
+        bus = await self._connected()
+        from dbus_fast import MessageType
+
+        reply = await self._call(bus, "GetUnit", "s", [unit], None)
+        if reply.message_type == MessageType.ERROR:
+            return ""  # not loaded: no job either
+        job_id, job_path = await self._property(bus, str(reply.body[0]), UNIT, "Job")
+        if not job_id:
+            return ""
+        return str(await self._property(bus, str(job_path), JOB, "JobType"))
+
     async def close(self) -> None:
         if self._bus is not None:
             self._drop(self._bus, "the daemon stopped")
@@ -210,17 +226,34 @@ class SystemdManager:
         finally:
             self._jobs.pop(job, None)
 
+    async def _property(self, bus: Bus, path: str, interface: str, name: str) -> Any:
+        """A property of one of systemd's objects (a unit, a job)."""
+        from dbus_fast import MessageType
+
+        reply = await self._call(bus, "Get", "ss", [interface, name], None, path, PROPERTIES)
+        if reply.message_type == MessageType.ERROR:
+            raise Internal(f"systemd refused {name} of {path}: {reply.error_name}")
+        return reply.body[0].value
+
     async def _call(
-        self, bus: Bus, member: str, signature: str, body: list[Any], fds: list[int] | None
+        self,
+        bus: Bus,
+        member: str,
+        signature: str,
+        body: list[Any],
+        fds: list[int] | None,
+        path: str = PATH,
+        interface: str = MANAGER,
     ) -> Any:
-        """One call to the manager, within CALL_TIMEOUT; the connection is dropped when
-        it runs out (a reply that comes later would find nobody) or is lost."""
+        """One call to the manager (or to another of systemd's objects), within
+        CALL_TIMEOUT; the connection is dropped when it runs out (a reply that comes later
+        would find nobody) or is lost."""
         from dbus_fast import Message
 
         message = Message(
             destination=DESTINATION,
-            path=PATH,
-            interface=MANAGER,
+            path=path,
+            interface=interface,
             member=member,
             signature=signature,
             body=body,

@@ -64,17 +64,18 @@ def passed_fds(environ: MutableMapping[str, str], pid: int) -> list[PassedFd]:
 
 def activated_socket(
     expected: Path, environ: MutableMapping[str, str] | None = None
-) -> socket.socket | None:
-    """The passed socket listening on `expected` (the configured `listen`), or None when
-    systemd passed none. A passed socket that cannot be the CRI socket stops the start
-    with a message naming both sides: kubelet would otherwise wait on a socket nobody
-    accepts on."""
+) -> tuple[socket.socket, str] | None:
+    """The passed socket listening on `expected` (the configured `listen`) and its name
+    (the socket unit's), or None when systemd passed none. A passed socket that cannot be
+    the CRI socket stops the start with a message naming both sides: kubelet would
+    otherwise wait on a socket nobody accepts on."""
     fds = passed_fds(os.environ if environ is None else environ, os.getpid())
     return choose_socket(expected, fds) if fds else None
 
 
-def choose_socket(expected: Path, fds: list[PassedFd]) -> socket.socket:
-    """The one of `fds` listening on `expected`; ConfigError naming them all if none is."""
+def choose_socket(expected: Path, fds: list[PassedFd]) -> tuple[socket.socket, str]:
+    """The one of `fds` listening on `expected`, with its name; ConfigError naming them
+    all if none is."""
     found = []
     for passed in fds:
         # Not inherited by what the daemon starts, as sd_listen_fds(3) leaves them.
@@ -84,7 +85,7 @@ def choose_socket(expected: Path, fds: list[PassedFd]) -> socket.socket:
         sock = _listening_unix_socket(passed)
         if sock is not None and sock.getsockname() == str(expected):
             log.info("socket activation: %s (%s) passed by systemd", expected, passed.name)
-            return sock
+            return sock, passed.name
         if sock is not None:
             sock.detach()  # the descriptor stays systemd's to close
     raise ConfigError(
@@ -126,10 +127,12 @@ class EarlyAcceptor:
     its own, while the daemon's modules load (seconds on a slow machine, before the relay
     can run): each connection is answered HTTP/2's server preface at once (kubelet's gRPC
     closes a connection left unanswered 5 s, failing its calls) and kept, unread, for the
-    relay, which takes them over (`take`) and accepts from then on."""
+    relay, which takes them over (`take`) and accepts from then on. `unit` is the name
+    systemd gave the socket (LISTEN_FDNAMES: its socket unit's, unless it set another)."""
 
-    def __init__(self, listening: socket.socket) -> None:
+    def __init__(self, listening: socket.socket, unit: str = "") -> None:
         self.listening = listening
+        self.unit = unit
         listening.setblocking(False)
         self._accepted: list[socket.socket] = []
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)

@@ -265,6 +265,9 @@ def test_the_socket_unit_hands_the_cri_socket_to_the_service() -> None:
     assert socket_unit["Socket"]["Service"] == "cri-shim.service"
     service = read_unit(UNIT)
     assert service["Unit"]["Requires"] == "cri-shim.socket"
+    # A stop of the service stops the socket too, a restart does not (tests/guest/
+    # test_socket_activation.py runs both under systemd).
+    assert service["Unit"]["PropagatesStopTo"] == "cri-shim.socket"
     assert "cri-shim.socket" in service["Unit"]["After"].split()
     assert service["Install"]["Also"] == "cri-shim.socket"
 
@@ -402,5 +405,6 @@ def test_install_with_an_existing_environment(tmp_path: Path) -> None:
     assert "removed" in out and not (units / "cri-shim.socket").exists()
     alone = read_unit(units / "cri-shim.service")
     assert "Requires" not in alone["Unit"] and "Also" not in alone["Install"]
+    assert "PropagatesStopTo" not in alone["Unit"]
     assert alone["Unit"]["After"] == "network-online.target local-fs.target"
     verify_unit(units / "cri-shim.service")

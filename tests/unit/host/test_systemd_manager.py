@@ -76,6 +76,14 @@ async def test_a_conmon_scope_is_started_in_the_slice_with_its_pid(sleeper: Proc
     }
 
 
+async def test_the_job_queued_for_a_unit_is_told_by_its_type() -> None:
+    bus = FakeSystemdBus()
+    bus.queued.update({"a.socket": "stop", "b.socket": ""})
+    systemd = manager_on(bus)
+    told = [await systemd.queued_job(unit) for unit in ("a.socket", "b.socket", "c.socket")]
+    assert told == ["stop", "", ""]  # c.socket: not loaded, no job either
+
+
 def test_pod_places_conmon_in_the_pods_slice() -> None:
     assert conmon_slice("pod", "kubepods-pod1.slice:cri-shim:c1") == "kubepods-pod1.slice"
     assert conmon_slice("", "kubepods-pod1.slice:cri-shim:c1") == "system.slice"

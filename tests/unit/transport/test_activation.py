@@ -68,8 +68,8 @@ def test_the_socket_on_the_configured_path_is_chosen(
 ) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as datagrams:
         fds = [PassedFd(datagrams.fileno(), "other"), PassedFd(listening.fileno(), "cri")]
-        chosen = choose_socket(tmp_path / "cri.sock", fds)
-        assert chosen.fileno() == listening.fileno()
+        chosen, name = choose_socket(tmp_path / "cri.sock", fds)
+        assert chosen.fileno() == listening.fileno() and name == "cri"
         # What the daemon starts does not inherit it.
         assert fcntl.fcntl(listening.fileno(), fcntl.F_GETFD) & fcntl.FD_CLOEXEC
         chosen.detach()
@@ -107,7 +107,7 @@ def test_a_process_given_the_socket_as_systemd_does_takes_it(
     program = (
         "import os, pathlib, sys\n"
         "from cri_shim.transport.activation import activated_socket\n"
-        "sock = activated_socket(pathlib.Path(sys.argv[1]))\n"
+        "sock, _name = activated_socket(pathlib.Path(sys.argv[1]))\n"
         "print(sock.fileno(), sorted(k for k in os.environ if k.startswith('LISTEN_')))\n"
     )
     fd = listening.fileno()
