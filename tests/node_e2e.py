@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from cri_shim.runtime.cgroup_driver import systemd_booted
 from tests.conformance import (
     DEFAULT_KIT as CONFORMANCE_KIT,
 )
@@ -230,11 +231,6 @@ def kernel_has_nfs() -> bool:
     return "nfs" in filesystems or any(modules.glob("kernel/fs/nfs/nfs.ko*"))
 
 
-def systemd_runs_host() -> bool:
-    """Whether systemd is PID 1 here (the test sd_booted() makes)."""
-    return Path("/run/systemd/system").is_dir()
-
-
 # The two other Serial specs, where this host keeps them from passing whatever the runtime.
 SERIAL_EXPECTED_HERE = (
     Expected(
@@ -253,7 +249,7 @@ SERIAL_EXPECTED_HERE = (
         "restart`): where systemd is not PID 1 there is no such unit",
         re.escape("exit status 1"),
         where="/opt/node-e2e/src/test/e2e_node/util.go:359",
-        applies=lambda: not systemd_runs_host(),
+        applies=lambda: not systemd_booted(),
     ),
 )
 

@@ -270,10 +270,10 @@ def test_the_serial_rows_hold_only_where_the_host_lacks_what_they_need(monkeypat
     nfs, restart = node_e2e.SERIAL_EXPECTED_HERE
     assert (nfs.name, restart.name) == SERIAL_SPECS[1:]
     monkeypatch.setattr(node_e2e, "kernel_has_nfs", lambda: True)
-    monkeypatch.setattr(node_e2e, "systemd_runs_host", lambda: True)
+    monkeypatch.setattr(node_e2e, "systemd_booted", lambda: True)
     assert not nfs.applies() and not restart.applies()
     monkeypatch.setattr(node_e2e, "kernel_has_nfs", lambda: False)
-    monkeypatch.setattr(node_e2e, "systemd_runs_host", lambda: False)
+    monkeypatch.setattr(node_e2e, "systemd_booted", lambda: False)
     assert nfs.applies() and restart.applies()
     timed_out = 'Timed out after 300.001s.\nExpected Pod to be in <v1.PodPhase>: "Running"\nGot'
     assert nfs.matches(
