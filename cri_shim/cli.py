@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -107,7 +108,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"cri-shim: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    acceptor = EarlyAcceptor(*activated) if activated is not None else None
+    from cri_shim.host.sd_notify import SystemdNotifier
+
+    systemd = SystemdNotifier()
+    # A stop may come from here on, while the modules load (under socket activation the
+    # start job ends below): it is kept, and carried out once the daemon can stop
+    # gracefully, answering the calls it holds (daemon.serve), rather than ending the
+    # process with them unanswered.
+    stops: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stops.append(signum))
+    acceptor = None
+    if activated is not None:
+        acceptor = EarlyAcceptor(*activated)
+        # Answered from now on: the start job ends here rather than after the modules load
+        # and the state is restored (tens of seconds on a slow machine, where a client
+        # such as Kubernetes' node e2e suite waits 10 s for it). Nothing sees a
+        # half-restored runtime: the calls wait in the relay until the restore is done,
+        # and the status then says "serving" (daemon.py).
+        systemd.ready("restoring: calls wait until the state is restored")
     # Before asyncio is imported (by what follows): OpenSSL loads with the first TLS
     # connection or image digest, not with asyncio (host/ssl_on_demand.py).
     load_ssl_on_first_use()
@@ -117,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from cri_shim.state.db import DamagedDatabase
 
     try:
-        asyncio.run(serve(cfg, acceptor))
+        asyncio.run(serve(cfg, acceptor, systemd, stopped_early=lambda: bool(stops)))
     except KeyboardInterrupt:
         pass
     except ConfigError as exc:  # found only when serving, e.g. an unsafe socket directory

@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import shutil
 import signal
-import socket
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -25,6 +24,7 @@ from cri_shim.config import Config
 from cri_shim.errors import Internal, Unavailable
 from cri_shim.host.heap import limit_arenas, map_large_blocks
 from cri_shim.host.process import set_child_subreaper
+from cri_shim.host.sd_notify import SystemdNotifier
 from cri_shim.host.systemd_manager import SystemdManager
 from cri_shim.lifecycle.events import ExitWatcher
 from cri_shim.lifecycle.reconcile import reconcile_host, undo_orphan_journals
@@ -57,30 +57,6 @@ def bind_exited_object(names: ObjectNames, object_id: str) -> None:
             return
 
 
-class SystemdNotifier:
-    """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET (Type=notify).
-
-    The address is taken out of the environment when the daemon starts, as
-    sd_notify(unset_environment=1) does: everything the daemon starts (runc, conmon, CNI
-    and NRI plugins) would otherwise inherit it, and runc reads a NOTIFY_SOCKET in its
-    environment as the container's own, binds a relay for it under its state directory
-    and holds `runc start` until the container says READY=1.
-    """
-
-    def __init__(self) -> None:
-        self.address = os.environ.pop("NOTIFY_SOCKET", None)
-
-    def notify(self, message: str) -> None:
-        if not self.address:
-            return
-        address = self.address
-        if address.startswith("@"):
-            address = "\0" + address[1:]
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.connect(address)
-            sock.sendall(message.encode())
-
-
 async def restore(graph: Graph) -> None:
     started = time.monotonic()
     await graph.sandboxes.restore()
@@ -110,7 +86,12 @@ async def restore(graph: Graph) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config, acceptor: EarlyAcceptor | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        acceptor: EarlyAcceptor | None = None,
+        systemd: SystemdNotifier | None = None,
+    ) -> None:
         self.config = config
         self.runtime_service = RuntimeService()
         self.image_service = ImageService()
@@ -119,7 +100,9 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._metrics: MetricsExporter | None = None
-        self.systemd = SystemdNotifier()
+        # READY=1 went out already when systemd passed the socket (cli.py): the start
+        # job ends once the socket is answered, and the status says when calls are served.
+        self.systemd = systemd if systemd is not None else SystemdNotifier()
         # The CRI socket systemd holds (cri-shim.socket), found by the command before the
         # daemon's modules load (cli.py: a socket that cannot be the configured one stops
         # the start there) and accepted on from then; its calls are served once the
@@ -202,7 +185,7 @@ class Daemon:
         # passes, which hold the loop for as long as they walk the heap.
         gc.freeze()
         log.info("serving CRI on %s", self.config.listen)
-        self.systemd.notify("READY=1\nSTATUS=serving")
+        self.systemd.ready("serving")
 
     async def _bind(self) -> None:
         limits = self.config.requests
@@ -353,19 +336,26 @@ def reload_network(daemon: Daemon) -> None:
     daemon.graph.sandboxes.reload_network()
 
 
-async def serve(config: Config, acceptor: EarlyAcceptor | None = None) -> None:
+async def serve(
+    config: Config,
+    acceptor: EarlyAcceptor | None = None,
+    systemd: SystemdNotifier | None = None,
+    stopped_early: Callable[[], bool] = lambda: False,
+) -> None:
     # Before gRPC's threads start: each thread that finds the arenas busy would otherwise
     # get one of its own, up to eight per core, each keeping its free memory.
     limit_arenas()
     # A reply of megabytes (its bytes, gRPC core's copy) goes back to the kernel when the
     # reply is let go, not to the heap (server/limits.py).
     map_large_blocks()
-    daemon = Daemon(config, acceptor)
+    daemon = Daemon(config, acceptor, systemd)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
     # Registered before start(): SIGHUP's default action would kill a restoring daemon.
     loop.add_signal_handler(signal.SIGHUP, reload_network, daemon)
+    if stopped_early():  # SIGTERM came while the modules loaded (cli.py)
+        daemon.request_stop()
     await daemon.start()
     try:
         await daemon.wait()

@@ -194,6 +194,10 @@ class RelayedConnection:
         try:
             await loop.create_unix_connection(lambda: self.server, str(upstream))
         except OSError as exc:
+            if self.outbound.holding:
+                # The daemon stops, and took its server down first: the client's calls
+                # are held for the next daemon, to which the stop's GOAWAY sends them.
+                return
             log.warning("relay: cannot reach the gRPC server at %s: %s", upstream, exc)
             self.close()
             return
@@ -322,6 +326,10 @@ class SocketRelay:
     async def _join_when_serving(self, connection: RelayedConnection) -> None:
         await self._serving.wait()
         assert self._upstream is not None
+        if self._draining:
+            # The stop began before this connection was joined (a stop right after the
+            # start): it stays held, its calls for the next daemon (aclose).
+            return
         await connection.join(self._upstream)
 
     def drain(self) -> None:

@@ -47,10 +47,11 @@
 #                     its systemd unit (MirrorPodWithGracePeriod ... the container
 #                     runtime is temporarily down), with the unit as scripts/install
 #                     writes it; node-e2e-serial-no-socket the same, installed with
-#                     --no-socket-activation. Neither passes here (README): this
-#                     suite (v1.28.4) sees a unit's job end only within 10 s, and under
-#                     emulation the daemon's start takes longer; the runner ends the run
-#                     at ginkgo's 20-minute bound for a Serial spec (SERIAL_TIMEOUT)
+#                     --no-socket-activation. The first passes (README); the second
+#                     does not under emulation: this suite (v1.28.4) sees a unit's job
+#                     end only within 10 s, and a daemon binding its own socket says
+#                     READY=1 only once it serves; the runner ends the run at ginkgo's
+#                     20-minute bound for a Serial spec (SERIAL_TIMEOUT)
 #   leftovers         nothing of the daemon's left on the node: no unit or scope, cgroup or
 #                     mount (tests/guest/leftovers.py); last, after the others
 #

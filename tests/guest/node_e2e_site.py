@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.guest.serving import wait_serving
 from tests.harness import REPO
 
 CONFIG = Path("/etc/cri-shim/config.toml")
@@ -70,7 +71,8 @@ def installed_unit(
     CONFIG.write_text(configured(installed, registry_host, mirrored))
     since = f"@{int(time.time())}"
     try:
-        systemctl("start", UNIT)  # Type=notify: returns once the daemon serves
+        systemctl("start", UNIT)  # Type=notify: returns once the daemon answers the socket
+        wait_serving(UNIT)
         pid_file = work / "cri-shim.pid"
         pid_file.write_text(str(main_pid()))  # no newline: the suite's Atoi takes none
         yield pid_file

@@ -208,7 +208,7 @@ def restarts_under_kubelet(kubelet: Kubelet, layout: Path) -> tuple[dict[str, li
     kubelet churns pods, check that its pods run again, and count what kubelet logged
     (up to then: not the teardown)."""
     subprocess.run(import_command(CONFIG, layout, BUSYBOX_IMAGE), check=True, cwd=REPO, timeout=300)
-    systemctl("start", "cri-shim")  # Type=notify: returns once the daemon serves
+    systemctl("start", "cri-shim")  # Type=notify: returns once the daemon answers the socket
     kubelet.start()
     assert kubelet.systemd, "the installed daemon runs systemd's cgroup driver on this host"
     kubelet.write_pod("steady", [busybox("main")])

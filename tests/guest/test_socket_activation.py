@@ -172,7 +172,7 @@ def test_a_stop_leaves_a_call_in_flight_only_its_grace(units: None) -> None:
     (Kubernetes' node e2e suite, v1.28.4, waits 10 s for the stop job's end)."""
     install()
     started = time.monotonic()
-    systemctl("start", "cri-shim")  # the start job: until the daemon's READY=1
+    systemctl("start", "cri-shim")  # the start job: until the daemon's READY=1 (early)
     print(f"the start took {time.monotonic() - started:.1f} s", file=sys.stderr)
     since = f"@{int(time.time())}"
     with silent_registry() as registry, ThreadPoolExecutor(1) as pool:

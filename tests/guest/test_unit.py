@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from cri_shim.api.v1 import api_pb2, api_pb2_grpc
+from tests.guest.serving import wait_serving
 from tests.harness import BUSYBOX_IMAGE, REPO, import_command, pod_config
 from tests.imagebuild import cached_oci_layout
 
@@ -56,8 +57,10 @@ def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[api_pb2_grpc.R
     )
     layout = cached_oci_layout(tmp_path_factory.mktemp("images"))
     subprocess.run(import_command(CONFIG, layout, BUSYBOX_IMAGE), check=True, cwd=REPO, timeout=300)
-    # Type=notify: `systemctl start` returns once the daemon said READY=1.
+    # Type=notify: `systemctl start` returns once the daemon said READY=1, as soon as it
+    # answers the socket; the calls below are timed from its restore's end.
     systemctl("start", "cri-shim")
+    wait_serving()
     channel = grpc.insecure_channel(SOCKET)
     try:
         yield api_pb2_grpc.RuntimeServiceStub(channel)
@@ -152,6 +155,7 @@ def test_a_container_starts_in_a_cgroup_namespace_and_outlives_a_restart(
     # starts the unit again (READY=1) and finds it.
     systemctl("restart", "cri-shim")
     assert systemctl("show", "-P", "ActiveState", "cri-shim").strip() == "active"
+    wait_serving()
     again = runtime.ContainerStatus(
         api_pb2.ContainerStatusRequest(container_id=container_id),
         timeout=RPC_TIMEOUT,

@@ -274,7 +274,7 @@ def test_the_socket_unit_hands_the_cri_socket_to_the_service() -> None:
 
 def test_the_unit_keeps_pods_running_across_restarts() -> None:
     service = read_unit(UNIT)["Service"]
-    assert service["Type"] == "notify"  # READY=1 after the restore
+    assert service["Type"] == "notify"  # READY=1 once the socket is answered
     assert service["KillMode"] == "process"  # conmon and containers survive a restart
     assert service["Delegate"] == "yes"
     assert service["Restart"] == "on-failure"

@@ -86,6 +86,73 @@ def test_without_activation_a_restart_is_seen(make_daemon) -> None:  # type: ign
     assert clients.codes["UNAVAILABLE"] > 0, clients.codes
 
 
+@pytest.fixture
+def notify_socket(short_tmp: Path) -> Iterator[socket.socket]:
+    """A datagram socket standing in for systemd's $NOTIFY_SOCKET."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(str(short_tmp / "notify.sock"))
+        systemd.settimeout(60)
+        yield systemd
+
+
+@pytest.mark.parametrize("activation", [True, False], ids=["activated", "bound"])
+def test_ready_is_sent_once_the_socket_is_answered(  # type: ignore[no-untyped-def]
+    make_daemon, held_socket: socket.socket, notify_socket: socket.socket, activation: bool
+) -> None:
+    """Given the socket, the daemon says READY=1 as soon as it answers it, before its
+    modules load and its state is restored (systemd's start job, which Kubernetes' node e2e
+    suite waits 10 s for, ends then); the calls made meanwhile wait for the restore, and the
+    status says "serving" once they are served. Binding its socket itself, the daemon says
+    READY=1 only once it serves."""
+    daemon: Daemon = make_daemon(
+        pass_fds=(held_socket.fileno(),) if activation else (),
+        env={"NOTIFY_SOCKET": notify_socket.getsockname()},
+    )
+    if not activation:
+        held_socket.close()  # the daemon binds the path itself
+        Path(notify_socket.getsockname()).parent.joinpath("run", "cri-shim.sock").unlink()
+    daemon.start(wait=False)
+    first = notify_socket.recv(256).decode()
+    if activation:
+        assert first.startswith("READY=1\nSTATUS=restoring"), first
+        with LoopingClient(daemon.socket) as clients:  # made before the restore is done
+            assert notify_socket.recv(256) == b"STATUS=serving"
+            clients.wait_for_calls(20)
+        assert set(clients.codes) == {"OK"}, clients.codes
+    else:
+        assert first == "READY=1\nSTATUS=serving"
+    daemon.wait_serving()
+
+
+def test_a_stop_while_the_modules_load_is_graceful(  # type: ignore[no-untyped-def]
+    make_daemon, held_socket: socket.socket, notify_socket: socket.socket
+) -> None:
+    """SIGTERM right after READY=1 (`systemctl restart` just after a start): the daemon
+    finishes its start and stops as it would when serving, exit status 0, rather than
+    dying of the signal with the calls it held unanswered; the next daemon answers them."""
+    daemon: Daemon = make_daemon(
+        pass_fds=(held_socket.fileno(),), env={"NOTIFY_SOCKET": notify_socket.getsockname()}
+    )
+    daemon.start(wait=False)
+    assert notify_socket.recv(256).startswith(b"READY=1")
+    assert daemon.proc is not None
+    with ThreadPoolExecutor(1) as pool:
+        channel = grpc.insecure_channel(f"unix://{daemon.socket}")
+        call = pool.submit(
+            api_pb2_grpc.RuntimeServiceStub(channel).Version,
+            api_pb2.VersionRequest(),
+            timeout=120,
+            wait_for_ready=True,
+        )
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(timeout=120) == 0, daemon.log()
+        assert "stopped" in daemon.log()
+        daemon.start(wait=False)
+        assert call.result().runtime_name == "cri-shim"
+        channel.close()
+    daemon.wait_serving()
+
+
 def test_a_socket_on_another_path_stops_the_start(make_daemon, short_tmp: Path) -> None:  # type: ignore[no-untyped-def]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
         other.bind(str(short_tmp / "other.sock"))

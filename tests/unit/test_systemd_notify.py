@@ -12,6 +12,7 @@ import pytest
 
 from cri_shim.config import Config
 from cri_shim.daemon import Daemon
+from cri_shim.host.sd_notify import SystemdNotifier
 
 
 def test_the_notify_socket_reaches_systemd_and_no_child(
@@ -45,3 +46,15 @@ def test_an_abstract_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_without_systemd_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     Daemon(Config()).systemd.notify("READY=1")  # no socket: a no-op
+
+
+def test_ready_is_sent_once_then_the_status_alone(tmp_path: Path) -> None:
+    address = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(str(address))
+        systemd.settimeout(5)
+        notifier = SystemdNotifier({"NOTIFY_SOCKET": str(address)})
+        notifier.ready("restoring")
+        notifier.ready("serving")
+        assert systemd.recv(64) == b"READY=1\nSTATUS=restoring"
+        assert systemd.recv(64) == b"STATUS=serving"
