@@ -89,7 +89,8 @@ for name in ${GUEST_LANE_STEPS:-unit critest-systemd kubelet leftovers}; do
             tests/unit/runtime/test_cgroup_layout.py tests/integration/test_cri_cgroup_driver.py ;;
         critest-systemd | critest-cgroupfs)
             step "$name" .venv/bin/python -m tests.conformance --cgroup-manager "${name#critest-}" ;;
-        kubelet) step kubelet "${pytest[@]}" \
+        # Short tracebacks: the failing line and its message, not the scenario's source.
+        kubelet) step kubelet "${pytest[@]}" --tb=short \
             "tests/scenarios/test_kubelet_static_pods.py::test_kubelet_runs_static_pods[generic-pleg]" ;;
         kubelet-restart) step kubelet-restart "${pytest[@]}" -s --durations=0 \
             tests/guest/test_kubelet_restart.py \
