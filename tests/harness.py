@@ -442,6 +442,18 @@ OBJECT_ID = re.compile(r"\b[0-9a-f]{64}\b")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+def ids_named(log: str) -> set[str]:
+    """The object IDs a daemon's log names, but those it only answered NOT_FOUND for: a
+    kubelet asks its runtime about every cri-shim-<id> cgroup its cAdvisor sees on the
+    host, another daemon's too."""
+    return {
+        found
+        for line in log.splitlines()
+        if "NOT_FOUND" not in line
+        for found in OBJECT_ID.findall(line)
+    }
+
+
 def runtime_leaks(daemon: Daemon) -> dict[str, list[str]]:
     """What the runtime side of a daemon with no objects must not hold any more, beyond
     `Daemon.leaks`: container directories, each handler's runtime state, conmon's files,
@@ -482,7 +494,7 @@ def runtime_leaks(daemon: Daemon) -> dict[str, list[str]]:
             processes.append(f"{proc.name}: {b' '.join(argv).decode(errors='replace')[:200]}")
     if processes:
         found["processes"] = processes
-    ids = set(OBJECT_ID.findall(daemon.log_path.read_text(errors="replace")))
+    ids = ids_named(daemon.log_path.read_text(errors="replace"))
     cgroups = [
         os.path.join(directory, name)
         for directory, subdirs, _ in os.walk(CGROUP_ROOT)

@@ -46,7 +46,9 @@ report. Options, for CI and for the cgroup v2 guest (scripts/guest, tests/guest/
   node-e2e-serial). `--kubelet-address 0.0.0.0`: kubelet's --address, for the specs that
   read kubelet's metrics at localhost:10255 (the two Serial ones that do) rather than at
   the node's address. `--prepare`: only unpack the binaries and build the images, where
-  their tools are (scripts/guest runs it on the host before a node-e2e step).
+  their tools are (scripts/guest runs it on the host before a node-e2e step); with the
+  MirrorPod NFS spec selected (`--serial`, or a --focus naming it) also its NFS server's
+  image, which a run pushes only where the kernel has NFS (the guest's).
 - `--runtime containerd`: the same specs on the same harness against containerd 1.6
   (`../shared/peers/containerd`), for side-by-side figures: tallied, never gated.
 """
@@ -124,6 +126,13 @@ PUSHED = (
 # The images the specs pull, under their upstream names (pulled once before the suite;
 # nginx is the mirror pod specs' static pods').
 IMAGES = tuple(f"registry.k8s.io/{path}" for _, path in PUSHED)
+# The NFS server of the MirrorPod Serial spec (e2e's volume/nfs:1.3): a Debian root file
+# system of its own (tests/node_e2e_nfs.sh, ~30 s), so built and pushed only for that spec,
+# and only where the kernel serves and mounts NFS (elsewhere the spec fails as tabled).
+NFS_BUILDER = REPO / "tests" / "node_e2e_nfs.sh"
+NFS_FIXTURES = REPO / "tests" / "fixtures" / "node-e2e-nfs"
+NFS_PUSHED = (("volume-nfs", "e2e-test-images/volume/nfs:1.3"),)
+NFS_IMAGE = f"registry.k8s.io/{NFS_PUSHED[0][1]}"
 
 # The private registry specs: both pull gcr.io/authenticated-image-pulling/alpine:3.7,
 # which needs Google's credentials, and wait 3 x 5 minutes for the container to run.
@@ -237,7 +246,9 @@ SERIAL_EXPECTED_HERE = (
         SERIAL_SPECS[1],
         "its NFS server pod (volume/nfs:1.3) runs the kernel's NFS server and kubelet mounts "
         "the export with the kernel's NFS client: this kernel has neither (no nfs in "
-        "/proc/filesystems, no modules to load), so there is no stand-in for its image",
+        "/proc/filesystems, no modules to load), so the stand-in for its image "
+        "(tests/node_e2e_nfs.sh) is pushed only where the kernel has them (the cgroup v2 "
+        "guest's, where the spec passes)",
         r'Timed out after \d+\.\d+s\.\nExpected Pod to be in <v1\.PodPhase>: "Running".*',
         where="/opt/node-e2e/src/test/e2e/framework/volume/fixtures.go:363",
         applies=lambda: not kernel_has_nfs(),
@@ -467,9 +478,46 @@ def build_node_images(kit: Path, binaries: Path, registry: str) -> Path:
     return out / "oci"
 
 
-def push_images(layout: Path, registry: str, log: Path) -> None:
+def runs_nfs_spec(runs: Iterable[Run]) -> bool:
+    """Whether one of these runs is of the MirrorPod spec that needs an NFS server."""
+    nfs = spec_name(SERIAL_SPECS[1])
+    return any(nfs in map(spec_name, run.wanted or ()) for run in runs)
+
+
+def build_nfs_image() -> Path:
+    """The OCI layout of the NFS server's stand-in, built once per version of its builder
+    and entrypoint: where mmdebstrap is (the guest has none: scripts/guest's host runs
+    `--prepare --serial` first)."""
+    digest = hashlib.sha256()
+    for path in (NFS_BUILDER, *sorted(NFS_FIXTURES.glob("*"))):
+        digest.update(path.name.encode() + path.read_bytes())
+    out = CACHE / f"nfs-{digest.hexdigest()[:16]}"
+    if (out / "oci" / "index.json").exists():
+        return out / "oci"
+    if shutil.which("mmdebstrap") is None:
+        raise SystemExit(
+            "node-e2e: the NFS server's image is not built and there is no mmdebstrap here: "
+            "run `python -m tests.node_e2e --prepare --serial` where it is first"
+        )
+    for stale in CACHE.glob("nfs-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    out.mkdir(parents=True)
+    started = time.monotonic()
+    log = CACHE / "nfs-image.log"
+    with log.open("wb") as sink:
+        command = [str(NFS_BUILDER), str(out / "oci")]
+        if subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT).returncode:
+            shutil.rmtree(out, ignore_errors=True)
+            raise SystemExit(f"node-e2e: {NFS_BUILDER.name} failed:\n{log.read_text()[-3000:]}")
+    print(f"node-e2e: the NFS server's image built in {time.monotonic() - started:.0f} s")
+    return out / "oci"
+
+
+def push_images(
+    layout: Path, registry: str, log: Path, pushed: Iterable[tuple[str, str]] = PUSHED
+) -> None:
     with log.open("ab") as sink:
-        for tag, path in PUSHED:
+        for tag, path in pushed:
             command = [
                 "skopeo",
                 "copy",
@@ -980,11 +1028,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     CACHE.mkdir(parents=True, exist_ok=True)
     binaries = unpack_binaries(args.kit)
-    if args.prepare:  # where the image tools are (the guest has none): scripts/guest
-        prepare_images(args.kit, binaries)
-        return 0
     specs = read_spec_list(args.kit / "nodeconformance-specs.txt")
     runs = plan_runs(args, specs)
+    if args.prepare:  # where the image tools are (the guest has none): scripts/guest
+        prepare_images(args.kit, binaries)
+        if runs_nfs_spec(runs):  # for a kernel with NFS, whatever this one has
+            build_nfs_image()
+        return 0
+    nfs = runs_nfs_spec(runs) and kernel_has_nfs()
     # The runtime-down spec can pass only with the installed unit.
     expected = [
         *EXPECTED,
@@ -1015,6 +1066,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(registry.stop)
         layout = build_node_images(args.kit, binaries, registry.host)
         push_images(layout, registry.host, CACHE / "push.log")
+        images = IMAGES
+        if nfs:
+            push_images(build_nfs_image(), registry.host, CACHE / "push.log", NFS_PUSHED)
+            images += (NFS_IMAGE,)
         node_ip = stack.enter_context(node_address())
         site = cri_shim_runtime if args.runtime == "cri-shim" else containerd_runtime
         if args.as_installed_unit:
@@ -1026,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
         channel = channel_to(runtime.socket)
         from cri_shim.api.v1 import api_pb2_grpc
 
-        pull_images(api_pb2_grpc.ImageServiceStub(channel), IMAGES)
+        pull_images(api_pb2_grpc.ImageServiceStub(channel), images)
         channel.close()  # type: ignore[attr-defined]
         print(f"node-e2e: site ready in {time.monotonic() - started:.0f} s", flush=True)
         try:

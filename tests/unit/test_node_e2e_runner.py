@@ -297,3 +297,79 @@ def test_the_serial_rows_hold_only_where_the_host_lacks_what_they_need(monkeypat
             "/opt/node-e2e/src/test/e2e_node/util.go:359",
         )
     )
+
+
+def test_only_runs_of_the_mirror_pod_nfs_spec_need_its_nfs_server() -> None:
+    def runs(**options: object) -> list[node_e2e.Run]:
+        args = dict(serial=False, subset=None, focus=[], skip=[], nodes=4) | options
+        specs = [PASSING, *(f"x {left} y" for left in node_e2e.CI_LEFT_OUT)]
+        return plan_runs(node_e2e.argparse.Namespace(**args), specs)
+
+    assert node_e2e.runs_nfs_spec(runs(serial=True))
+    assert node_e2e.runs_nfs_spec(runs(serial=True, focus=["MirrorPod when recreating"]))
+    assert not node_e2e.runs_nfs_spec(runs(serial=True, focus=["MirrorPodWithGracePeriod"]))
+    assert not node_e2e.runs_nfs_spec(runs(subset="ci"))
+    assert not node_e2e.runs_nfs_spec(runs())
+
+
+def fake_nfs_builder(tmp_path: Path, monkeypatch) -> Path:
+    """A stand-in for tests/node_e2e_nfs.sh that makes an empty layout and counts its runs,
+    with the cache in tmp_path."""
+    builder = tmp_path / "fake_node_e2e_nfs.sh"
+    builder.write_text('#!/bin/sh\nmkdir -p "$1" && echo {} > "$1/index.json"\necho >> "$0.runs"\n')
+    builder.chmod(0o755)
+    fixtures = tmp_path / "fixtures"
+    fixtures.mkdir()
+    (fixtures / "run_nfs").write_text("#!/bin/bash\n")
+    monkeypatch.setattr(node_e2e, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(node_e2e, "NFS_BUILDER", builder)
+    monkeypatch.setattr(node_e2e, "NFS_FIXTURES", fixtures)
+    return builder
+
+
+def test_the_nfs_servers_image_is_built_once_per_version_of_its_builder(
+    tmp_path: Path, monkeypatch
+) -> None:
+    builder = fake_nfs_builder(tmp_path, monkeypatch)
+    monkeypatch.setattr(node_e2e.shutil, "which", lambda name: f"/usr/bin/{name}")
+    first = node_e2e.build_nfs_image()
+    assert (first / "index.json").exists()
+    assert node_e2e.build_nfs_image() == first
+    assert Path(f"{builder}.runs").read_text().count("\n") == 1
+    # another entrypoint is another image, and the stale one goes
+    (tmp_path / "fixtures" / "run_nfs").write_text("#!/bin/bash\nexit 0\n")
+    second = node_e2e.build_nfs_image()
+    assert second != first and not first.exists()
+    assert Path(f"{builder}.runs").read_text().count("\n") == 2
+
+
+def test_where_the_nfs_servers_image_cannot_be_built_the_run_says_how(
+    tmp_path: Path, monkeypatch
+) -> None:
+    builder = fake_nfs_builder(tmp_path, monkeypatch)
+    monkeypatch.setattr(node_e2e.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match=r"--prepare --serial"):
+        node_e2e.build_nfs_image()
+    assert not Path(f"{builder}.runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "nfs"),
+    [([], False), (["--serial"], True), (["--serial", "--focus", "WithGracePeriod"], False)],
+)
+def test_prepare_builds_the_nfs_servers_image_only_for_its_spec(
+    tmp_path: Path, monkeypatch, options: list[str], nfs: bool
+) -> None:
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "unpack").touch()
+    (kit / "nodeconformance-specs.txt").write_text(f"{PASSING}\tx.go:1\n")
+    built: list[str] = []
+    monkeypatch.setattr(node_e2e, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(node_e2e, "unpack_binaries", lambda kit: tmp_path / "bin")
+    monkeypatch.setattr(node_e2e, "prepare_images", lambda kit, bin: built.append("images"))
+    monkeypatch.setattr(node_e2e, "build_nfs_image", lambda: built.append("nfs"))
+    # whatever this kernel has: the image is for the guest's
+    monkeypatch.setattr(node_e2e, "kernel_has_nfs", lambda: False)
+    assert node_e2e.main(["--kit", str(kit), "--prepare", *options]) == 0
+    assert built == ["images", "nfs"] if nfs else ["images"]
