@@ -190,13 +190,15 @@ class RelayedConnection:
             # server is not connected to for it.
             self.close()
             return
+        if self.outbound.holding:
+            # Held since the daemon began to stop (a stop right after the start): its
+            # calls are for the next daemon, to which the stop's GOAWAY sends them.
+            return
         loop = asyncio.get_running_loop()
         try:
             await loop.create_unix_connection(lambda: self.server, str(upstream))
         except OSError as exc:
-            if self.outbound.holding:
-                # The daemon stops, and took its server down first: the client's calls
-                # are held for the next daemon, to which the stop's GOAWAY sends them.
+            if self.outbound.holding:  # held while connecting; the server is gone already
                 return
             log.warning("relay: cannot reach the gRPC server at %s: %s", upstream, exc)
             self.close()
@@ -326,10 +328,6 @@ class SocketRelay:
     async def _join_when_serving(self, connection: RelayedConnection) -> None:
         await self._serving.wait()
         assert self._upstream is not None
-        if self._draining:
-            # The stop began before this connection was joined (a stop right after the
-            # start): it stays held, its calls for the next daemon (aclose).
-            return
         await connection.join(self._upstream)
 
     def drain(self) -> None:
