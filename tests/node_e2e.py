@@ -65,7 +65,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -448,34 +448,58 @@ def unpack_binaries(kit: Path) -> Path:
     return out
 
 
+def build_cached(
+    kind: str,
+    inputs: Iterable[Path],
+    commands: Callable[[Path], list[list[str]]],
+    *,
+    seed: bytes = b"",
+    env: dict[str, str] | None = None,
+    unavailable: Callable[[], str | None] = lambda: None,
+) -> Path:
+    """The OCI layout `commands(out)` build into `out`/oci, built once per version of
+    `inputs` (and `seed`) under CACHE/`kind`-<digest>; an older version goes when a new one
+    is built. `unavailable()` says why it cannot be built here, if it cannot."""
+    digest = hashlib.sha256(seed)
+    for path in inputs:
+        digest.update(path.name.encode() + path.read_bytes())
+    out = CACHE / f"{kind}-{digest.hexdigest()[:16]}"
+    if (out / "oci" / "index.json").exists():
+        return out / "oci"
+    if (why := unavailable()) is not None:
+        raise SystemExit(why)
+    for stale in CACHE.glob(f"{kind}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    out.mkdir(parents=True)
+    started = time.monotonic()
+    log = CACHE / f"{kind}.log"
+    with log.open("wb") as sink:
+        for command in commands(out):
+            if subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env).returncode:
+                shutil.rmtree(out, ignore_errors=True)
+                raise SystemExit(f"node-e2e: {command[0]} failed:\n{log.read_text()[-3000:]}")
+    print(f"node-e2e: {kind} built in {time.monotonic() - started:.0f} s", flush=True)
+    return out / "oci"
+
+
 def build_node_images(kit: Path, binaries: Path, registry: str) -> Path:
     """The OCI layout of the stand-ins, built once per version of the builders (the
     conformance kit's, the node kit's images.sh and agnhost, tests/node_e2e_images.sh)."""
     base = build_images(CONFORMANCE_KIT)
-    digest = hashlib.sha256(base.name.encode())
-    for path in (
-        kit / "images.sh",
-        binaries / "agnhost",
-        IMAGES_EXTRA,
-        *sorted((REPO / "tests" / "fixtures" / "node-e2e").glob("*")),
-    ):
-        digest.update(path.name.encode() + path.read_bytes())
-    out = CACHE / f"images-{digest.hexdigest()[:16]}"
-    if (out / "oci" / "index.json").exists():
-        return out / "oci"
-    for stale in CACHE.glob("images-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    out.mkdir(parents=True)
-    started = time.monotonic()
-    env = dict(os.environ, CRITEST_IMAGES=str(base), NODE_E2E_BIN=str(binaries), REGISTRY=registry)
-    log = CACHE / "images.log"
-    with log.open("wb") as sink:
-        for command in ([str(kit / "images.sh"), str(out)], [str(IMAGES_EXTRA), str(out / "oci")]):
-            if subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env).returncode:
-                shutil.rmtree(out, ignore_errors=True)
-                raise SystemExit(f"node-e2e: {command[0]} failed:\n{log.read_text()[-3000:]}")
-    print(f"node-e2e: images built in {time.monotonic() - started:.0f} s", flush=True)
-    return out / "oci"
+    return build_cached(
+        "images",
+        [
+            kit / "images.sh",
+            binaries / "agnhost",
+            IMAGES_EXTRA,
+            *sorted((REPO / "tests" / "fixtures" / "node-e2e").glob("*")),
+        ],
+        lambda out: [[str(kit / "images.sh"), str(out)], [str(IMAGES_EXTRA), str(out / "oci")]],
+        seed=base.name.encode(),
+        env=dict(
+            os.environ, CRITEST_IMAGES=str(base), NODE_E2E_BIN=str(binaries), REGISTRY=registry
+        ),
+    )
 
 
 def runs_nfs_spec(runs: Iterable[Run]) -> bool:
@@ -488,29 +512,19 @@ def build_nfs_image() -> Path:
     """The OCI layout of the NFS server's stand-in, built once per version of its builder
     and entrypoint: where mmdebstrap is (the guest has none: scripts/guest's host runs
     `--prepare --serial` first)."""
-    digest = hashlib.sha256()
-    for path in (NFS_BUILDER, *sorted(NFS_FIXTURES.glob("*"))):
-        digest.update(path.name.encode() + path.read_bytes())
-    out = CACHE / f"nfs-{digest.hexdigest()[:16]}"
-    if (out / "oci" / "index.json").exists():
-        return out / "oci"
-    if shutil.which("mmdebstrap") is None:
-        raise SystemExit(
-            "node-e2e: the NFS server's image is not built and there is no mmdebstrap here: "
-            "run `python -m tests.node_e2e --prepare --serial` where it is first"
-        )
-    for stale in CACHE.glob("nfs-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    out.mkdir(parents=True)
-    started = time.monotonic()
-    log = CACHE / "nfs-image.log"
-    with log.open("wb") as sink:
-        command = [str(NFS_BUILDER), str(out / "oci")]
-        if subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT).returncode:
-            shutil.rmtree(out, ignore_errors=True)
-            raise SystemExit(f"node-e2e: {NFS_BUILDER.name} failed:\n{log.read_text()[-3000:]}")
-    print(f"node-e2e: the NFS server's image built in {time.monotonic() - started:.0f} s")
-    return out / "oci"
+    return build_cached(
+        "nfs",
+        [NFS_BUILDER, *sorted(NFS_FIXTURES.glob("*"))],
+        lambda out: [[str(NFS_BUILDER), str(out / "oci")]],
+        unavailable=lambda: (
+            None
+            if shutil.which("mmdebstrap")
+            else (
+                "node-e2e: the NFS server's image is not built and there is no mmdebstrap here: "
+                "run `python -m tests.node_e2e --prepare --serial` where it is first"
+            )
+        ),
+    )
 
 
 def push_images(
